@@ -1,0 +1,91 @@
+"""The Llama decoder graph; other architectures subclass it and override only what differs.
+
+Graph interface (the contract with the runtime, recorded in the manifest):
+
+    input_ids              int64   [batch, sequence]
+    seqlens_k              int32   [batch]              tokens in each row's KV after this step, minus 1
+    total_sequence_length  int32   []                   max over rows of (seqlens_k + 1)
+    logits_indices         int64   [num_logits]         rows of the flattened batch×sequence to project
+    past_key_values.{i}.key/value  float32 [batch, kv_heads, kv_capacity, head_dim]
+    → logits               float32 [num_logits, vocab]
+    → present.{i}.key/value         same shape; bound to the same buffer as past (updated in place)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+from onnx import TensorProto
+
+from ..graph import layers
+from ..graph.builder import GraphBuilder
+from ..hf_source import CheckpointReader, ModelSpec
+from ..rope import cos_sin_cache
+
+KV_DIMS = ["batch", "kv_heads", "kv_capacity", "head_dim"]
+
+
+def kv_names(layer: int) -> dict[str, str]:
+    return {"past_key": f"past_key_values.{layer}.key", "past_value": f"past_key_values.{layer}.value",
+            "present_key": f"present.{layer}.key", "present_value": f"present.{layer}.value"}
+
+
+class LlamaArch:
+    """LlamaForCausalLM: RMSNorm, GQA with rotary, SwiGLU MLP, optional tied embeddings."""
+
+    attn_keys = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight")
+    bias_keys = ("q_proj.bias", "k_proj.bias", "v_proj.bias")
+    mlp_keys = ("gate_proj.weight", "up_proj.weight", "down_proj.weight")
+
+    def __init__(self, spec: ModelSpec, reader: CheckpointReader):
+        self.spec, self.reader = spec, reader
+
+    def layer_weights(self, i: int, prefix: str, keys) -> dict[str, np.ndarray]:
+        return {k: self.reader.get(f"model.layers.{i}.{prefix}.{k}") for k in keys}
+
+    def declare_io(self, b: GraphBuilder) -> None:
+        s = self.spec
+        b.input("input_ids", TensorProto.INT64, ["batch", "sequence"])
+        b.input("seqlens_k", TensorProto.INT32, ["batch"])
+        b.input("total_sequence_length", TensorProto.INT32, [])
+        b.input("logits_indices", TensorProto.INT64, ["num_logits"])
+        shape = ["batch", s.num_kv_heads, "kv_capacity", s.head_dim]
+        for i in range(s.num_layers):
+            names = kv_names(i)
+            b.input(names["past_key"], TensorProto.FLOAT, shape)
+            b.input(names["past_value"], TensorProto.FLOAT, shape)
+        b.output("logits", TensorProto.FLOAT, ["num_logits", s.vocab_size])
+        for i in range(s.num_layers):
+            names = kv_names(i)
+            b.output(names["present_key"], TensorProto.FLOAT, shape)
+            b.output(names["present_value"], TensorProto.FLOAT, shape)
+
+    def emit(self, ctx: layers.Ctx, max_seq_len: int, progress: Callable[[], None] = lambda: None) -> None:
+        s, b, r = self.spec, ctx.b, self.reader
+        self.declare_io(b)
+        cos, sin = cos_sin_cache(s.head_dim, s.rope_theta, s.rope_scaling, max_seq_len)
+        b.weight("cos_cache", cos)
+        b.weight("sin_cache", sin)
+
+        embed = ctx.stored("model.embed_tokens.weight", r.get("model.embed_tokens.weight"))
+        x = b.op("Gather", [embed, "input_ids"], "/model/embed_tokens/Gather", axis=0)
+        residual, h = x, None
+        for i in range(s.num_layers):
+            norm_w = r.get(f"model.layers.{i}.input_layernorm.weight")
+            if h is None:
+                h = layers.rms_norm(ctx, x, norm_w, f"/model/layers.{i}/input_layernorm")
+            else:
+                h, residual = layers.skip_rms_norm(ctx, h, residual, norm_w, f"/model/layers.{i}/input_layernorm")
+            keys = self.attn_keys + (self.bias_keys if s.attention_bias else ())
+            h = layers.attention(ctx, h, self.layer_weights(i, "self_attn", keys), i, kv_names(i))
+            h, residual = layers.skip_rms_norm(ctx, h, residual, r.get(f"model.layers.{i}.post_attention_layernorm.weight"),
+                                               f"/model/layers.{i}/post_attention_layernorm")
+            h = layers.mlp(ctx, h, self.layer_weights(i, "mlp", self.mlp_keys), i)
+            progress()
+        h, _ = layers.skip_rms_norm(ctx, h, residual, r.get("model.norm.weight"), "/model/norm")
+        if s.tie_word_embeddings or "lm_head.weight" not in r:
+            head = embed
+        else:
+            head = ctx.stored("lm_head.weight", r.get("lm_head.weight"))
+        layers.lm_head(ctx, h, head)

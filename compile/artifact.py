@@ -1,0 +1,104 @@
+"""The engine artifact: a folder with manifest.json, the graph, its weights and the tokenizer.
+
+The manifest is the only contract between compile and runtime. Writing goes to a temporary sibling
+folder that is renamed into place at the end, so a failed build leaves nothing behind; reading checks
+the format, its version and the sha256 of every file before anything else touches them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+
+from .errors import ArtifactError
+
+FORMAT = "quicksilver-engine"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+@contextmanager
+def staging_dir(out: Path, overwrite: bool = False):
+    """Yield a temporary folder next to `out`; on success it becomes `out`, on failure it vanishes."""
+    out = out.resolve()
+    if out.exists() and not overwrite:
+        raise ArtifactError(f"{out} already exists; pass --overwrite to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        yield tmp
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def write_manifest(folder: Path, manifest: dict) -> dict:
+    """Record size and sha256 of every file in `folder`, then write manifest.json."""
+    files = {}
+    for p in sorted(folder.rglob("*")):
+        if p.is_file() and p.name != MANIFEST:
+            files[p.relative_to(folder).as_posix()] = {"size": p.stat().st_size, "sha256": sha256_file(p)}
+    manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, **manifest, "files": files}
+    (folder / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
+
+
+def read_manifest(engine_dir: Path) -> dict:
+    """Parse manifest.json and check its format and version (cheap; no hashing)."""
+    engine_dir = Path(engine_dir)
+    path = engine_dir / MANIFEST
+    if not engine_dir.is_dir():
+        raise ArtifactError(f"engine directory not found: {engine_dir}")
+    if not path.is_file():
+        raise ArtifactError(f"{engine_dir} is not a Quicksilver engine (no {MANIFEST}); build one with `compile build`")
+    try:
+        manifest = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ArtifactError(f"{path} is corrupted: {e}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise ArtifactError(f"{engine_dir} is not a Quicksilver engine (manifest format is "
+                            f"{manifest.get('format') if isinstance(manifest, dict) else None!r})")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise ArtifactError(f"{engine_dir} has engine format version {manifest.get('format_version')!r}, this "
+                            f"Quicksilver reads version {FORMAT_VERSION}; rebuild it with `compile build`")
+    if not isinstance(manifest.get("files"), dict) or not manifest["files"]:
+        raise ArtifactError(f"{path} lists no files")
+    return manifest
+
+
+def verify_files(engine_dir: Path, manifest: dict) -> None:
+    """Every listed file exists with the recorded size and sha256; raise ArtifactError on the first mismatch."""
+    for rel, info in manifest["files"].items():
+        path = Path(engine_dir) / rel
+        if not path.is_file():
+            raise ArtifactError(f"{engine_dir} is incomplete: {rel} is missing; rebuild the engine")
+        if path.stat().st_size != info["size"]:
+            raise ArtifactError(f"{engine_dir} is corrupted: {rel} has {path.stat().st_size} bytes, "
+                                f"manifest says {info['size']} (truncated?); rebuild the engine")
+        if sha256_file(path) != info["sha256"]:
+            raise ArtifactError(f"{engine_dir} is corrupted: sha256 of {rel} does not match the manifest; "
+                                "rebuild the engine")
+
+
+def load(engine_dir: Path, verify: bool = True) -> dict:
+    """Read and (by default) verify an engine; return its manifest."""
+    manifest = read_manifest(engine_dir)
+    if verify:
+        verify_files(engine_dir, manifest)
+    return manifest

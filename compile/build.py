@@ -1,0 +1,104 @@
+"""`compile build`: checkpoint → ONNX graph → engine artifact, written atomically."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from . import __version__
+from .archs import REGISTRY
+from .artifact import FORMAT_VERSION, staging_dir, write_manifest
+from .config import CompileConfig
+from .graph.builder import OPSET, GraphBuilder
+from .graph.layers import Ctx
+from .hf_source import CheckpointReader, ModelSpec, fingerprint, read_spec, tokenizer_files
+from .errors import CheckpointError
+
+GRAPH_FILE, DATA_FILE = "model.onnx", "model.onnx.data"
+
+
+def _graph_io(spec: ModelSpec) -> dict:
+    kv_shape = ["batch", spec.num_kv_heads, "kv_capacity", spec.head_dim]
+    return {
+        "inputs": {
+            "input_ids": {"dtype": "int64", "shape": ["batch", "sequence"]},
+            "seqlens_k": {"dtype": "int32", "shape": ["batch"]},
+            "total_sequence_length": {"dtype": "int32", "shape": []},
+            "logits_indices": {"dtype": "int64", "shape": ["num_logits"]},
+            "past_key_values.{layer}.key": {"dtype": "float32", "shape": kv_shape},
+            "past_key_values.{layer}.value": {"dtype": "float32", "shape": kv_shape},
+        },
+        "outputs": {
+            "logits": {"dtype": "float32", "shape": ["num_logits", spec.vocab_size]},
+            "present.{layer}.key": {"dtype": "float32", "shape": kv_shape},
+            "present.{layer}.value": {"dtype": "float32", "shape": kv_shape},
+        },
+    }
+
+
+def _eos_ids(spec: ModelSpec, model_dir: Path) -> list[int]:
+    ids = list(spec.eos_token_ids)
+    gen = model_dir / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        for e in eos if isinstance(eos, list) else [eos] if eos is not None else []:
+            if int(e) not in ids:
+                ids.append(int(e))
+    return ids
+
+
+def build(cfg: CompileConfig, log=print) -> dict:
+    """Build the engine described by `cfg`; return its manifest. Raises QuicksilverError on bad input."""
+    t0 = time.time()
+    spec = read_spec(cfg.model_dir)
+    tok_files = tokenizer_files(cfg.model_dir)
+    reader = CheckpointReader(cfg.model_dir)
+    max_len = cfg.max_seq_len or spec.max_position_embeddings
+    if max_len > spec.max_position_embeddings:
+        raise CheckpointError(f"--max-seq-len {max_len} exceeds the model's max_position_embeddings "
+                              f"{spec.max_position_embeddings}")
+    log(f"building {spec.architecture} ({spec.num_layers} layers, hidden {spec.hidden_size}, "
+        f"{spec.num_heads}/{spec.num_kv_heads} heads) at {cfg.precision} → {cfg.out_dir}")
+    with staging_dir(cfg.out_dir, cfg.overwrite) as tmp:
+        builder = GraphBuilder(tmp / DATA_FILE)
+        try:
+            arch = REGISTRY[spec.architecture](spec, reader)
+            with tqdm(total=spec.num_layers, desc="export", unit="layer", leave=False) as bar:
+                arch.emit(Ctx(builder, spec, cfg.precision), max_len, progress=bar.update)
+        finally:
+            builder.save(tmp / GRAPH_FILE)
+        for f in tok_files:
+            shutil.copyfile(f, tmp / f.name)
+        manifest = write_manifest(tmp, {
+            "compiler_version": __version__,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "target": cfg.target,
+            "precision": {"weights": cfg.precision, "compute": "fp32", "kv_cache": "fp32"},
+            "model": {**spec.to_dict(), "max_seq_len": max_len,
+                      "num_parameters": builder.num_params - 2 * max_len * spec.head_dim // 2},
+            "graph": {"file": GRAPH_FILE, "data": DATA_FILE, "opset": OPSET, **_graph_io(spec)},
+            "kv_cache": {
+                "layout": "BNSH", "dtype": "float32", "num_layers": spec.num_layers,
+                "num_kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim, "max_seq_len": max_len,
+                "past": "past_key_values.{layer}.{key|value}", "present": "present.{layer}.{key|value}",
+                "shared_buffer": True, "rotary_applied": True,
+                "note": "present must be bound to the same buffer as past; K is stored after rotary",
+            },
+            "tokenizer": {"files": [f.name for f in tok_files], "eos_token_ids": _eos_ids(spec, cfg.model_dir),
+                          "bos_token_id": spec.bos_token_id},
+            "source": {"path": str(cfg.model_dir.resolve()), "fingerprint": fingerprint(cfg.model_dir),
+                       "dtypes": sorted(reader.dtypes())},
+        })
+    manifest["build_seconds"] = round(time.time() - t0, 2)
+    return manifest
+
+
+def summary(manifest: dict, out_dir: Path) -> str:
+    m, size = manifest["model"], sum(f["size"] for f in manifest["files"].values())
+    return (f"built {out_dir}: {m['architecture']}, {m['num_parameters'] / 1e6:.1f} M parameters, "
+            f"{manifest['precision']['weights']} weights, {size / 2**20:.1f} MiB, "
+            f"context {m['max_seq_len']}, in {manifest.get('build_seconds', 0):.1f} s")

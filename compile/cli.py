@@ -1,0 +1,115 @@
+"""`compile`: build, inspect and verify Quicksilver engine artifacts."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from . import __version__
+from .config import PRECISIONS, TARGETS, CompileConfig
+from .errors import QuicksilverError
+
+
+def fail(message: str) -> None:
+    click.echo(f"error: {message}", err=True)
+    sys.exit(2)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="quicksilver compile")
+def main() -> None:
+    """Compile Hugging Face Llama-family checkpoints into Quicksilver engine artifacts."""
+
+
+@main.command()
+@click.option("--model", "model_dir", required=True, type=click.Path(path_type=Path),
+              help="Hugging Face checkpoint folder (config.json, *.safetensors, tokenizer.json).")
+@click.option("--out", "out_dir", required=True, type=click.Path(path_type=Path), help="Engine folder to write.")
+@click.option("--precision", type=click.Choice(PRECISIONS), default="fp32", show_default=True,
+              help="Weight storage precision (the CPU computes in fp32).")
+@click.option("--target", type=click.Choice(TARGETS), default="cpu", show_default=True, help="Execution target.")
+@click.option("--max-seq-len", type=int, default=None,
+              help="Longest context the engine serves [default: the model's max_position_embeddings].")
+@click.option("--overwrite", is_flag=True, help="Replace ENGINE_DIR if it exists.")
+def build(model_dir: Path, out_dir: Path, precision: str, target: str, max_seq_len: int | None, overwrite: bool) -> None:
+    """Build an engine from a checkpoint: ONNX graph + weights + tokenizer + manifest.
+
+    Example: compile build --model ./SmolLM2-135M --out ./engines/smol --precision fp16
+    """
+    from .build import build as run_build, summary
+
+    try:
+        cfg = CompileConfig(model_dir, out_dir, precision, target, max_seq_len, overwrite)
+        manifest = run_build(cfg, log=lambda m: click.echo(m, err=True))
+    except (QuicksilverError, ValueError) as e:
+        fail(str(e))
+    click.echo(summary(manifest, out_dir))
+
+
+@main.command()
+@click.argument("engine_dir", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print the whole manifest as JSON.")
+@click.option("--no-verify", is_flag=True, help="Skip the sha256 check of every file.")
+def inspect(engine_dir: Path, as_json: bool, no_verify: bool) -> None:
+    """Show an engine's manifest (and check its files)."""
+    from .artifact import load
+
+    try:
+        manifest = load(engine_dir, verify=not no_verify)
+    except QuicksilverError as e:
+        fail(str(e))
+    if as_json:
+        click.echo(json.dumps(manifest, indent=2))
+        return
+    m, p, kv = manifest["model"], manifest["precision"], manifest["kv_cache"]
+    size = sum(f["size"] for f in manifest["files"].values())
+    rows = [
+        ("engine", f"{engine_dir} (format v{manifest['format_version']}, compiler {manifest['compiler_version']}, "
+                   f"{manifest['created']})"),
+        ("model", f"{m['architecture']}, {m['num_parameters'] / 1e6:.1f} M parameters, {m['num_layers']} layers, "
+                  f"hidden {m['hidden_size']}, heads {m['num_heads']}/{m['num_kv_heads']} (head_dim {m['head_dim']}), "
+                  f"ffn {m['intermediate_size']}, vocab {m['vocab_size']}"),
+        ("rope", f"theta {m['rope_theta']}, scaling {m['rope_scaling'] or 'none'}"
+                 + (f", sliding window {m['sliding_window']}" if m.get("sliding_window") else "")),
+        ("precision", f"weights {p['weights']}, compute {p['compute']}, KV cache {p['kv_cache']}"),
+        ("target", manifest["target"]),
+        ("context", f"{m['max_seq_len']} tokens"),
+        ("kv cache", f"{kv['layout']} {kv['dtype']}, {kv['num_layers']} layers × {kv['num_kv_heads']} heads × "
+                     f"{kv['head_dim']}, {2 * kv['num_layers'] * kv['num_kv_heads'] * kv['head_dim'] * 4} bytes/token"),
+        ("tokenizer", f"{', '.join(manifest['tokenizer']['files'])}; eos {manifest['tokenizer']['eos_token_ids']}"),
+        ("source", f"{manifest['source']['path']} (sha256 {manifest['source']['fingerprint'][:16]}…, "
+                   f"{'/'.join(manifest['source']['dtypes'])})"),
+        ("files", f"{len(manifest['files'])} files, {size / 2**20:.1f} MiB"
+                  + ("" if no_verify else ", sha256 verified")),
+    ]
+    for key, value in rows:
+        click.echo(f"{key:>10}  {value}")
+
+
+@main.command()
+@click.argument("engine_dir", type=click.Path(path_type=Path))
+@click.option("--model", "model_dir", required=True, type=click.Path(path_type=Path),
+              help="The checkpoint the engine was built from.")
+@click.option("--prompt-len", type=int, default=64, show_default=True, help="Random prompt tokens.")
+@click.option("--steps", type=int, default=16, show_default=True, help="Single-token decode steps after the prompt.")
+@click.option("--tolerance", type=float, default=None,
+              help="Fail (exit 1) if max |Δlogit| exceeds this [default: 1e-3 for fp32, 5e-2 for fp16].")
+def verify(engine_dir: Path, model_dir: Path, prompt_len: int, steps: int, tolerance: float | None) -> None:
+    """Compare the engine's logits with a float64 reference forward pass of the checkpoint."""
+    from .artifact import load
+    from .verify import prompt_ids, verify as run_verify
+
+    try:
+        manifest = load(engine_dir)
+        result = run_verify(engine_dir, model_dir, prompt_ids(manifest["model"]["vocab_size"], prompt_len), steps)
+    except QuicksilverError as e:
+        fail(str(e))
+    tol = tolerance if tolerance is not None else (1e-3 if manifest["precision"]["weights"] == "fp32" else 5e-2)
+    ok = result.max_abs_diff <= tol and result.greedy_match
+    click.echo(f"max |Δlogit| {result.max_abs_diff:.3g} (prefill {result.prefill_max_abs_diff:.3g}, decode "
+               f"{result.decode_max_abs_diff:.3g}) over {result.tokens} tokens; greedy tokens "
+               f"{'identical' if result.greedy_match else 'DIFFER'}; tolerance {tol:g}: {'PASS' if ok else 'FAIL'}")
+    sys.exit(0 if ok else 1)

@@ -1,0 +1,38 @@
+// runtime._native: the C++ half of the runtime (hot loops that Python would run per token).
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include "block_hash.h"
+
+namespace py = pybind11;
+
+namespace {
+
+using Tokens = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
+
+uint64_t py_hash_block(uint64_t parent, Tokens tokens) {
+  if (tokens.ndim() != 1) throw py::value_error("tokens must be 1-D");
+  return qs::hash_block(parent, tokens.data(), static_cast<size_t>(tokens.shape(0)));
+}
+
+py::array_t<uint64_t> py_hash_blocks(Tokens tokens, size_t block_size, uint64_t parent) {
+  if (tokens.ndim() != 1) throw py::value_error("tokens must be 1-D");
+  if (block_size == 0) throw py::value_error("block_size must be positive");
+  const size_t n = static_cast<size_t>(tokens.shape(0));
+  py::array_t<uint64_t> out(static_cast<py::ssize_t>(n / block_size));
+  {
+    py::gil_scoped_release release;
+    qs::hash_blocks(parent, tokens.data(), n, block_size, out.mutable_data());
+  }
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_native, m) {
+  m.doc() = "Quicksilver runtime native helpers";
+  m.def("hash_block", &py_hash_block, py::arg("parent"), py::arg("tokens"),
+        "Chained hash of one block of token ids onto the parent block's key.");
+  m.def("hash_blocks", &py_hash_blocks, py::arg("tokens"), py::arg("block_size"), py::arg("parent") = 0,
+        "Keys [len(tokens) // block_size] (uint64) of the full blocks of tokens.");
+}

@@ -1,0 +1,36 @@
+"""KV slot pool: the memory GroupQueryAttention reads, owned by the runtime and bound by pointer.
+
+One float32 array per layer and per K/V, shaped [num_slots, kv_heads, capacity, head_dim] (BNSH). A
+running sequence owns one slot; a step over sequences in the contiguous slot range [start, start+count)
+binds the pool at that offset, so ONNX Runtime writes new K/V in place and nothing is copied per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SlotRange:
+    start: int
+    count: int
+
+
+class SlotPool:
+    def __init__(self, num_layers: int, num_slots: int, kv_heads: int, capacity: int, head_dim: int):
+        shape = (num_slots, kv_heads, capacity, head_dim)
+        self.keys = [np.zeros(shape, np.float32) for _ in range(num_layers)]    # [slots, kvh, cap, hd] each
+        self.values = [np.zeros(shape, np.float32) for _ in range(num_layers)]  # [slots, kvh, cap, hd] each
+        self.num_slots, self.capacity = num_slots, capacity
+        self.slot_shape = shape[1:]
+        self.slot_bytes = int(np.prod(shape[1:])) * 4
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * len(self.keys) * self.num_slots * self.slot_bytes
+
+    def pointer(self, array: np.ndarray, slots: SlotRange) -> int:
+        assert 0 <= slots.start and slots.start + slots.count <= self.num_slots, slots
+        return array.ctypes.data + slots.start * self.slot_bytes

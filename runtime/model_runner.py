@@ -1,0 +1,83 @@
+"""ModelRunner: one ONNX Runtime session over an engine artifact, run through IOBinding.
+
+KV buffers come from a SlotPool and are bound as both past and present (the graph updates them in
+place); logits land in a preallocated buffer. Nothing is copied per step except the small int inputs.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from compile import artifact
+from compile.errors import ArtifactError
+
+from .kv.slots import SlotPool, SlotRange
+
+
+def session_options(threads: int | None) -> ort.SessionOptions:
+    """1–2 intra-op threads with spinning off: measured best on these 2-core machines (ort_notes §5)."""
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads or min(2, os.cpu_count() or 1)
+    so.inter_op_num_threads = 1
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.log_severity_level = 3
+    return so
+
+
+class ModelRunner:
+    def __init__(self, engine_dir: str | Path, threads: int | None = None, verify: bool = True):
+        self.engine_dir = Path(engine_dir)
+        self.manifest = artifact.load(self.engine_dir, verify=verify)
+        if self.manifest.get("target") != "cpu":
+            raise ArtifactError(f"{engine_dir} targets {self.manifest.get('target')!r}; this runtime runs 'cpu' engines")
+        graph = self.engine_dir / self.manifest["graph"]["file"]
+        try:
+            self.session = ort.InferenceSession(str(graph), session_options(threads),
+                                                providers=["CPUExecutionProvider"])
+        except Exception as e:  # ORT raises its own exception types for any bad graph
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ArtifactError(f"{engine_dir}: ONNX Runtime cannot load the graph: {first}") from None
+        m = self.manifest["model"]
+        self.num_layers, self.vocab_size = m["num_layers"], m["vocab_size"]
+        self.kv_heads, self.head_dim, self.max_seq_len = m["num_kv_heads"], m["head_dim"], m["max_seq_len"]
+        self._logits = np.empty((0, self.vocab_size), np.float32)
+
+    def new_pool(self, num_slots: int, capacity: int | None = None) -> SlotPool:
+        return SlotPool(self.num_layers, num_slots, self.kv_heads, capacity or self.max_seq_len, self.head_dim)
+
+    def execute(self, input_ids: np.ndarray, seqlens_k: np.ndarray, logits_indices: np.ndarray,
+                pool: SlotPool, slots: SlotRange) -> np.ndarray:
+        """Run one step and return logits [len(logits_indices), vocab] (a view, valid until the next call).
+
+        Args:
+            input_ids: [batch, sequence] int64, right-padded rows.
+            seqlens_k: [batch] int32, each row's KV length after this step minus one.
+            logits_indices: [num_logits] int64 rows of the flattened batch×sequence to project.
+            pool, slots: the KV slots of the batch's rows, `slots.count == batch`.
+        """
+        batch = input_ids.shape[0]
+        assert input_ids.dtype == np.int64 and input_ids.ndim == 2, input_ids.dtype
+        assert seqlens_k.dtype == np.int32 and seqlens_k.shape == (batch,), seqlens_k.shape
+        assert slots.count == batch and int(seqlens_k.max()) < pool.capacity
+        n = len(logits_indices)
+        if self._logits.shape[0] < n:
+            self._logits = np.empty((max(n, 2 * self._logits.shape[0]), self.vocab_size), np.float32)
+        io = self.session.io_binding()
+        io.bind_cpu_input("input_ids", input_ids)
+        io.bind_cpu_input("seqlens_k", seqlens_k)
+        io.bind_cpu_input("total_sequence_length", np.array(int(seqlens_k.max()) + 1, np.int32))
+        io.bind_cpu_input("logits_indices", np.ascontiguousarray(logits_indices, np.int64))
+        shape = [batch, *pool.slot_shape]
+        for i in range(self.num_layers):
+            for kind, arrays in (("key", pool.keys), ("value", pool.values)):
+                ptr = pool.pointer(arrays[i], slots)
+                io.bind_input(f"past_key_values.{i}.{kind}", "cpu", 0, np.float32, shape, ptr)
+                io.bind_output(f"present.{i}.{kind}", "cpu", 0, np.float32, shape, ptr)
+        io.bind_output("logits", "cpu", 0, np.float32, [n, self.vocab_size], self._logits.ctypes.data)
+        self.session.run_with_iobinding(io)
+        return self._logits[:n]
