@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from .errors import ArtifactError
+from .hf_source import SUPPORTED_ARCHITECTURES
 
 FORMAT = "quicksilver-engine"
 FORMAT_VERSION = 1
@@ -79,6 +80,10 @@ def read_manifest(engine_dir: Path) -> dict:
                             f"Quicksilver reads version {FORMAT_VERSION}; rebuild it with `compile build`")
     if not isinstance(manifest.get("files"), dict) or not manifest["files"]:
         raise ArtifactError(f"{path} lists no files")
+    arch = (manifest.get("model") or {}).get("architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ArtifactError(f"{engine_dir} holds a {arch!r} model, which this Quicksilver cannot run "
+                            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
     return manifest
 
 

@@ -1,0 +1,60 @@
+"""Shared fixtures: deterministic tiny checkpoints written by tools/make_checkpoint.py and engines built from them."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+
+import make_checkpoint  # noqa: E402
+
+from compile.build import build  # noqa: E402
+from compile.config import CompileConfig  # noqa: E402
+
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 64}
+
+# name → (preset, write_checkpoint kwargs)
+CHECKPOINTS = {
+    "llama": ("tiny-llama", {}),
+    "llama-llama3-rope": ("tiny-llama", {"rope_scaling": LLAMA3_SCALING, "seed": 1}),
+    "llama-linear-rope-bf16": ("tiny-llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}, "dtype": "bf16", "seed": 2}),
+    "qwen2": ("tiny-qwen2", {"seed": 3}),
+    "qwen2-bf16-sharded": ("tiny-qwen2", {"dtype": "bf16", "shards": 3, "seed": 4}),
+    "mistral": ("tiny-mistral", {"seed": 5}),
+    "mistral-fp16": ("tiny-mistral", {"dtype": "fp16", "seed": 6}),
+}
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory):
+    """checkpoint(name) → path of a generated HF checkpoint folder (cached for the session)."""
+    cache: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in cache:
+            preset, kwargs = CHECKPOINTS[name]
+            cache[name] = make_checkpoint.write_checkpoint(preset, tmp_path_factory.mktemp("ckpt") / name, **kwargs)
+        return cache[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def engine(checkpoint, tmp_path_factory):
+    """engine(name, precision) → path of an engine built from checkpoint(name) (cached for the session)."""
+    cache: dict[tuple[str, str], Path] = {}
+
+    def get(name: str, precision: str = "fp32") -> Path:
+        key = (name, precision)
+        if key not in cache:
+            out = tmp_path_factory.mktemp("engine") / f"{name}-{precision}"
+            build(CompileConfig(checkpoint(name), out, precision), log=lambda _: None)
+            cache[key] = out
+        return cache[key]
+
+    return get

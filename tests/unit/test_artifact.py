@@ -1,0 +1,100 @@
+"""Artifact integrity: a damaged or foreign engine gives one clear error line and exit code 2."""
+
+import json
+import shutil
+
+import pytest
+from click.testing import CliRunner
+
+from compile.artifact import load
+from compile.cli import main as compile_main
+from compile.errors import ArtifactError
+from runtime.cli import main as runtime_main
+from runtime.model_runner import ModelRunner
+
+
+@pytest.fixture
+def damaged(engine, tmp_path):
+    def copy() -> "Path":
+        dst = tmp_path / "engine"
+        shutil.copytree(engine("llama"), dst)
+        return dst
+    return copy
+
+
+def edit_manifest(path, **changes):
+    m = json.loads((path / "manifest.json").read_text())
+    for key, value in changes.items():
+        target = m
+        *parents, leaf = key.split(".")
+        for p in parents:
+            target = target[p]
+        target[leaf] = value
+    (path / "manifest.json").write_text(json.dumps(m))
+
+
+def flip_byte(path, offset=-100):
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def corrupt(kind, path):
+    if kind == "flipped byte":
+        flip_byte(path / "model.onnx.data")
+    elif kind == "truncated":
+        data = (path / "model.onnx.data").read_bytes()
+        (path / "model.onnx.data").write_bytes(data[: len(data) // 2])
+    elif kind == "missing file":
+        (path / "tokenizer.json").unlink()
+    elif kind == "wrong format version":
+        edit_manifest(path, format_version=99)
+    elif kind == "wrong architecture":
+        edit_manifest(path, **{"model.architecture": "GPT2LMHeadModel"})
+    elif kind == "foreign":
+        (path / "manifest.json").write_text(json.dumps({"format": "something-else"}))
+    elif kind == "corrupt manifest":
+        (path / "manifest.json").write_text("{not json")
+    elif kind == "no manifest":
+        (path / "manifest.json").unlink()
+
+
+KINDS = ["flipped byte", "truncated", "missing file", "wrong format version", "wrong architecture", "foreign",
+         "corrupt manifest", "no manifest"]
+MESSAGES = {"flipped byte": "sha256", "truncated": "truncated", "missing file": "missing",
+            "wrong format version": "format version", "wrong architecture": "GPT2LMHeadModel",
+            "foreign": "not a Quicksilver engine", "corrupt manifest": "corrupted", "no manifest": "no manifest"}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_load_rejects(kind, damaged):
+    path = damaged()
+    corrupt(kind, path)
+    with pytest.raises(ArtifactError, match=MESSAGES[kind]):
+        load(path)
+    with pytest.raises(ArtifactError):
+        ModelRunner(path)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_cli_one_line_exit_2(kind, damaged):
+    path = damaged()
+    corrupt(kind, path)
+    for main, args in ((compile_main, ["inspect", str(path)]), (runtime_main, ["generate", str(path), "x"])):
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 2, result.output
+        lines = result.output.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: "), result.output
+        assert "Traceback" not in result.output
+
+
+def test_intact_engine_loads_and_inspects(engine):
+    path = engine("llama")
+    manifest = load(path)
+    assert manifest["format_version"] == 1 and manifest["model"]["architecture"] == "LlamaForCausalLM"
+    assert set(manifest["files"]) == {"model.onnx", "model.onnx.data", "tokenizer.json", "tokenizer_config.json",
+                                      "generation_config.json"}
+    result = CliRunner().invoke(compile_main, ["inspect", str(path)])
+    assert result.exit_code == 0 and "sha256 verified" in result.output
+    result = CliRunner().invoke(compile_main, ["inspect", str(path), "--json"])
+    assert json.loads(result.output)["kv_cache"]["layout"] == "BNSH"
