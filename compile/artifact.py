@@ -50,11 +50,13 @@ def staging_dir(out: Path, overwrite: bool = False):
 
 
 def write_manifest(folder: Path, manifest: dict) -> dict:
-    """Record size and sha256 of every file in `folder`, then write manifest.json."""
-    files = {}
-    for p in sorted(folder.rglob("*")):
-        if p.is_file() and p.name != MANIFEST:
-            files[p.relative_to(folder).as_posix()] = {"size": p.stat().st_size, "sha256": sha256_file(p)}
+    """Record size and sha256 of every file in `folder` (unless `manifest` already lists them), write manifest.json."""
+    files = manifest.get("files")
+    if files is None:
+        files = {}
+        for p in sorted(folder.rglob("*")):
+            if p.is_file() and p.name != MANIFEST:
+                files[p.relative_to(folder).as_posix()] = {"size": p.stat().st_size, "sha256": sha256_file(p)}
     manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, **manifest, "files": files}
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest

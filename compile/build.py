@@ -4,21 +4,28 @@ from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
+
+from tokenizers import Tokenizer
 
 from tqdm import tqdm
 
 from . import __version__
 from .archs import REGISTRY
 from .artifact import FORMAT_VERSION, staging_dir, write_manifest
-from .config import CompileConfig
+from .config import CompileConfig, QuantConfig
+from .quantize import report
+from .quantize.awq import awq_reader
 from .graph.builder import OPSET, GraphBuilder
 from .graph.layers import Ctx
 from .hf_source import CheckpointReader, ModelSpec, fingerprint, read_spec, tokenizer_files
 from .errors import CheckpointError
 
 GRAPH_FILE, DATA_FILE = "model.onnx", "model.onnx.data"
+CALIB_TOKENS = 512
 
 
 def _graph_io(spec: ModelSpec) -> dict:
@@ -51,12 +58,55 @@ def _eos_ids(spec: ModelSpec, model_dir: Path) -> list[int]:
     return ids
 
 
+def _precision_record(cfg: CompileConfig) -> dict:
+    """What the precision means on this target, including the session options the graph relies on."""
+    p, q = cfg.precision, cfg.quant
+    record = {"weights": p, "compute": "fp32", "kv_cache": "fp32", "embeddings": q.embeddings,
+              "session_config": {}}
+    if p == "int8":
+        record.update(scheme="int8 symmetric, per output channel; DynamicQuantizeMatMul (activations uint8 per call)")
+    elif p == "int4":
+        record.update(scheme=f"int4 symmetric, block {q.block_size} along K; MatMulNBits accuracy_level 4",
+                      block_size=q.block_size, awq=q.calib is not None)
+    elif p == "fp8":
+        record.update(scheme="float8 e4m3fn, per output channel scale, 1 byte per weight",
+                      cpu_conversion="fp8 → fp32 once at load (DequantizeLinear constant-folded), exact fp8 numerics")
+        record["session_config"]["session.disable_quant_qdq"] = "1"
+    elif p == "fp16":
+        record.update(scheme="fp16 storage, widened to fp32 at load")
+    return record
+
+
+def _check_block_size(spec: ModelSpec, cfg: CompileConfig) -> None:
+    from .quantize.int4 import check_block_size
+
+    if cfg.precision == "int4":
+        for k in (spec.hidden_size, spec.intermediate_size, spec.num_heads * spec.head_dim):
+            check_block_size(k, cfg.quant.block_size)
+
+
+def _accuracy(engine_dir: Path, cfg: CompileConfig, log) -> dict:
+    """Score the staged engine against an fp32 build of the same checkpoint (itself, if it is fp32)."""
+    if cfg.precision == "fp32":
+        return report.measure(engine_dir, None, cfg.quant.eval_file)
+    with tempfile.TemporaryDirectory(prefix="qs-baseline-") as tmp:
+        log("building the fp32 baseline for the accuracy report")
+        base = replace(cfg, out_dir=Path(tmp) / "fp32", precision="fp32", report=False, overwrite=False,
+                       quant=QuantConfig(eval_file=cfg.quant.eval_file))
+        build(base, log=lambda _: None)
+        return report.measure(engine_dir, base.out_dir, cfg.quant.eval_file)
+
+
 def build(cfg: CompileConfig, log=print) -> dict:
     """Build the engine described by `cfg`; return its manifest. Raises QuicksilverError on bad input."""
     t0 = time.time()
     spec = read_spec(cfg.model_dir)
     tok_files = tokenizer_files(cfg.model_dir)
     reader = CheckpointReader(cfg.model_dir)
+    _check_block_size(spec, cfg)
+    if cfg.quant.calib is not None:
+        calib = Tokenizer.from_file(str(tok_files[0])).encode(cfg.quant.calib.read_text(errors="replace")).ids
+        reader = awq_reader(spec, reader, calib[:CALIB_TOKENS], cfg.quant.block_size, log)
     max_len = cfg.max_seq_len or spec.max_position_embeddings
     if max_len > spec.max_position_embeddings:
         raise CheckpointError(f"--max-seq-len {max_len} exceeds the model's max_position_embeddings "
@@ -67,8 +117,9 @@ def build(cfg: CompileConfig, log=print) -> dict:
         builder = GraphBuilder(tmp / DATA_FILE)
         try:
             arch = REGISTRY[spec.architecture](spec, reader)
+            ctx = Ctx(builder, spec, cfg.precision, cfg.quant.block_size, cfg.quant.embeddings)
             with tqdm(total=spec.num_layers, desc="export", unit="layer", leave=False) as bar:
-                arch.emit(Ctx(builder, spec, cfg.precision), max_len, progress=bar.update)
+                arch.emit(ctx, max_len, progress=bar.update)
         finally:
             builder.save(tmp / GRAPH_FILE)
         for f in tok_files:
@@ -77,9 +128,9 @@ def build(cfg: CompileConfig, log=print) -> dict:
             "compiler_version": __version__,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "target": cfg.target,
-            "precision": {"weights": cfg.precision, "compute": "fp32", "kv_cache": "fp32"},
+            "precision": _precision_record(cfg),
             "model": {**spec.to_dict(), "max_seq_len": max_len,
-                      "num_parameters": builder.num_params - 2 * max_len * spec.head_dim // 2},
+                      "num_parameters": reader.num_parameters()},
             "graph": {"file": GRAPH_FILE, "data": DATA_FILE, "opset": OPSET, **_graph_io(spec)},
             "kv_cache": {
                 "layout": "BNSH", "dtype": "float32", "num_layers": spec.num_layers,
@@ -93,6 +144,10 @@ def build(cfg: CompileConfig, log=print) -> dict:
             "source": {"path": str(cfg.model_dir.resolve()), "fingerprint": fingerprint(cfg.model_dir),
                        "dtypes": sorted(reader.dtypes())},
         })
+        if cfg.report:
+            manifest["accuracy"] = _accuracy(tmp, cfg, log)
+            log(report.describe(manifest["accuracy"]))
+            manifest = write_manifest(tmp, manifest)
     manifest["build_seconds"] = round(time.time() - t0, 2)
     return manifest
 

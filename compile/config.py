@@ -5,8 +5,26 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-PRECISIONS = ("fp32", "fp16")
+PRECISIONS = ("fp32", "fp16", "int8", "int4", "fp8")
 TARGETS = ("cpu",)
+EMBEDDINGS = ("quantized", "int8", "fp32")
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    block_size: int = 32            # int4: weights per scale along the input dimension
+    calib: Path | None = None       # int4: calibration text for the activation-aware (AWQ) scale search
+    embeddings: str = "quantized"   # embedding table + LM head: as the weights, or held at "int8" / "fp32"
+    eval_file: Path | None = None   # accuracy report text; None: the held-out code text shipped with Quicksilver
+
+    def __post_init__(self):
+        if self.embeddings not in EMBEDDINGS:
+            raise ValueError(f"embeddings must be one of {', '.join(EMBEDDINGS)}, not {self.embeddings!r}")
+        if self.block_size < 16 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block size must be a power of two ≥ 16, not {self.block_size}")
+        for label, path in (("calibration", self.calib), ("evaluation", self.eval_file)):
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"{label} file not found: {path}")
 
 
 @dataclass(frozen=True)
@@ -17,6 +35,8 @@ class CompileConfig:
     target: str = "cpu"
     max_seq_len: int | None = None  # None: the model's max_position_embeddings
     overwrite: bool = False
+    quant: QuantConfig = QuantConfig()
+    report: bool = True             # measure the accuracy report (perplexity vs the fp32 build)
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
@@ -25,3 +45,5 @@ class CompileConfig:
             raise ValueError(f"target must be one of {', '.join(TARGETS)}, not {self.target!r}")
         if self.max_seq_len is not None and self.max_seq_len < 16:
             raise ValueError(f"max_seq_len must be at least 16, not {self.max_seq_len}")
+        if self.quant.calib is not None and self.precision != "int4":
+            raise ValueError("--calib (activation-aware scales) applies to --precision int4 only")

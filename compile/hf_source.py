@@ -164,6 +164,9 @@ class CheckpointReader:
     def dtypes(self) -> set[str]:
         return {f.header[n]["dtype"] for f in self.files for n in f.names()}
 
+    def num_parameters(self) -> int:
+        return sum(int(np.prod(f.header[n]["shape"])) for f in self.files for n in f.names())
+
 
 def tokenizer_files(model_dir: Path) -> list[Path]:
     """tokenizer.json is required; the config files travel with it when present."""

@@ -10,8 +10,9 @@ from .rope import inv_frequencies
 
 
 class ReferenceModel:
-    def __init__(self, spec: ModelSpec, reader: CheckpointReader):
-        self.spec, self.r = spec, reader
+    def __init__(self, spec: ModelSpec, reader: CheckpointReader, capture: dict | None = None):
+        """`capture`, when given, receives the inputs of every linear group: (layer, "qkv" | "gate_up" | "down")."""
+        self.spec, self.r, self.capture = spec, reader, capture
         self.inv_freq = inv_frequencies(spec.head_dim, spec.rope_theta, spec.rope_scaling)
         self.k: list[np.ndarray] = [np.zeros((spec.num_kv_heads, 0, spec.head_dim))] * spec.num_layers
         self.v: list[np.ndarray] = list(self.k)
@@ -32,6 +33,9 @@ class ReferenceModel:
     def _attention(self, i: int, h: np.ndarray, pos: np.ndarray) -> np.ndarray:
         s, p = self.spec, f"model.layers.{i}.self_attn."
         S = h.shape[0]
+
+        if self.capture is not None:
+            self.capture[(i, "qkv")] = h
 
         def proj(n, heads):
             y = h @ self.w(p + n + "_proj.weight").T
@@ -66,7 +70,10 @@ class ReferenceModel:
             h = self._norm(x, f"model.layers.{i}.post_attention_layernorm.weight")
             m = f"model.layers.{i}.mlp."
             gate, up = h @ self.w(m + "gate_proj.weight").T, h @ self.w(m + "up_proj.weight").T
-            x = x + (gate / (1 + np.exp(-gate)) * up) @ self.w(m + "down_proj.weight").T
+            act = gate / (1 + np.exp(-gate)) * up
+            if self.capture is not None:
+                self.capture[(i, "gate_up")], self.capture[(i, "down")] = h, act
+            x = x + act @ self.w(m + "down_proj.weight").T
         x = self._norm(x, "model.norm.weight")
         head = "lm_head.weight" if not s.tie_word_embeddings and "lm_head.weight" in self.r else "model.embed_tokens.weight"
         return x @ self.w(head).T

@@ -18,7 +18,7 @@ from compile.errors import ArtifactError
 from .kv.slots import SlotPool, SlotRange
 
 
-def session_options(threads: int | None) -> ort.SessionOptions:
+def session_options(threads: int | None, config: dict[str, str] | None = None) -> ort.SessionOptions:
     """1–2 intra-op threads with spinning off: measured best on these 2-core machines (ort_notes §5)."""
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads or min(2, os.cpu_count() or 1)
@@ -26,6 +26,8 @@ def session_options(threads: int | None) -> ort.SessionOptions:
     so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     so.log_severity_level = 3
+    for key, value in (config or {}).items():   # what the graph needs, recorded by the compiler
+        so.add_session_config_entry(key, value)
     return so
 
 
@@ -37,7 +39,7 @@ class ModelRunner:
             raise ArtifactError(f"{engine_dir} targets {self.manifest.get('target')!r}; this runtime runs 'cpu' engines")
         graph = self.engine_dir / self.manifest["graph"]["file"]
         try:
-            self.session = ort.InferenceSession(str(graph), session_options(threads),
+            self.session = ort.InferenceSession(str(graph), session_options(threads, self.manifest["precision"].get("session_config")),
                                                 providers=["CPUExecutionProvider"])
         except Exception as e:  # ORT raises its own exception types for any bad graph
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

@@ -68,8 +68,8 @@ class LlamaArch:
         b.weight("cos_cache", cos)
         b.weight("sin_cache", sin)
 
-        embed = ctx.stored("model.embed_tokens.weight", r.get("model.embed_tokens.weight"))
-        x = b.op("Gather", [embed, "input_ids"], "/model/embed_tokens/Gather", axis=0)
+        embeddings = layers.Embeddings(ctx, r.get("model.embed_tokens.weight"))
+        x = embeddings.lookup("input_ids")
         residual, h = x, None
         for i in range(s.num_layers):
             norm_w = r.get(f"model.layers.{i}.input_layernorm.weight")
@@ -84,8 +84,5 @@ class LlamaArch:
             h = layers.mlp(ctx, h, self.layer_weights(i, "mlp", self.mlp_keys), i)
             progress()
         h, _ = layers.skip_rms_norm(ctx, h, residual, r.get("model.norm.weight"), "/model/norm")
-        if s.tie_word_embeddings or "lm_head.weight" not in r:
-            head = embed
-        else:
-            head = ctx.stored("lm_head.weight", r.get("lm_head.weight"))
-        layers.lm_head(ctx, h, head)
+        untied = not s.tie_word_embeddings and "lm_head.weight" in r
+        layers.lm_head(ctx, h, embeddings, r.get("lm_head.weight") if untied else None)

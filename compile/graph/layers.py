@@ -12,6 +12,7 @@ import numpy as np
 from onnx import TensorProto
 
 from ..hf_source import ModelSpec
+from ..quantize import fp8, int8, int4
 from .builder import MS_DOMAIN, GraphBuilder
 
 STORAGE_DTYPES = {"fp32": np.float32, "fp16": np.float16}
@@ -21,11 +22,13 @@ STORAGE_DTYPES = {"fp32": np.float32, "fp16": np.float16}
 class Ctx:
     b: GraphBuilder
     spec: ModelSpec
-    precision: str  # weight storage: "fp32" | "fp16"; compute is fp32 on the CPU EP
+    precision: str             # fp32 | fp16 (storage; computed in fp32) | int8 | int4 | fp8
+    block_size: int = 32       # int4 block size along K
+    embeddings: str = "quantized"  # embedding table + LM head: "quantized" (as precision), "int8" or "fp32"
 
     def stored(self, name: str, array: np.ndarray) -> str:
         """A float weight kept at storage precision; fp16 is widened by a Cast that ORT folds at load."""
-        dtype = STORAGE_DTYPES[self.precision]
+        dtype = STORAGE_DTYPES.get(self.precision, np.float32)
         w = self.b.weight(name, np.asarray(array, dtype=dtype))
         if dtype == np.float32:
             return w
@@ -33,12 +36,31 @@ class Ctx:
 
 
 def linear(ctx: Ctx, x: str, weight: np.ndarray, bias: np.ndarray | None, name: str) -> str:
-    """x @ weight.T (+ bias).   x: [..., in]   weight: [out, in] (HF layout)   → [..., out]"""
-    w = ctx.stored(f"{name}.weight", weight.T)
-    y = ctx.b.op("MatMul", [x, w], f"{name}/MatMul")
-    if bias is not None:
-        y = ctx.b.op("Add", [y, ctx.b.weight(f"{name}.bias", bias.astype(np.float32))], f"{name}/Add")
-    return y
+    """x @ weight.T (+ bias).   x: [..., in]   weight: [out, in] (HF layout)   → [..., out]
+
+    fp32/fp16: MatMul.  int8: DynamicQuantizeMatMul (per-channel int8 weight, activations quantized per
+    call; VNNI).  int4: MatMulNBits (block-wise, accuracy_level 4).  fp8: DequantizeLinear(e4m3, per
+    channel) → MatMul, which the runtime folds to fp32 once at load (`session.disable_quant_qdq`).
+    """
+    b, w = ctx.b, np.asarray(weight, np.float32).T          # [K, N]
+    bias_name = b.weight(f"{name}.bias", bias.astype(np.float32)) if bias is not None else ""
+    if ctx.precision == "int8":
+        q, scale = int8.quantize(w)
+        ins = [x, b.weight(f"{name}.weight_int8", q), b.weight(f"{name}.weight_scale", scale), "", bias_name]
+        return b.op("DynamicQuantizeMatMul", ins, f"{name}/DynamicQuantizeMatMul", domain=MS_DOMAIN)
+    if ctx.precision == "int4":
+        packed, scales = int4.quantize(w, ctx.block_size)
+        ins = [x, b.weight(f"{name}.weight_q4", packed), b.weight(f"{name}.weight_scales", scales), "", "", bias_name]
+        return b.op("MatMulNBits", ins, f"{name}/MatMulNBits", domain=MS_DOMAIN, K=w.shape[0], N=w.shape[1],
+                    bits=4, block_size=ctx.block_size, accuracy_level=4)
+    if ctx.precision == "fp8":
+        q, scale = fp8.quantize(w)
+        wq = b.op("DequantizeLinear", [b.weight(f"{name}.weight_fp8", q), b.weight(f"{name}.weight_scale", scale)],
+                  f"{name}/DequantizeLinear", axis=1)
+    else:
+        wq = ctx.stored(f"{name}.weight", w)
+    y = b.op("MatMul", [x, wq], f"{name}/MatMul")
+    return b.op("Add", [y, bias_name], f"{name}/Add") if bias_name else y
 
 
 def rms_norm(ctx: Ctx, x: str, gamma: np.ndarray, name: str) -> str:
@@ -98,14 +120,87 @@ def mlp(ctx: Ctx, x: str, w: dict[str, np.ndarray], layer: int) -> str:
     return linear(ctx, prod, w["down_proj.weight"], None, f"{name}/down_proj")
 
 
-def lm_head(ctx: Ctx, hidden: str, weight: str) -> str:
+class Embeddings:
+    """The token embedding table and the LM head that may share it (tied), stored once at the chosen precision.
+
+    float (fp32/fp16, or --embeddings fp32): one table; Gather rows for lookup, Gemm(transB) for the head.
+    fp8:  one e4m3 table with per-token scales, dequantized once at load, then as float.
+    int8: one int8 table stored transposed [H, V] with per-token scales: the head is DynamicQuantizeMatMul,
+          the lookup gathers columns (H strided reads per token: cheap) and transposes back.
+    int4: one table in MatMulNBits layout [V, H/bs, bs/2] with block scales: the head is MatMulNBits, the
+          lookup gathers packed rows and unpacks nibbles in the graph.
+    An untied head gets its own table of the same kind; the embedding table is then lookup-only.
+    """
+
+    def __init__(self, ctx: Ctx, table: np.ndarray, name: str = "model.embed_tokens"):
+        self.ctx, self.name, b = ctx, name, ctx.b
+        table = np.asarray(table, np.float32)                     # [V, H]
+        self.vocab, self.hidden = table.shape
+        mode = ctx.embeddings if ctx.embeddings != "quantized" else ctx.precision
+        self.mode = "float" if mode in ("fp32", "fp16") else mode
+        if self.mode == "float":
+            self.table = ctx.stored(f"{name}.weight", table) if ctx.embeddings == "quantized" \
+                else b.weight(f"{name}.weight", table)
+        elif self.mode == "fp8":
+            q, scale = fp8.quantize(table, axis=1)
+            self.table = b.op("DequantizeLinear", [b.weight(f"{name}.weight_fp8", q), b.weight(f"{name}.weight_scale", scale)],
+                              f"/{name}/DequantizeLinear", axis=0)
+            self.mode = "float"
+        elif self.mode == "int8":
+            q, scale = int8.quantize(table, axis=1)               # [V, H], [V]
+            self.table = b.weight(f"{name}.weight_int8_t", np.ascontiguousarray(q.T))   # [H, V]
+            self.scale = b.weight(f"{name}.weight_scale", scale)
+        else:
+            packed, scales = int4.quantize(table.T, ctx.block_size)  # [V, H/bs, bs/2], [V*H/bs]
+            self.table = b.weight(f"{name}.weight_q4", packed)
+            self.scale = b.weight(f"{name}.weight_scales", scales)
+            self.blocks = packed.shape[1]
+
+    def lookup(self, ids: str) -> str:
+        """ids [B, S] → embeddings [B, S, H] float."""
+        b, n = self.ctx.b, "/model/embed_tokens"
+        if self.mode == "float":
+            return b.op("Gather", [self.table, ids], f"{n}/Gather", axis=0)
+        if self.mode == "int8":
+            cols = b.op("Gather", [self.table, ids], f"{n}/Gather", axis=1)                     # [H, B, S]
+            rows = b.op("Transpose", [cols], f"{n}/Transpose", perm=[1, 2, 0])                 # [B, S, H]
+            scale = b.op("Gather", [self.scale, ids], f"{n}/GatherScale", axis=0)              # [B, S]
+            scale = b.op("Unsqueeze", [scale, b.const([-1])], f"{n}/Unsqueeze")
+            return b.op("Mul", [b.op("Cast", [rows], f"{n}/Cast", to=TensorProto.FLOAT), scale], f"{n}/Mul")
+        bs = self.ctx.block_size
+        packed = b.op("Gather", [self.table, ids], f"{n}/Gather", axis=0)                     # [B, S, nb, bs/2]
+        low = b.op("BitwiseAnd", [packed, b.const(15, np.uint8)], f"{n}/LowNibble")
+        high = b.op("BitShift", [packed, b.const(4, np.uint8)], f"{n}/HighNibble", direction="RIGHT")
+        pairs = b.op("Concat", [b.op("Unsqueeze", [low, b.const([-1])], f"{n}/UnsqueezeLow"),
+                                b.op("Unsqueeze", [high, b.const([-1])], f"{n}/UnsqueezeHigh")], f"{n}/Concat", axis=-1)
+        q = b.op("Reshape", [pairs, b.const([0, 0, self.blocks, bs])], f"{n}/ReshapeBlocks")    # [B, S, nb, bs]
+        centered = b.op("Sub", [b.op("Cast", [q], f"{n}/Cast", to=TensorProto.FLOAT), b.const(8.0, np.float32)], f"{n}/Sub")
+        scales = b.op("Reshape", [self.scale, b.const([self.vocab, self.blocks, 1])], f"{n}/ReshapeScales")
+        scale = b.op("Gather", [scales, ids], f"{n}/GatherScale", axis=0)                      # [B, S, nb, 1]
+        return b.op("Reshape", [b.op("Mul", [centered, scale], f"{n}/Mul"), b.const([0, 0, self.hidden])], f"{n}/Reshape")
+
+    def head(self, rows: str, weight: np.ndarray | None) -> str:
+        """rows [N, H] → logits [N, V] with this table (tied) or with an untied `weight` [V, H]."""
+        if weight is not None:
+            return Embeddings(self.ctx, weight, "lm_head").head(rows, None)
+        b, out = self.ctx.b, ["logits"]
+        if self.mode == "float":
+            return b.node("Gemm", [rows, self.table], "/lm_head/Gemm", outputs=out, transB=1)[0]
+        if self.mode == "int8":
+            return b.node("DynamicQuantizeMatMul", [rows, self.table, self.scale], "/lm_head/DynamicQuantizeMatMul",
+                          domain=MS_DOMAIN, outputs=out)[0]
+        return b.node("MatMulNBits", [rows, self.table, self.scale], "/lm_head/MatMulNBits", domain=MS_DOMAIN,
+                      outputs=out, K=self.hidden, N=self.vocab, bits=4, block_size=self.ctx.block_size, accuracy_level=4)[0]
+
+
+def lm_head(ctx: Ctx, hidden: str, embeddings: Embeddings, weight: np.ndarray | None) -> str:
     """Logits only where the runtime asks (`logits_indices` into the flattened batch×sequence tokens):
 
-        hidden [B,S,H] ─▶ Reshape [B·S,H] ─▶ Gather(logits_indices) ─▶ Gemm(W, transB) ─▶ logits [N,V]
+        hidden [B,S,H] ─▶ Reshape [B·S,H] ─▶ Gather(logits_indices) ─▶ head ─▶ logits [N,V]
 
     Prefill asks for one row per sequence, decode for every row, verification for γ+1 per sequence,
     so the vocabulary projection is never computed for tokens nobody reads.
     """
     flat = ctx.b.op("Reshape", [hidden, ctx.b.const([-1, ctx.spec.hidden_size])], "/lm_head/Reshape")
     rows = ctx.b.op("Gather", [flat, "logits_indices"], "/lm_head/Gather", axis=0)
-    return ctx.b.node("Gemm", [rows, weight], "/lm_head/Gemm", outputs=["logits"], transB=1)[0]
+    return embeddings.head(rows, weight)

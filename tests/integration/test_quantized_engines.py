@@ -1,0 +1,128 @@
+"""Every precision builds, loads, generates, and reports its accuracy; quantized graphs compute what their
+scheme says (checked against the numpy reference on checkpoints whose weights are exactly representable)."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from safetensors.numpy import load_file, save_file
+
+from compile.artifact import load
+from compile.build import build
+from compile.cli import main
+from compile.config import CompileConfig, QuantConfig
+from compile.quantize import fp8, int8
+from compile.reference import ReferenceModel
+from compile.hf_source import CheckpointReader, read_spec
+from runtime.kv.slots import SlotRange
+from runtime.model_runner import ModelRunner
+
+PRECISIONS = ["fp16", "int8", "int4", "fp8"]
+
+
+def logits(engine_dir, prompt):
+    runner = ModelRunner(engine_dir)
+    n = len(prompt)
+    return runner.execute(np.asarray([prompt], np.int64), np.array([n - 1], np.int32), np.arange(n),
+                          runner.new_pool(1, n), SlotRange(0, 1)).copy()
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_precision_builds_reports_and_generates(precision, checkpoint, tmp_path):
+    out = tmp_path / precision
+    manifest = build(CompileConfig(checkpoint("qwen2"), out, precision), log=lambda _: None)
+    acc = load(out)["accuracy"]
+    assert acc == manifest["accuracy"] and acc["tokens"] > 500
+    # A quantized model is no better than fp32 beyond noise, and agrees with it on most tokens.
+    assert acc["perplexity_increase_pct"] > -1.0
+    assert acc["top1_agreement"] > 0.6
+    result = CliRunner().invoke(main, ["inspect", str(out)])
+    assert "perplexity" in result.output and precision in result.output
+    prompt = list(range(3, 40))
+    assert np.isfinite(logits(out, prompt)).all()
+
+
+def test_sizes_follow_precision(checkpoint, tmp_path):
+    """Weight bytes (the external data file) shrink with precision; smollm2-scale ratios are in README."""
+    sizes = {}
+    for precision in ["fp32", "int8", "fp8", "int4"]:
+        out = tmp_path / precision
+        build(CompileConfig(checkpoint("llama"), out, precision, report=False), log=lambda _: None)
+        sizes[precision] = (out / "model.onnx.data").stat().st_size
+    assert sizes["fp32"] / sizes["int8"] > 3.0 and sizes["fp32"] / sizes["fp8"] > 3.0
+    assert sizes["fp32"] / sizes["int4"] > 4.5
+
+
+def exact_checkpoint(src, dst, quantizer, axis=0):
+    """Copy a checkpoint with every matrix replaced by its own quantize→dequantize (exactly representable)."""
+    shutil.copytree(src, dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    for name, w in tensors.items():
+        if w.ndim == 2:
+            # HF linears are [out, in]; the compiler quantizes [in, out] per output channel, and the
+            # embedding per row: both are per-row of the HF layout.
+            q, s = quantizer(w.astype(np.float32), axis=1)
+            tensors[name] = (q.astype(np.float32) * s[:, None]).astype(np.float32)
+    save_file(tensors, str(dst / "model.safetensors"))
+    return dst
+
+
+def test_fp8_engine_is_exact_on_fp8_weights(checkpoint, tmp_path):
+    """fp8 weights are dequantized once at load: on fp8-representable weights the engine equals the reference."""
+    model = exact_checkpoint(checkpoint("llama"), tmp_path / "ck", fp8.quantize)
+    out = tmp_path / "fp8"
+    manifest = build(CompileConfig(model, out, "fp8", report=False), log=lambda _: None)
+    assert manifest["precision"]["session_config"] == {"session.disable_quant_qdq": "1"}
+    prompt = list(range(5, 60))
+    want = ReferenceModel(read_spec(model), CheckpointReader(model)).forward(prompt)
+    assert np.abs(logits(out, prompt) - want).max() < 1e-3
+
+
+def test_int8_engine_error_is_activation_quantization_only(checkpoint, tmp_path):
+    model = exact_checkpoint(checkpoint("llama"), tmp_path / "ck", int8.quantize)
+    out = tmp_path / "int8"
+    build(CompileConfig(model, out, "int8", report=False), log=lambda _: None)
+    prompt = list(range(5, 60))
+    want = ReferenceModel(read_spec(model), CheckpointReader(model)).forward(prompt)
+    got = logits(out, prompt)
+    assert np.abs(got - want).max() < 0.05 and (got.argmax(-1) == want.argmax(-1)).mean() > 0.9
+
+
+def test_int4_embedding_lookup_matches_head_table(checkpoint, tmp_path):
+    """int4 tied embeddings: the in-graph nibble unpacking must match the 4-bit table the head uses.
+    A one-token prompt's logits depend on the looked-up row, so compare against int8-embedding builds."""
+    model = checkpoint("qwen2")
+    results = {}
+    for emb in ("quantized", "fp32"):
+        out = tmp_path / emb
+        build(CompileConfig(model, out, "int4", quant=QuantConfig(embeddings=emb), report=False), log=lambda _: None)
+        results[emb] = logits(out, list(range(10, 50)))
+    # Same int4 layers, different embedding precision: close, and far closer than a wrong unpacking would be.
+    assert np.abs(results["quantized"] - results["fp32"]).max() < 0.15
+
+
+def test_awq_build_and_report(checkpoint, tmp_path):
+    calib = tmp_path / "calib.txt"
+    calib.write_text("def add(a, b):\n    return a + b\n" * 50)
+    out = tmp_path / "awq"
+    manifest = build(CompileConfig(checkpoint("llama"), out, "int4", quant=QuantConfig(calib=calib)), log=lambda _: None)
+    assert manifest["precision"]["awq"] is True and "accuracy" in manifest
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--precision", "int3"], "int3"),
+    (["--precision", "int4", "--block-size", "48"], "power of two"),
+    (["--precision", "int4", "--block-size", "128"], "does not divide"),
+    (["--precision", "int4", "--calib", "/nonexistent/calib.txt"], "calibration file not found"),
+    (["--precision", "int8", "--calib", "{model}/config.json"], "int4 only"),
+    (["--precision", "int8", "--eval", "/nonexistent/eval.txt"], "evaluation file not found"),
+])
+def test_bad_options(args, needle, checkpoint, tmp_path):
+    out = tmp_path / "out"
+    model = checkpoint("llama")
+    args = [a.format(model=model) for a in args]
+    result = CliRunner().invoke(main, ["build", "--model", str(model), "--out", str(out), *args])
+    assert result.exit_code == 2 and needle in result.output, result.output
+    assert not out.exists()

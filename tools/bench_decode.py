@@ -1,0 +1,130 @@
+"""Decode benchmark for one or more engines: TTFT (512-token prompt), decode tokens/s at batch 1 and 8,
+peak memory, and the batch-1 roofline of this machine (read bandwidth ÷ weight bytes read per token).
+
+Each engine runs in its own subprocess so peak RSS is its own; engines are measured one after another
+in one invocation so their ratios are comparable. Medians over repeats.
+
+    python tools/bench_decode.py engines/target-fp32 engines/target-int8 engines/target-int4 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+
+def read_bandwidth_gbs(threads: int = 2, mib: int = 512, repeats: int = 5) -> float:
+    """Read bandwidth with `threads` numpy reductions in parallel (numpy releases the GIL), best of repeats."""
+    data = np.ones(mib * 2**20 // 8, np.float64)
+    parts = np.array_split(data, threads)
+    best = 0.0
+    for _ in range(repeats):
+        workers = [threading.Thread(target=np.add.reduce, args=(p,)) for p in parts]
+        t0 = time.perf_counter()
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        best = max(best, data.nbytes / (time.perf_counter() - t0) / 1e9)
+    return best
+
+
+def weight_bytes_per_token(engine: Path, manifest: dict) -> int:
+    """Bytes of weights a batch-1 decode step reads (as resident at run time: fp8 is folded to fp32)."""
+    model = onnx.load(str(engine / manifest["graph"]["file"]), load_external_data=False)
+    tied = manifest["model"]["tie_word_embeddings"]
+    total = 0
+    for t in model.graph.initializer:
+        gather_only = t.name in ("model.embed_tokens.weight_int8", "model.embed_tokens.row_scale") or (
+            not tied and t.name.startswith("model.embed_tokens."))
+        if gather_only or t.name in ("cos_cache", "sin_cache"):
+            continue
+        n = int(np.prod(t.dims)) if t.dims else 1
+        itemsize = 4 if t.data_type == onnx.TensorProto.FLOAT8E4M3FN else onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+        total += n * itemsize
+    return total
+
+
+def measure(engine: Path, prompt_len: int, decode_steps: int, threads: int | None) -> dict:
+    from runtime.kv.slots import SlotRange
+    from runtime.model_runner import ModelRunner
+
+    t0 = time.perf_counter()
+    runner = ModelRunner(engine, threads=threads)
+    load_s = time.perf_counter() - t0
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, runner.vocab_size, prompt_len).astype(np.int64)[None]
+    pool = runner.new_pool(8, capacity=prompt_len + decode_steps + 8)
+
+    ttft = []
+    for _ in range(5):
+        t = time.perf_counter()
+        logits = runner.execute(prompt, np.array([prompt_len - 1], np.int32), np.array([prompt_len - 1]), pool, SlotRange(0, 1))
+        int(logits.argmax())
+        ttft.append(time.perf_counter() - t)
+
+    result = {"engine": str(engine), "precision": runner.manifest["precision"]["weights"], "load_s": round(load_s, 3),
+              "ttft_ms": round(1e3 * float(np.median(ttft)), 2)}
+    short = 64  # decode context: a 64-token prompt per row, prefilled per slot
+    for batch in (1, 8):
+        for s in range(batch):
+            runner.execute(prompt[:, :short], np.array([short - 1], np.int32), np.array([short - 1]), pool, SlotRange(s, 1))
+        tokens = np.full((batch, 1), 1, np.int64)
+        steps = []
+        for i in range(decode_steps):
+            t = time.perf_counter()
+            logits = runner.execute(tokens, np.full(batch, short + i, np.int32), np.arange(batch), pool, SlotRange(0, batch))
+            tokens = logits.argmax(-1).astype(np.int64)[:, None]
+            steps.append(time.perf_counter() - t)
+        result[f"decode_b{batch}_tok_s"] = round(batch / float(np.median(steps)), 1)
+    result["peak_rss_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+    result["weight_bytes_per_token"] = weight_bytes_per_token(engine, runner.manifest)
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("engines", nargs="+", type=Path)
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--decode-steps", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--json", type=Path, default=None, help="write the results here")
+    ap.add_argument("--single", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.single:
+        print(json.dumps(measure(args.engines[0], args.prompt_len, args.decode_steps, args.threads)))
+        return
+    bandwidth = read_bandwidth_gbs()
+    rows = []
+    for engine in args.engines:
+        cmd = [sys.executable, __file__, str(engine), "--single", "--prompt-len", str(args.prompt_len),
+               "--decode-steps", str(args.decode_steps)] + (["--threads", str(args.threads)] if args.threads else [])
+        out = subprocess.run(cmd, capture_output=True, text=True)
+        if out.returncode:
+            sys.exit(f"{engine}: {out.stderr.strip().splitlines()[-1]}")
+        row = json.loads(out.stdout.strip().splitlines()[-1])
+        row["roofline_b1_tok_s"] = round(bandwidth * 1e9 / row["weight_bytes_per_token"], 1)
+        row["roofline_pct"] = round(100 * row["decode_b1_tok_s"] / row["roofline_b1_tok_s"], 1)
+        rows.append(row)
+    print(f"read bandwidth {bandwidth:.1f} GB/s (2 threads); prompt {args.prompt_len} tokens; medians")
+    header = f"{'engine':<32} {'prec':<5} {'TTFT ms':>8} {'b1 tok/s':>9} {'b8 tok/s':>9} {'roofline':>9} {'% roof':>7} {'MB/tok':>7} {'peak MiB':>9}"
+    print(header)
+    for r in rows:
+        print(f"{Path(r['engine']).name:<32} {r['precision']:<5} {r['ttft_ms']:>8.1f} {r['decode_b1_tok_s']:>9.1f} "
+              f"{r['decode_b8_tok_s']:>9.1f} {r['roofline_b1_tok_s']:>9.1f} {r['roofline_pct']:>7.1f} "
+              f"{r['weight_bytes_per_token'] / 1e6:>7.1f} {r['peak_rss_mib']:>9.0f}")
+    if args.json:
+        args.json.write_text(json.dumps({"read_bandwidth_gbs": bandwidth, "prompt_len": args.prompt_len, "engines": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
