@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 import click
-import numpy as np
 
 from . import __version__
 
@@ -24,55 +22,48 @@ def main() -> None:
 
 
 @main.command()
-@click.argument("engine_dir", type=click.Path(path_type=Path))
-@click.argument("prompt")
-@click.option("--max-tokens", type=click.IntRange(1), default=64, show_default=True, help="Tokens to generate.")
+@click.argument("args", nargs=-1, required=True, metavar="[ENGINE_DIR] PROMPT")
+@click.option("--max-tokens", type=int, default=128, show_default=True, help="Most tokens to generate.")
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 is greedy.")
+@click.option("--top-k", type=int, default=0, show_default=True, help="0 disables.")
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--min-p", type=float, default=0.0, show_default=True)
+@click.option("--repetition-penalty", type=float, default=1.0, show_default=True)
+@click.option("--seed", type=int, default=None, help="Makes sampling reproducible.")
+@click.option("--stop", multiple=True, help="Stop string (repeatable); not included in the output.")
 @click.option("--threads", type=click.IntRange(1), default=None, help="ONNX Runtime intra-op threads [default: min(2, cores)].")
-@click.option("--stats/--no-stats", default=True, show_default=True, help="Print TTFT and decode speed to stderr.")
-def generate(engine_dir: Path, prompt: str, max_tokens: int, threads: int | None, stats: bool) -> None:
-    """Stream a greedy completion of PROMPT from a local engine."""
+@click.option("--stats/--no-stats", default=True, show_default=True, help="Print TTFT, TPOT and cached tokens to stderr.")
+def generate(args: tuple[str, ...], max_tokens: int, temperature: float, top_k: int, top_p: float, min_p: float,
+             repetition_penalty: float, seed: int | None, stop: tuple[str, ...], threads: int | None, stats: bool) -> None:
+    """Stream a completion of PROMPT from a local engine (default: the bundled target model)."""
     from compile.errors import QuicksilverError
-    from tokenizers import Tokenizer
 
-    from .detokenizer import IncrementalDetokenizer
-    from .kv.slots import SlotRange
-    from .model_runner import ModelRunner
+    from .config import EngineConfig, SchedulerConfig
+    from .defaults import engine_dir
+    from .engine import Engine
+    from .request import InvalidRequest, SamplingParams
 
+    if len(args) > 2:
+        fail("expected [ENGINE_DIR] PROMPT (quote the prompt)")
     try:
-        t_load = time.perf_counter()
-        runner = ModelRunner(engine_dir, threads=threads)
-        load_s = time.perf_counter() - t_load
-    except QuicksilverError as e:
+        engine_path = Path(args[0]) if len(args) == 2 else engine_dir("target")
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                                repetition_penalty=repetition_penalty, seed=seed, stop=stop)
+        engine = Engine(engine_path, EngineConfig(SchedulerConfig(max_num_seqs=1), threads=threads))
+        req = engine.add_request(args[-1], params)
+    except (QuicksilverError, InvalidRequest, FileNotFoundError, ValueError) as e:
         fail(str(e))
-    tok = Tokenizer.from_file(str(engine_dir / "tokenizer.json"))
-    ids = tok.encode(prompt).ids
-    if not ids:
-        fail("the prompt is empty after tokenization")
-    if len(ids) + max_tokens > runner.max_seq_len:
-        fail(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the engine's context "
-             f"of {runner.max_seq_len} tokens")
-    eos = set(runner.manifest["tokenizer"]["eos_token_ids"])
-    pool, slot = runner.new_pool(1, capacity=len(ids) + max_tokens), SlotRange(0, 1)
-    detok = IncrementalDetokenizer(tok, ids)
-    click.echo(prompt, nl=False)
-    t0 = time.perf_counter()
-    logits = runner.execute(np.asarray([ids], np.int64), np.array([len(ids) - 1], np.int32),
-                            np.array([len(ids) - 1]), pool, slot)
-    token, n = int(logits[0].argmax()), 0
-    ttft = time.perf_counter() - t0
+    click.echo(args[-1], nl=False)
     while True:
-        n += 1
-        if token in eos:
-            break
-        click.echo(detok.push(token), nl=False)
-        if n >= max_tokens:
-            break
-        logits = runner.execute(np.array([[token]], np.int64), np.array([len(ids) + n - 1], np.int32),
-                                np.zeros(1, np.int64), pool, slot)
-        token = int(logits[0].argmax())
-    click.echo(detok.flush())
-    total = time.perf_counter() - t0
-    if stats:
-        tpot = (total - ttft) / max(1, n - 1)
-        click.echo(f"[{len(ids)} prompt tokens, {n} generated; load {load_s * 1e3:.0f} ms, TTFT {ttft * 1e3:.1f} ms, "
-                   f"TPOT {tpot * 1e3:.2f} ms ({1 / tpot if tpot else 0:.1f} tok/s)]", err=True)
+        for out in engine.step():
+            click.echo(out.text, nl=False)
+            if out.finished:
+                click.echo()
+                u = out.usage
+                if stats:
+                    tpot = f"{u.tpot_s * 1e3:.2f} ms ({1 / u.tpot_s:.0f} tok/s)" if u.tpot_s else "n/a"
+                    click.echo(f"[{u.prompt_tokens} prompt tokens ({u.cached_tokens} cached), {u.completion_tokens} "
+                               f"generated, finish: {out.finish_reason}; TTFT {u.ttft_s * 1e3:.1f} ms, TPOT {tpot}]",
+                               err=True)
+                return
+        assert engine.has_work(), req

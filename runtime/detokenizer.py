@@ -37,3 +37,36 @@ class IncrementalDetokenizer:
         full = self._decode(self.ids[self.prefix_offset:])
         self.prefix_offset = self.read_offset = len(self.ids)
         return full[len(prefix):]
+
+
+class StopStringFilter:
+    """Holds back streamed text that might be the start of a stop string, and cuts at the first match.
+
+    Text is released only when no stop string can still match across it, so a stop string split over
+    several tokens is never streamed, and the output ends right before it.
+    """
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops, self.held = stops, ""
+
+    def feed(self, delta: str) -> tuple[str, bool]:
+        """Return (text safe to emit, whether a stop string was hit)."""
+        if not self.stops:
+            return delta, False
+        text = self.held + delta
+        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.held = ""
+            return text[:min(hits)], True
+        keep = 0
+        for s in self.stops:
+            for n in range(min(len(s) - 1, len(text)), keep, -1):
+                if text.endswith(s[:n]):
+                    keep = n
+                    break
+        self.held = text[len(text) - keep:] if keep else ""
+        return text[:len(text) - keep], False
+
+    def flush(self) -> str:
+        text, self.held = self.held, ""
+        return text

@@ -1,0 +1,140 @@
+"""AsyncEngine: the Engine on its own loop thread, with asyncio streams per request.
+
+Thread-safety: the Engine and everything it owns are touched only by the loop thread. Callers (asyncio
+servers, tests) hand it work through a locked inbox and receive outputs through their own event loop
+(`call_soon_threadsafe`), so no engine state is shared. ONNX Runtime releases the GIL while it computes,
+so the event loop stays responsive during steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from .engine import Engine
+from .outputs import RequestOutput
+from .request import SamplingParams
+
+log = logging.getLogger("quicksilver.engine")
+
+
+@dataclass
+class _Submit:
+    prompt: str | list[int]
+    params: SamplingParams
+    request_id: str
+    priority: int
+    queue: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+    accepted: asyncio.Future
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._inbox: list = []
+        self._wake = threading.Condition()
+        self._queues: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="quicksilver-engine", daemon=True)
+        self._thread.start()
+
+    # -- caller side (any thread / event loop) ----------------------------------------------------
+    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str = "",
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs; raises InvalidRequest / EngineOverloaded before the first one.
+        Closing the iterator early (client gone, cancellation) aborts the request and frees its KV."""
+        loop = asyncio.get_running_loop()
+        sub = _Submit(prompt, params or SamplingParams(), request_id, priority, asyncio.Queue(), loop, loop.create_future())
+        self._post(sub)
+        rid = await sub.accepted
+        finished = False
+        try:
+            while True:
+                out = await sub.queue.get()
+                yield out
+                if out.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self.abort(rid)
+
+    def abort(self, request_id: str) -> None:
+        self._post(("abort", request_id))
+
+    def call(self, fn) -> None:
+        """Run `fn(engine)` on the loop thread (e.g. to read stats consistently)."""
+        self._post(("call", fn))
+
+    def shutdown(self) -> None:
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        self._thread.join()
+
+    def _post(self, item) -> None:
+        with self._wake:
+            self._inbox.append(item)
+            self._wake.notify()
+
+    # -- loop thread ------------------------------------------------------------------------------
+    def _deliver(self, out: RequestOutput) -> None:
+        entry = self._queues.get(out.request_id)
+        if entry is None:
+            return
+        queue, loop = entry
+        if out.finished:
+            del self._queues[out.request_id]
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, out)
+        except RuntimeError:   # the caller's event loop is closed: nobody is listening
+            pass
+
+    def _drain_inbox(self) -> None:
+        with self._wake:
+            items, self._inbox = self._inbox, []
+        for item in items:
+            if isinstance(item, _Submit):
+                try:
+                    req = self.engine.add_request(item.prompt, item.params, item.request_id, item.priority)
+                except Exception as e:  # InvalidRequest / EngineOverloaded reach the caller as exceptions
+                    item.loop.call_soon_threadsafe(_set_exception, item.accepted, e)
+                    continue
+                self._queues[req.request_id] = (item.queue, item.loop)
+                item.loop.call_soon_threadsafe(_set_result, item.accepted, req.request_id)
+            elif item[0] == "abort":
+                out = self.engine.abort(item[1])
+                if out is not None:
+                    self._deliver(out)
+            elif item[0] == "call":
+                item[1](self.engine)
+
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._inbox and not self._stopping and not self.engine.has_work():
+                    self._wake.wait()
+                if self._stopping:
+                    return
+            self._drain_inbox()
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # a bug must not kill the loop: fail the running requests, keep serving
+                log.exception("engine step failed")
+                outputs = self.engine.fail_all(f"internal error: {type(e).__name__}: {e}")
+            for out in outputs:
+                self._deliver(out)
+
+
+def _set_result(fut: asyncio.Future, value) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)

@@ -1,0 +1,63 @@
+"""EngineConfig: scheduler, cache and runner options, validated, one dataclass per concern."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+
+def available_memory_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 16            # running sequences (one KV slot each)
+    token_budget: int = 512           # tokens computed per step (decodes + prefill chunks)
+    prefill_chunk: int = 256          # most tokens one sequence prefills per step: bounds stalls of decodes
+    max_waiting: int = 256            # queued requests beyond which submit refuses (backpressure)
+
+    def __post_init__(self):
+        if self.max_num_seqs < 1 or self.token_budget < self.max_num_seqs + 1:
+            raise ValueError("need max_num_seqs ≥ 1 and token_budget > max_num_seqs")
+        if not 1 <= self.prefill_chunk <= self.token_budget:
+            raise ValueError("prefill_chunk must be in [1, token_budget]")
+        if self.max_waiting < 0:
+            raise ValueError("max_waiting must be ≥ 0")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    max_model_len: int | None = None  # slot capacity in tokens; None: the engine's context length
+    block_size: int = 16              # prefix-cache granularity in tokens
+    kv_budget_bytes: int | None = None  # slots + prefix cache; None: 25 % of available RAM, at most 8 GiB
+    prefix_cache_fraction: float = 0.3  # of the budget, for cached blocks
+    enable_prefix_cache: bool = True
+
+    def __post_init__(self):
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError("block_size must be a power of two")
+        if not 0.0 <= self.prefix_cache_fraction < 1.0:
+            raise ValueError("prefix_cache_fraction must be in [0, 1)")
+
+    def budget(self) -> int:
+        return self.kv_budget_bytes or min(available_memory_bytes() // 4, 8 << 30)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    threads: int | None = None        # ONNX Runtime intra-op threads; None: min(2, cores)
+    verify_artifact: bool = True
+
+    @staticmethod
+    def default_threads() -> int:
+        return min(2, os.cpu_count() or 1)

@@ -1,0 +1,64 @@
+"""BlockPool: the prefix cache's full KV blocks — storage, reference counts, LRU free queue, hash → block.
+
+A block holds the K and V of `block_size` consecutive tokens for every layer ([kv_heads, block_size,
+head_dim] per layer), keyed by the chained hash of all tokens up to and including it. A block with
+reference count 0 sits in the free queue in least-recently-released order and keeps its contents until
+it is reused, so it can still be hit; allocation takes the oldest. The tokens and parent key of each
+block are stored and compared on lookup, so a hash collision can never return the wrong KV.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+
+
+class BlockPool:
+    def __init__(self, num_layers: int, num_blocks: int, kv_heads: int, block_size: int, head_dim: int):
+        shape = (num_blocks, kv_heads, block_size, head_dim)
+        self.keys = [np.zeros(shape, np.float32) for _ in range(num_layers)]    # [blocks, kvh, bs, hd] each
+        self.values = [np.zeros(shape, np.float32) for _ in range(num_layers)]  # [blocks, kvh, bs, hd] each
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.ref = [0] * num_blocks
+        self.key: list[int | None] = [None] * num_blocks
+        self.identity: list[tuple | None] = [None] * num_blocks   # (parent key, token ids) to rule out collisions
+        self.by_key: dict[int, int] = {}
+        self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * sum(k.nbytes for k in self.keys)
+
+    @property
+    def num_in_use(self) -> int:
+        return self.num_blocks - len(self.free)
+
+    def lookup(self, key: int, parent: int, tokens: tuple[int, ...]) -> int | None:
+        block = self.by_key.get(key)
+        if block is None or self.identity[block] != (parent, tokens):
+            return None
+        return block
+
+    def acquire(self, block: int) -> None:
+        if self.ref[block] == 0:
+            del self.free[block]
+        self.ref[block] += 1
+
+    def release(self, block: int) -> None:
+        assert self.ref[block] > 0, f"block {block} released more often than acquired"
+        self.ref[block] -= 1
+        if self.ref[block] == 0:
+            self.free[block] = None        # most recently released: evicted last
+
+    def allocate(self, key: int, parent: int, tokens: tuple[int, ...]) -> int | None:
+        """Take the least recently used free block for a new key (evicting what it held); None if all are in use."""
+        if not self.free:
+            return None
+        block, _ = self.free.popitem(last=False)
+        if self.key[block] is not None:
+            del self.by_key[self.key[block]]
+        self.key[block], self.identity[block] = key, (parent, tokens)
+        self.by_key[key] = block
+        self.ref[block] = 1
+        return block

@@ -1,0 +1,131 @@
+"""KVCacheManager: the one owner of KV memory — running sequences' slots and the prefix cache's blocks.
+
+Running sequences each own one slot of the SlotPool (what GroupQueryAttention reads and writes in
+place). Full blocks of computed tokens are copied into the BlockPool under their chained hash; a new
+sequence whose prompt starts with cached blocks gets them copied into its slot (a memcpy instead of a
+prefill) and starts computing after them. No other module frees or copies KV.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..request import Request
+from .block_pool import BlockPool
+from .hashing import hash_blocks
+from .slots import SlotPool
+
+
+@dataclass
+class CacheStats:
+    queries: int = 0          # prompt tokens looked up in the prefix cache
+    hits: int = 0             # of which served from it
+    evictions: int = 0
+
+
+class KVCacheManager:
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, num_slots: int, slot_capacity: int,
+                 num_blocks: int, block_size: int):
+        self.slots = SlotPool(num_layers, num_slots, kv_heads, slot_capacity, head_dim)
+        self.blocks = BlockPool(num_layers, num_blocks, kv_heads, block_size, head_dim)
+        self.block_size, self.num_layers = block_size, num_layers
+        self._free_slots = list(range(num_slots))          # min-heap: lowest slot first keeps batches dense
+        self._held: dict[str, list[int]] = {}               # request id → blocks it references, in order
+        self._keys: dict[str, list[int]] = {}               # request id → chained keys of its full blocks
+        self.stats = CacheStats()
+
+    # -- capacity ---------------------------------------------------------------------------------
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free_slots)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of sequence slots in use (the KV usage reported in metrics)."""
+        return 1.0 - len(self._free_slots) / self.slots.num_slots
+
+    def _keys_for(self, req: Request) -> list[int]:
+        keys = self._keys.setdefault(req.request_id, [])
+        ids = req.all_ids
+        full = len(ids) // self.block_size
+        if len(keys) < full:
+            start = len(keys) * self.block_size
+            keys.extend(hash_blocks(ids[start:full * self.block_size], self.block_size, keys[-1] if keys else 0))
+        return keys
+
+    def _tokens(self, req: Request, i: int) -> tuple[int, ...]:
+        return tuple(req.all_ids[i * self.block_size:(i + 1) * self.block_size])
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    def allocate(self, req: Request) -> bool:
+        """Give `req` a slot and copy its cached prefix into it; False if no slot is free."""
+        if not self._free_slots:
+            return False
+        req.slot = heapq.heappop(self._free_slots)
+        held = self._held.setdefault(req.request_id, [])
+        assert not held, "a request is allocated only while it holds nothing"
+        keys = self._keys_for(req)
+        # At least one token must be computed to produce logits, so the last token is never served from cache.
+        usable = min(len(keys), (req.num_tokens - 1) // self.block_size)
+        parent = 0
+        for i in range(usable):
+            block = self.blocks.lookup(keys[i], parent, self._tokens(req, i))
+            if block is None:
+                break
+            self.blocks.acquire(block)
+            held.append(block)
+            parent = keys[i]
+        self._copy_in(req.slot, held)
+        req.num_computed = len(held) * self.block_size
+        self.stats.queries += len(req.prompt_ids)
+        self.stats.hits += min(req.num_computed, len(req.prompt_ids))
+        return True
+
+    def cache_computed(self, req: Request) -> None:
+        """Copy newly completed full blocks of `req`'s computed tokens into the prefix cache."""
+        held = self._held[req.request_id]
+        keys = self._keys_for(req)
+        full = min(req.num_computed // self.block_size, len(keys))
+        for i in range(len(held), full):
+            parent = keys[i - 1] if i else 0
+            tokens = self._tokens(req, i)
+            block = self.blocks.lookup(keys[i], parent, tokens)
+            if block is not None:
+                self.blocks.acquire(block)          # someone cached the same prefix meanwhile
+            else:
+                evicting = bool(self.blocks.free) and self.blocks.key[next(iter(self.blocks.free))] is not None
+                block = self.blocks.allocate(keys[i], parent, tokens)
+                if block is None:
+                    return                          # every block is referenced: stop caching, nothing breaks
+                self.stats.evictions += evicting
+                self._copy_out(req.slot, i, block)
+            held.append(block)
+
+    def free(self, req: Request) -> None:
+        """Release `req`'s slot and block references (idempotent)."""
+        for block in self._held.pop(req.request_id, []):
+            self.blocks.release(block)
+        self._keys.pop(req.request_id, None)
+        if req.slot is not None:
+            heapq.heappush(self._free_slots, req.slot)
+            req.slot = None
+
+    # -- copies -----------------------------------------------------------------------------------
+    def _copy_in(self, slot: int, blocks: list[int]) -> None:
+        """Cached blocks → rows [0, n·bs) of `slot`, one gather per layer and K/V."""
+        if not blocks:
+            return
+        n, idx = len(blocks) * self.block_size, np.asarray(blocks)
+        for src, dst in ((self.blocks.keys, self.slots.keys), (self.blocks.values, self.slots.values)):
+            for layer in range(self.num_layers):
+                gathered = src[layer][idx]                                   # [nb, kvh, bs, hd]
+                dst[layer][slot, :, :n, :] = gathered.transpose(1, 0, 2, 3).reshape(gathered.shape[1], n, -1)
+
+    def _copy_out(self, slot: int, i: int, block: int) -> None:
+        rows = slice(i * self.block_size, (i + 1) * self.block_size)
+        for src, dst in ((self.slots.keys, self.blocks.keys), (self.slots.values, self.blocks.values)):
+            for layer in range(self.num_layers):
+                dst[layer][block] = src[layer][slot, :, rows, :]

@@ -1,0 +1,107 @@
+"""Request, its status, and SamplingParams (all parameter validation lives here)."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+
+class InvalidRequest(ValueError):
+    """A request the engine refuses: the message says which parameter and why."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 64
+    temperature: float = 0.0          # 0: greedy
+    top_k: int = 0                    # 0: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0   # >1 discourages tokens already in prompt or output
+    presence_penalty: float = 0.0     # subtracted once per token present in the output
+    frequency_penalty: float = 0.0    # subtracted per occurrence in the output
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None       # top-n log-probabilities per generated token (0: only the chosen one)
+
+    def __post_init__(self):
+        object.__setattr__(self, "stop", tuple([self.stop] if isinstance(self.stop, str) else self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        checks = [
+            (isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens must be an integer ≥ 1"),
+            (0.0 <= self.temperature <= 100.0, "temperature must be in [0, 100]"),
+            (isinstance(self.top_k, int) and self.top_k >= 0, "top_k must be an integer ≥ 0 (0 disables it)"),
+            (0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
+            (0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]"),
+            (0.0 < self.repetition_penalty <= 10.0, "repetition_penalty must be in (0, 10]"),
+            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]"),
+            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]"),
+            (self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63), "seed must be an integer in [0, 2^63)"),
+            (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings"),
+            (len(self.stop) <= 16 and all(len(s) <= 256 for s in self.stop), "at most 16 stop strings of ≤ 256 characters"),
+            (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be non-negative integers"),
+            (self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20), "logprobs must be in [0, 20]"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise InvalidRequest(message)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"       # queued, holds no KV
+    RUNNING = "running"       # owns a slot; prefilling or decoding
+    PREEMPTED = "preempted"   # slot taken back; recomputes (mostly from the prefix cache) when readmitted
+    FINISHED = "finished"
+
+
+_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation. The scheduler only looks at token counts: `num_computed` tokens of `all_ids` have KV."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    request_id: str = ""
+    priority: int = 0                          # lower runs first; FCFS within a priority
+    arrival: float = field(default_factory=time.monotonic)
+    output_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed: int = 0                      # tokens whose KV is in the slot
+    num_cached: int = 0                        # prompt tokens served from the prefix cache (first admission)
+    slot: int | None = None
+    finish_reason: str | None = None
+    seq_no: int = field(default_factory=lambda: next(_ids))
+    first_scheduled: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    def __post_init__(self):
+        if not self.request_id:
+            self.request_id = f"req-{self.seq_no}"
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens without KV yet: the whole prompt at first, 1 while decoding, more after preemption."""
+        return self.num_tokens - self.num_computed
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED

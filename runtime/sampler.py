@@ -1,0 +1,89 @@
+"""Logits → next tokens: greedy, temperature, top-k, top-p, min-p, penalties, per-request seeds, logprobs.
+
+Each row is processed with its own parameters; greedy rows skip all the work but argmax. Log-probabilities
+are those of the model's distribution (before temperature and filters), as OpenAI reports them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .request import Request
+
+
+@dataclass
+class SampleResult:
+    token: int
+    logprob: float | None = None                 # of the chosen token
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    m = x.max()
+    return x - (m + np.log(np.exp(x - m).sum()))
+
+
+def apply_penalties(logits: np.ndarray, req: Request) -> np.ndarray:
+    p = req.params
+    if p.repetition_penalty != 1.0:
+        seen = np.unique(np.asarray(req.all_ids))
+        vals = logits[seen]
+        logits[seen] = np.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and req.output_ids:
+        ids, counts = np.unique(np.asarray(req.output_ids), return_counts=True)
+        logits[ids] -= p.presence_penalty + p.frequency_penalty * counts
+    return logits
+
+
+def filtered_probs(logits: np.ndarray, req: Request) -> np.ndarray:
+    """The distribution sampling draws from: penalties, temperature, then top-k, top-p and min-p filters."""
+    p = req.params
+    x = apply_penalties(logits.astype(np.float64, copy=True), req) / p.temperature
+    if 0 < p.top_k < x.size:
+        kth = np.partition(x, -p.top_k)[-p.top_k]
+        x[x < kth] = -np.inf
+    probs = np.exp(x - x.max())
+    probs /= probs.sum()
+    if p.top_p < 1.0:
+        order = np.argsort(-probs, kind="stable")
+        cum = np.cumsum(probs[order])
+        drop = order[np.searchsorted(cum, p.top_p, side="left") + 1:]    # keep the smallest set reaching top_p
+        probs[drop] = 0.0
+    if p.min_p > 0.0:
+        probs[probs < p.min_p * probs.max()] = 0.0
+    return probs / probs.sum()
+
+
+class Sampler:
+    def __init__(self):
+        self._rngs: dict[str, np.random.Generator] = {}
+
+    def rng(self, req: Request) -> np.random.Generator:
+        if req.request_id not in self._rngs:
+            self._rngs[req.request_id] = np.random.default_rng(req.params.seed)
+        return self._rngs[req.request_id]
+
+    def forget(self, req: Request) -> None:
+        self._rngs.pop(req.request_id, None)
+
+    def sample(self, logits: np.ndarray, req: Request) -> SampleResult:
+        """logits [vocab] float32 for one request → its next token."""
+        p = req.params
+        if p.greedy and p.repetition_penalty == 1.0 and not (p.presence_penalty or p.frequency_penalty):
+            token = int(logits.argmax())
+        elif p.greedy:
+            token = int(apply_penalties(logits.astype(np.float64), req).argmax())
+        else:
+            probs = filtered_probs(logits, req)
+            token = int(self.rng(req).choice(probs.size, p=probs))
+        if p.logprobs is None:
+            return SampleResult(token)
+        lp = log_softmax(logits.astype(np.float64))
+        top = []
+        if p.logprobs:
+            idx = np.argpartition(-lp, p.logprobs)[:p.logprobs]
+            idx = idx[np.argsort(-lp[idx])]
+            top = [(int(i), float(lp[i])) for i in idx]
+        return SampleResult(token, float(lp[token]), top)
