@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
+from pathlib import Path
+
+from .spec_decode.speculator import SpecConfig
 
 
 def available_memory_bytes() -> int:
@@ -55,9 +57,14 @@ class CacheConfig:
 class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
+    spec: SpecConfig = field(default_factory=SpecConfig)
+    draft: Path | None = None         # draft engine for speculative decoding
+    speculation: str | None = None    # None | "draft" (needs `draft`) | "ngram" (prompt lookup)
     threads: int | None = None        # ONNX Runtime intra-op threads; None: min(2, cores)
     verify_artifact: bool = True
 
-    @staticmethod
-    def default_threads() -> int:
-        return min(2, os.cpu_count() or 1)
+    def __post_init__(self):
+        if self.speculation not in (None, "draft", "ngram"):
+            raise ValueError("speculation must be 'draft', 'ngram' or None")
+        if (self.speculation == "draft") != (self.draft is not None):
+            raise ValueError("speculation='draft' and a draft engine go together")

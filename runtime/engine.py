@@ -16,13 +16,15 @@ from tokenizers import Tokenizer
 
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer, StopStringFilter
-from .kv.manager import KVCacheManager
-from .kv.slots import SlotRange
-from .model_runner import ModelRunner
+from .kv.manager import KVCacheManager, KVLayout
+from .model_runner import ModelRunner, check_same_tokenizer
 from .outputs import RequestOutput, SchedulePlan, Usage
 from .request import InvalidRequest, Request, RequestStatus, SamplingParams
 from .sampler import Sampler
 from .scheduler import Scheduler
+from .spec_decode.draft_model import DraftModelProposer
+from .spec_decode.ngram import NgramProposer
+from .spec_decode.speculator import Speculator
 
 
 class EngineOverloaded(RuntimeError):
@@ -57,23 +59,55 @@ class Engine:
         self.tokenizer = Tokenizer.from_file(str(Path(engine_dir) / "tokenizer.json"))
         self.eos_ids = frozenset(manifest["tokenizer"]["eos_token_ids"])
         self.max_model_len = min(config.cache.max_model_len or self.runner.max_seq_len, self.runner.max_seq_len)
-        self.kv = self._make_kv(config)
+        self.draft = ModelRunner(config.draft, threads=config.threads, verify=config.verify_artifact) if config.draft else None
+        layouts = [KVLayout(self.runner.num_layers, self.runner.kv_heads, self.runner.head_dim)]
+        if self.draft is not None:
+            check_same_tokenizer(self.runner, self.draft)
+            self.max_model_len = min(self.max_model_len, self.draft.max_seq_len)
+            layouts.append(KVLayout(self.draft.num_layers, self.draft.kv_heads, self.draft.head_dim))
+        self.kv = self._make_kv(config, layouts)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.sampler = Sampler()
+        self.speculator = None
+        if config.speculation is not None:
+            proposer = (DraftModelProposer(self.draft, self.kv.pools[1], self.sampler) if config.speculation == "draft"
+                        else NgramProposer())
+            self.speculator = Speculator(config.spec, proposer, self.runner, self.sampler)
         self.requests: dict[str, Request] = {}
         self._streams: dict[str, _Stream] = {}
         self.stats = EngineStats()
         self._warm_up()
 
     def _warm_up(self) -> None:
-        """ONNX Runtime's first runs pay for allocation and weight prepacking: pay it here, not in a user's TTFT."""
-        pool, slot = self.kv.slots, SlotRange(0, 1)
-        for n in (8, 1):
-            self.runner.execute(np.zeros((1, n), np.int64), np.array([n - 1], np.int32), np.array([n - 1]), pool, slot)
+        """ONNX Runtime's first runs pay for allocation and weight prepacking: pay it here, not in a user's TTFT.
+        With speculation, also measure the step costs its decisions are based on."""
+        models = [(self.runner, self.kv.slots)] + ([(self.draft, self.kv.pools[1])] if self.draft else [])
+        for runner, pool in models:
+            for n in (8, 1):
+                runner.prefill(pool, 0, [0] * n, 0)
+        if self.speculator is None:
+            return
+        cost, sizes = self.speculator.cost, [b for b in (1, 2, 4, 8, 16, 32) if b <= self.kv.slots.num_slots]
 
-    def _make_kv(self, config: EngineConfig) -> KVCacheManager:
-        r, c = self.runner, config.cache
-        token_bytes = 2 * r.num_layers * r.kv_heads * r.head_dim * 4
+        def timed(fn) -> float:
+            times = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+            return float(np.median(times))
+
+        for b in sizes:
+            rows = [(s, 0, 16) for s in range(b)]
+            cost.record("dec", b, timed(lambda: self.runner.decode(self.kv.slots, rows, set())))
+            if self.draft is not None:
+                cost.record("draft", b, timed(lambda: self.draft.decode(self.kv.pools[1], rows, set())))
+        for g in range(1, self.config.spec.max_gamma + 1):
+            cost.record("ver", g + 1, timed(lambda: self.runner.prefill(self.kv.slots, 0, [0] * (g + 1), 16, True)))
+
+    def _make_kv(self, config: EngineConfig, layouts: list[KVLayout]) -> KVCacheManager:
+        c = config.cache
+        token_bytes = sum(2 * m.num_layers * m.kv_heads * m.head_dim * 4 for m in layouts)
         budget = c.budget()
         slot_budget = budget * (1 - c.prefix_cache_fraction if c.enable_prefix_cache else 1)
         num_slots = min(config.scheduler.max_num_seqs, int(slot_budget // (token_bytes * self.max_model_len)))
@@ -81,7 +115,7 @@ class Engine:
             raise ValueError(f"KV budget {budget / 2**20:.0f} MiB cannot hold one sequence of {self.max_model_len} "
                              "tokens; raise the budget or lower max_model_len")
         num_blocks = int(budget * c.prefix_cache_fraction // (token_bytes * c.block_size)) if c.enable_prefix_cache else 0
-        return KVCacheManager(r.num_layers, r.kv_heads, r.head_dim, num_slots, self.max_model_len, num_blocks, c.block_size)
+        return KVCacheManager(layouts, num_slots, self.max_model_len, num_blocks, c.block_size)
 
     # -- requests ---------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str = "",
@@ -139,78 +173,78 @@ class Engine:
         self.stats.last_step_s, self.stats.last_batch = time.perf_counter() - t0, len(plan.decodes) + len(plan.chunks)
         return outputs
 
-    def _decode_groups(self, plan: SchedulePlan) -> list[list[Request]]:
-        """Decodes split into runs of slots that a single batched call may bind: a run may span free slots
-        (dummy rows) but never a slot of a running request that is not decoding this step."""
-        busy = {r.slot for r in self.scheduler.running} - {r.slot for r in plan.decodes}
-        groups: list[list[Request]] = []
-        for req in sorted(plan.decodes, key=lambda r: r.slot):
-            if groups and not any(s in busy for s in range(groups[-1][-1].slot + 1, req.slot)):
-                groups[-1].append(req)
-            else:
-                groups.append([req])
-        return groups
-
-    def _execute(self, plan: SchedulePlan) -> dict[str, np.ndarray]:
-        """Run the plan; returns logits [vocab] for every request that catches up this step."""
-        run, pool, out = self.runner, self.kv.slots, {}
-        for group in self._decode_groups(plan):
-            lo = group[0].slot
-            rows = group[-1].slot - lo + 1
-            ids, seqlens = np.zeros((rows, 1), np.int64), np.zeros(rows, np.int32)
-            for req in group:
-                ids[req.slot - lo, 0] = req.all_ids[req.num_computed]
-                seqlens[req.slot - lo] = req.num_computed
-            index = np.array([r.slot - lo for r in group], np.int64)
-            logits = run.execute(ids, seqlens, index, pool, SlotRange(lo, rows))
-            for req, row in zip(group, logits):
-                out[req.request_id] = row.copy()
+    def _execute(self, plan: SchedulePlan) -> tuple[dict[str, np.ndarray], dict[str, tuple]]:
+        """Run the plan. Returns (logits [vocab] for every request that catches up without speculating,
+        {request id: (emitted tokens, target KV length)} for the ones that speculated)."""
+        pool, logits = self.kv.slots, {}
+        running = {r.slot for r in self.scheduler.running}
+        gammas = self.speculator.plan(plan.decodes, self.max_model_len) if self.speculator else {}
+        spec = [r for r in plan.decodes if r.request_id in gammas]
+        plain = [r for r in plan.decodes if r.request_id not in gammas]
+        if plain:
+            t0 = time.perf_counter()
+            rows = [(r.slot, r.all_ids[r.num_computed], r.num_computed) for r in plain]
+            out = self.runner.decode(pool, rows, running - {r.slot for r in plain})
+            if self.speculator:
+                self.speculator.cost.record("dec", len(plain), time.perf_counter() - t0)
+            logits.update((r.request_id, row) for r, row in zip(plain, out))
         for req, n in plan.chunks:
-            start = req.num_computed
-            ids = np.asarray([req.all_ids[start:start + n]], np.int64)
-            logits = run.execute(ids, np.array([start + n - 1], np.int32), np.array([n - 1]), pool, SlotRange(req.slot, 1))
+            start, tokens = req.num_computed, req.all_ids[req.num_computed:req.num_computed + n]
+            last = self.runner.prefill(pool, req.slot, tokens, start)
+            if self.draft is not None and req.num_computed_draft == start:   # the draft reads the prompt too
+                self.draft.prefill(self.kv.pools[1], req.slot, tokens, start)
+                req.num_computed_draft = start + n
             if start + n == req.num_tokens:
-                out[req.request_id] = logits[0].copy()
-        return out
+                logits[req.request_id] = last[0]
+        speculated = {}
+        if spec:
+            busy = running - {r.slot for r in spec}
+            speculated = self.speculator.run(spec, [gammas[r.request_id] for r in spec], busy, pool)
+        return logits, speculated
 
-    def _update(self, plan: SchedulePlan, logits: dict[str, np.ndarray]) -> list[RequestOutput]:
+    def _update(self, plan: SchedulePlan, results: tuple[dict[str, np.ndarray], dict[str, tuple]]) -> list[RequestOutput]:
+        logits, speculated = results
         outputs = []
         for req, n in [(r, 1) for r in plan.decodes] + plan.chunks:
-            req.num_computed += n
-            self.stats.prompt_tokens += max(0, min(req.num_computed, len(req.prompt_ids)) - (req.num_computed - n))
+            before = req.num_computed
+            if req.request_id in speculated:
+                emitted, req.num_computed = speculated[req.request_id]
+            else:
+                req.num_computed += n
+                row = logits.get(req.request_id)
+                emitted = [self.sampler.sample(row, req)] if row is not None else []
+            self.stats.prompt_tokens += max(0, min(req.num_computed, len(req.prompt_ids)) - before)
             if self.config.cache.enable_prefix_cache:
                 self.kv.cache_computed(req)
-            row = logits.get(req.request_id)
-            if row is None:
-                continue
-            result = self.sampler.sample(row, req)
-            out = self._append(req, result)
-            if out is not None:
-                outputs.append(out)
+            if emitted:
+                outputs.append(self._append(req, emitted))
         return outputs
 
-    def _append(self, req: Request, result) -> RequestOutput | None:
+    def _append(self, req: Request, results: list) -> RequestOutput:
+        """Add sampled tokens to `req` (stopping at the first that finishes it); one output message for them."""
+        stream, p, text = self._streams[req.request_id], req.params, ""
         now = time.monotonic()
-        req.output_ids.append(result.token)
-        self.stats.generation_tokens += 1
-        if req.first_token_time is None:
-            req.first_token_time = now
-        stream, p = self._streams[req.request_id], req.params
-        stream.new_ids.append(result.token)
-        if p.logprobs is not None:
-            stream.new_logprobs.append({"token": result.token, "logprob": result.logprob, "top": result.top_logprobs})
-        reason, text, hit = None, "", False
-        if (result.token in self.eos_ids and not p.ignore_eos) or result.token in p.stop_token_ids:
-            reason = "stop"
-        else:
-            text, hit = stream.stops.feed(stream.detok.push(result.token))
-            if hit:
+        for result in results:
+            req.output_ids.append(result.token)
+            self.stats.generation_tokens += 1
+            if req.first_token_time is None:
+                req.first_token_time = now
+            stream.new_ids.append(result.token)
+            if p.logprobs is not None:
+                stream.new_logprobs.append({"token": result.token, "logprob": result.logprob, "top": result.top_logprobs})
+            reason, hit = None, False
+            if (result.token in self.eos_ids and not p.ignore_eos) or result.token in p.stop_token_ids:
                 reason = "stop"
-            elif len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
-                reason = "length"
-        if reason is None:
-            return self._emit(req, text)
-        return self._finish(req, reason, text, stop_string_hit=hit)
+            else:
+                delta, hit = stream.stops.feed(stream.detok.push(result.token))
+                text += delta
+                if hit:
+                    reason = "stop"
+                elif len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+                    reason = "length"
+            if reason is not None:
+                return self._finish(req, reason, text, stop_string_hit=hit)
+        return self._emit(req, text)
 
     def _emit(self, req: Request, text: str) -> RequestOutput:
         stream = self._streams[req.request_id]
@@ -224,6 +258,8 @@ class Engine:
             text += stream.stops.feed(stream.detok.flush())[0] + stream.stops.flush()
         self.scheduler.remove(req)
         self.sampler.forget(req)
+        if self.speculator:
+            self.speculator.forget(req)
         req.status, req.finish_reason, req.finish_time = RequestStatus.FINISHED, reason, time.monotonic()
         del self.requests[req.request_id]
         return RequestOutput(req.request_id, stream.new_ids, text, stream.new_logprobs or None, True, reason, usage(req))
@@ -251,4 +287,5 @@ def usage(req: Request) -> Usage:
     tpot = (req.finish_time - req.first_token_time) / (n - 1) if req.first_token_time and req.finish_time and n > 1 else None
     return Usage(len(req.prompt_ids), req.num_cached, n,
                  queue_wait_s=(req.first_scheduled - req.arrival) if req.first_scheduled else None,
-                 ttft_s=ttft, tpot_s=tpot, e2e_s=(req.finish_time - req.arrival) if req.finish_time else None)
+                 ttft_s=ttft, tpot_s=tpot, e2e_s=(req.finish_time - req.arrival) if req.finish_time else None,
+                 spec_proposed=req.spec_proposed, spec_accepted=req.spec_accepted)

@@ -18,6 +18,14 @@ from compile.errors import ArtifactError
 from .kv.slots import SlotPool, SlotRange
 
 
+def check_same_tokenizer(target: "ModelRunner", draft: "ModelRunner") -> None:
+    """Speculation compares token ids, so draft and target must tokenize identically."""
+    a, b = target.manifest["files"].get("tokenizer.json"), draft.manifest["files"].get("tokenizer.json")
+    if a is None or b is None or a["sha256"] != b["sha256"] or target.vocab_size > draft.vocab_size:
+        raise ArtifactError(f"draft engine {draft.engine_dir} does not share the target's tokenizer "
+                            f"({target.engine_dir}); speculative decoding needs the same tokenizer.json")
+
+
 def session_options(threads: int | None, config: dict[str, str] | None = None) -> ort.SessionOptions:
     """1–2 intra-op threads with spinning off: measured best on these 2-core machines (ort_notes §5)."""
     so = ort.SessionOptions()
@@ -83,3 +91,40 @@ class ModelRunner:
         io.bind_output("logits", "cpu", 0, np.float32, [n, self.vocab_size], self._logits.ctypes.data)
         self.session.run_with_iobinding(io)
         return self._logits[:n]
+
+    def decode(self, pool: SlotPool, rows: list[tuple[int, int, int]], busy: set[int]) -> np.ndarray:
+        """One new token for each of several sequences, batched by contiguous slot range.
+
+        Args:
+            rows: (slot, token id, position) per sequence; the position is the token's index in its sequence.
+            busy: slots of other live sequences, which a batch must not span (a spanned free slot only gets a
+                dummy row, whose KV write lands in memory nobody reads).
+        Returns:
+            logits [len(rows), vocab] in the order of `rows` (a fresh array).
+        """
+        order = sorted(range(len(rows)), key=lambda i: rows[i][0])
+        out = np.empty((len(rows), self.vocab_size), np.float32)
+        groups: list[list[int]] = []
+        for i in order:
+            slot = rows[i][0]
+            if groups and not any(s in busy for s in range(rows[groups[-1][-1]][0] + 1, slot)):
+                groups[-1].append(i)
+            else:
+                groups.append([i])
+        for group in groups:
+            lo = rows[group[0]][0]
+            width = rows[group[-1]][0] - lo + 1
+            ids, seqlens = np.zeros((width, 1), np.int64), np.zeros(width, np.int32)
+            for i in group:
+                slot, token, pos = rows[i]
+                ids[slot - lo, 0], seqlens[slot - lo] = token, pos
+            index = np.array([rows[i][0] - lo for i in group], np.int64)
+            out[group] = self.execute(ids, seqlens, index, pool, SlotRange(lo, width))
+        return out
+
+    def prefill(self, pool: SlotPool, slot: int, tokens: list[int], start: int, all_logits: bool = False) -> np.ndarray:
+        """Feed `tokens` at positions [start, start + len) of one sequence; logits of the last (or every) token."""
+        n = len(tokens)
+        index = np.arange(n) if all_logits else np.array([n - 1])
+        return self.execute(np.asarray([tokens], np.int64), np.array([start + n - 1], np.int32), index,
+                            pool, SlotRange(slot, 1)).copy()

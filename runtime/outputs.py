@@ -32,6 +32,8 @@ class Usage:
     ttft_s: float | None = None
     tpot_s: float | None = None   # mean time per output token after the first
     e2e_s: float | None = None
+    spec_proposed: int = 0        # speculative tokens proposed / accepted for this request
+    spec_accepted: int = 0
 
 
 @dataclass

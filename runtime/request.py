@@ -77,6 +77,9 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed: int = 0                      # tokens whose KV is in the slot
+    num_computed_draft: int = 0                # tokens whose KV is in the draft's slot (speculation)
+    spec_proposed: int = 0
+    spec_accepted: int = 0
     num_cached: int = 0                        # prompt tokens served from the prefix cache (first admission)
     slot: int | None = None
     finish_reason: str | None = None

@@ -78,6 +78,11 @@ class Sampler:
         else:
             probs = filtered_probs(logits, req)
             token = int(self.rng(req).choice(probs.size, p=probs))
+        return self.result(token, logits, req)
+
+    def result(self, token: int, logits: np.ndarray, req: Request) -> SampleResult:
+        """The chosen token with the log-probabilities the request asked for."""
+        p = req.params
         if p.logprobs is None:
             return SampleResult(token)
         lp = log_softmax(logits.astype(np.float64))

@@ -56,7 +56,8 @@ class Scheduler:
         self.kv.cache_computed(victim)
         self.running.remove(victim)
         self.kv.free(victim)
-        victim.num_computed, victim.status = 0, RequestStatus.PREEMPTED
+        victim.num_computed = victim.num_computed_draft = 0
+        victim.status = RequestStatus.PREEMPTED
         self.add(victim)
         return victim
 

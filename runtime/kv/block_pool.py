@@ -1,7 +1,7 @@
 """BlockPool: the prefix cache's full KV blocks — storage, reference counts, LRU free queue, hash → block.
 
-A block holds the K and V of `block_size` consecutive tokens for every layer ([kv_heads, block_size,
-head_dim] per layer), keyed by the chained hash of all tokens up to and including it. A block with
+A block holds the K and V of `block_size` consecutive tokens for every layer of every model that shares
+the cache (the target, and the draft when speculating; [kv_heads, block_size, head_dim] per layer), keyed by the chained hash of all tokens up to and including it. A block with
 reference count 0 sits in the free queue in least-recently-released order and keeps its contents until
 it is reused, so it can still be hit; allocation takes the oldest. The tokens and parent key of each
 block are stored and compared on lookup, so a hash collision can never return the wrong KV.
@@ -15,10 +15,10 @@ import numpy as np
 
 
 class BlockPool:
-    def __init__(self, num_layers: int, num_blocks: int, kv_heads: int, block_size: int, head_dim: int):
-        shape = (num_blocks, kv_heads, block_size, head_dim)
-        self.keys = [np.zeros(shape, np.float32) for _ in range(num_layers)]    # [blocks, kvh, bs, hd] each
-        self.values = [np.zeros(shape, np.float32) for _ in range(num_layers)]  # [blocks, kvh, bs, hd] each
+    def __init__(self, layer_shapes: list[tuple[int, int]], num_blocks: int, block_size: int):
+        """layer_shapes: (kv_heads, head_dim) of every layer of every model sharing the cache (target, draft)."""
+        self.keys = [np.zeros((num_blocks, h, block_size, d), np.float32) for h, d in layer_shapes]    # [blocks, kvh, bs, hd]
+        self.values = [np.zeros((num_blocks, h, block_size, d), np.float32) for h, d in layer_shapes]  # [blocks, kvh, bs, hd]
         self.num_blocks, self.block_size = num_blocks, block_size
         self.ref = [0] * num_blocks
         self.key: list[int | None] = [None] * num_blocks

@@ -19,6 +19,15 @@ from .hashing import hash_blocks
 from .slots import SlotPool
 
 
+@dataclass(frozen=True)
+class KVLayout:
+    """The KV shape of one model: the target, or the draft that speculates for it."""
+
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+
+
 @dataclass
 class CacheStats:
     queries: int = 0          # prompt tokens looked up in the prefix cache
@@ -27,11 +36,15 @@ class CacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, num_slots: int, slot_capacity: int,
-                 num_blocks: int, block_size: int):
-        self.slots = SlotPool(num_layers, num_slots, kv_heads, slot_capacity, head_dim)
-        self.blocks = BlockPool(num_layers, num_blocks, kv_heads, block_size, head_dim)
-        self.block_size, self.num_layers = block_size, num_layers
+    def __init__(self, layouts: list[KVLayout], num_slots: int, slot_capacity: int, num_blocks: int, block_size: int):
+        """layouts[0] is the target; further layouts (the draft) get slots with the same indices."""
+        self.pools = [SlotPool(m.num_layers, num_slots, m.kv_heads, slot_capacity, m.head_dim) for m in layouts]
+        self.slots = self.pools[0]
+        self.blocks = BlockPool([(m.kv_heads, m.head_dim) for m in layouts for _ in range(m.num_layers)],
+                                num_blocks, block_size)
+        # (pool, layer) of every block-pool layer, in the block pool's order
+        self._layers = [(pool, layer) for pool in self.pools for layer in range(pool.num_layers)]
+        self.block_size = block_size
         self._free_slots = list(range(num_slots))          # min-heap: lowest slot first keeps batches dense
         self._held: dict[str, list[int]] = {}               # request id → blocks it references, in order
         self._keys: dict[str, list[int]] = {}               # request id → chained keys of its full blocks
@@ -41,6 +54,10 @@ class KVCacheManager:
     @property
     def num_free_slots(self) -> int:
         return len(self._free_slots)
+
+    @property
+    def num_models(self) -> int:
+        return len(self.pools)
 
     @property
     def usage(self) -> float:
@@ -79,16 +96,18 @@ class KVCacheManager:
             held.append(block)
             parent = keys[i]
         self._copy_in(req.slot, held)
-        req.num_computed = len(held) * self.block_size
+        req.num_computed = req.num_computed_draft = len(held) * self.block_size
         self.stats.queries += len(req.prompt_ids)
         self.stats.hits += min(req.num_computed, len(req.prompt_ids))
         return True
 
     def cache_computed(self, req: Request) -> None:
-        """Copy newly completed full blocks of `req`'s computed tokens into the prefix cache."""
+        """Copy newly completed full blocks of `req` — tokens every model (target, draft) has computed — into the
+        prefix cache."""
         held = self._held[req.request_id]
         keys = self._keys_for(req)
-        full = min(req.num_computed // self.block_size, len(keys))
+        done = req.num_computed if len(self.pools) == 1 else min(req.num_computed, req.num_computed_draft)
+        full = min(done // self.block_size, len(keys))
         for i in range(len(held), full):
             parent = keys[i - 1] if i else 0
             tokens = self._tokens(req, i)
@@ -119,13 +138,13 @@ class KVCacheManager:
         if not blocks:
             return
         n, idx = len(blocks) * self.block_size, np.asarray(blocks)
-        for src, dst in ((self.blocks.keys, self.slots.keys), (self.blocks.values, self.slots.values)):
-            for layer in range(self.num_layers):
-                gathered = src[layer][idx]                                   # [nb, kvh, bs, hd]
-                dst[layer][slot, :, :n, :] = gathered.transpose(1, 0, 2, 3).reshape(gathered.shape[1], n, -1)
+        for j, (pool, layer) in enumerate(self._layers):
+            for src, dst in ((self.blocks.keys[j], pool.keys[layer]), (self.blocks.values[j], pool.values[layer])):
+                gathered = src[idx]                                          # [nb, kvh, bs, hd]
+                dst[slot, :, :n, :] = gathered.transpose(1, 0, 2, 3).reshape(gathered.shape[1], n, -1)
 
     def _copy_out(self, slot: int, i: int, block: int) -> None:
         rows = slice(i * self.block_size, (i + 1) * self.block_size)
-        for src, dst in ((self.slots.keys, self.blocks.keys), (self.slots.values, self.blocks.values)):
-            for layer in range(self.num_layers):
-                dst[layer][block] = src[layer][slot, :, rows, :]
+        for j, (pool, layer) in enumerate(self._layers):
+            self.blocks.keys[j][block] = pool.keys[layer][slot, :, rows, :]
+            self.blocks.values[j][block] = pool.values[layer][slot, :, rows, :]

@@ -23,7 +23,7 @@ class SlotPool:
         shape = (num_slots, kv_heads, capacity, head_dim)
         self.keys = [np.zeros(shape, np.float32) for _ in range(num_layers)]    # [slots, kvh, cap, hd] each
         self.values = [np.zeros(shape, np.float32) for _ in range(num_layers)]  # [slots, kvh, cap, hd] each
-        self.num_slots, self.capacity = num_slots, capacity
+        self.num_slots, self.capacity, self.num_layers = num_slots, capacity, num_layers
         self.slot_shape = shape[1:]
         self.slot_bytes = int(np.prod(shape[1:])) * 4
 

@@ -1,0 +1,1 @@
+"""Speculative decoding: proposers (draft model, n-gram), exact verification, adaptive speculation length."""

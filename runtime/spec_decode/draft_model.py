@@ -1,0 +1,72 @@
+"""Draft-model proposer: a small model with the target's tokenizer guesses γ tokens autoregressively.
+
+The draft has its own KV slots (same slot index as the target's, owned by the KVCacheManager) and tracks
+how many tokens of each sequence it has computed in `req.num_computed_draft`. Before proposing it catches
+up on tokens it has not seen (one batched step for the usual single token, a chunk for more), then takes
+γ-1 more batched single-token steps. Rejected guesses need no undo: the next round starts writing at the
+shorter length.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..kv.slots import SlotPool
+from ..model_runner import ModelRunner
+from ..request import Request
+from ..sampler import Sampler, filtered_probs
+from .proposer import Proposal
+
+
+class DraftModelProposer:
+    name = "draft"
+
+    def __init__(self, runner: ModelRunner, pool: SlotPool, sampler: Sampler):
+        self.runner, self.pool, self.sampler = runner, pool, sampler
+        self.step_cost_s = 0.0          # set by the engine's warm-up measurement
+
+    def _choose(self, logits: np.ndarray, req: Request) -> tuple[int, np.ndarray | None]:
+        if req.params.greedy:
+            return int(logits.argmax()), None
+        q = filtered_probs(logits, req)
+        return int(self.sampler.rng(req).choice(q.size, p=q)), q
+
+    def catch_up(self, req: Request, upto: int) -> np.ndarray:
+        """Feed tokens [num_computed_draft, upto) as one chunk; returns the last position's logits."""
+        start = req.num_computed_draft
+        logits = self.runner.prefill(self.pool, req.slot, req.all_ids[start:upto], start)
+        req.num_computed_draft = upto
+        return logits[0]
+
+    def propose(self, reqs: list[Request], gammas: list[int], busy: set[int]) -> list[Proposal]:
+        tokens: list[list[int]] = [[] for _ in reqs]
+        probs: list[list[np.ndarray]] = [[] for _ in reqs]
+        # First guess: sequences behind by several tokens catch up in a chunk, the rest in one batch.
+        single = [i for i, r in enumerate(reqs) if r.num_tokens - r.num_computed_draft == 1]
+        for i, r in enumerate(reqs):
+            if i not in single:
+                t, q = self._choose(self.catch_up(r, r.num_tokens), r)
+                tokens[i].append(t)
+                probs[i].append(q)
+        if single:
+            rows = [(reqs[i].slot, reqs[i].all_ids[-1], reqs[i].num_tokens - 1) for i in single]
+            for i, row in zip(single, self.runner.decode(self.pool, rows, busy)):
+                reqs[i].num_computed_draft = reqs[i].num_tokens
+                t, q = self._choose(row, reqs[i])
+                tokens[i].append(t)
+                probs[i].append(q)
+        # Further guesses, all sequences that still want more in one batch per step.
+        for k in range(1, max(gammas, default=0)):
+            active = [i for i, g in enumerate(gammas) if g > k]
+            if not active:
+                break
+            rows = [(reqs[i].slot, tokens[i][-1], reqs[i].num_tokens + k - 1) for i in active]
+            for i, row in zip(active, self.runner.decode(self.pool, rows, busy)):
+                reqs[i].num_computed_draft += 1
+                t, q = self._choose(row, reqs[i])
+                tokens[i].append(t)
+                probs[i].append(q)
+        return [Proposal(t, None if r.params.greedy else np.stack(p)) for t, p, r in zip(tokens, probs, reqs)]
+
+    def rollback(self, req: Request, num_valid: int) -> None:
+        req.num_computed_draft = min(req.num_computed_draft, num_valid)

@@ -1,0 +1,32 @@
+"""Prompt lookup (n-gram) proposer: guess that the text continues as it did after the last occurrence of its
+most recent n-gram. Free to run; pays off when the output copies its context (code edits, RAG, repetition)."""
+
+from __future__ import annotations
+
+from ..request import Request
+from .proposer import Proposal
+
+
+class NgramProposer:
+    name = "ngram"
+    step_cost_s = 0.0
+
+    def __init__(self, max_n: int = 4, min_n: int = 2):
+        self.max_n, self.min_n = max_n, min_n
+
+    def propose(self, reqs: list[Request], gammas: list[int], busy: set[int]) -> list[Proposal]:
+        return [Proposal(self.lookup(r.all_ids, g)) for r, g in zip(reqs, gammas)]
+
+    def lookup(self, ids: list[int], gamma: int) -> list[int]:
+        """The `gamma` tokens after the latest earlier match of the longest suffix n-gram (n ≥ min_n)."""
+        for n in range(min(self.max_n, len(ids) - 1), self.min_n - 1, -1):
+            tail = ids[-n:]
+            for start in range(len(ids) - n - 1, -1, -1):
+                if ids[start:start + n] == tail:
+                    follow = ids[start + n:start + n + gamma]
+                    if follow:
+                        return follow
+        return []
+
+    def rollback(self, req: Request, num_valid: int) -> None:
+        pass

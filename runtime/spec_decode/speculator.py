@@ -1,0 +1,142 @@
+"""Speculator: decides who speculates and how far (from measured costs and acceptance), then runs
+propose → verify → roll back for those sequences.
+
+Cost model (seconds, measured at warm-up and refreshed by every step that runs): t_dec(B) for a batched
+plain decode of B sequences, t_ver(S) for verifying S tokens of one sequence, t_draft(B) for one batched
+draft step. With acceptance α (per sequence, moving average) a round of γ guesses yields on average
+E(α, γ) = (1 − α^(γ+1)) / (1 − α) tokens. Sequences are added to the speculating set, best marginal
+gain first, only while doing so raises the step's tokens per second; so speculation switches itself off
+where it does not pay (low acceptance, or large batches where a plain decode step is cheap per token).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..model_runner import ModelRunner
+from ..request import Request
+from ..sampler import SampleResult, Sampler
+from . import rejection_sampler
+from .proposer import Proposer
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    max_gamma: int = 6
+    adaptive: bool = True           # False: always speculate max_gamma tokens (for tests and benchmarks)
+    prior_acceptance: float = 0.7
+    smoothing: float = 0.3          # weight of the latest round in the acceptance average
+
+    def __post_init__(self):
+        if not 1 <= self.max_gamma <= 16:
+            raise ValueError("max_gamma must be in [1, 16]")
+
+
+class CostModel:
+    """Measured step costs keyed by batch size or token count; linear interpolation between measured keys."""
+
+    def __init__(self):
+        self.table: dict[str, dict[int, float]] = {"dec": {}, "ver": {}, "draft": {}}
+
+    def record(self, kind: str, n: int, seconds: float) -> None:
+        old = self.table[kind].get(n)
+        self.table[kind][n] = seconds if old is None else 0.8 * old + 0.2 * seconds
+
+    def __call__(self, kind: str, n: int) -> float:
+        t = self.table[kind]
+        if not t:
+            return 0.0
+        if n in t:
+            return t[n]
+        keys = sorted(t)
+        return float(np.interp(n, keys, [t[k] for k in keys], right=None)) if n <= keys[-1] else t[keys[-1]] * n / keys[-1]
+
+
+@dataclass
+class SpecStats:
+    proposed: int = 0
+    accepted: int = 0
+    rounds: int = 0
+    acceptance: dict[str, float] = field(default_factory=dict)   # request id → moving average
+
+
+def expected_tokens(alpha: float, gamma: int) -> float:
+    alpha = min(alpha, 0.999)
+    return (1 - alpha ** (gamma + 1)) / (1 - alpha)
+
+
+class Speculator:
+    def __init__(self, config: SpecConfig, proposer: Proposer, target: ModelRunner, sampler: Sampler):
+        self.config, self.proposer, self.target, self.sampler = config, proposer, target, sampler
+        self.cost = CostModel()
+        self.stats = SpecStats()
+
+    def eligible(self, req: Request) -> bool:
+        """Penalties make each position's distribution depend on the guesses before it: not speculated."""
+        p = req.params
+        return p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
+
+    def max_gamma(self, req: Request, capacity: int) -> int:
+        left = min(req.params.max_tokens - len(req.output_ids), capacity - req.num_tokens) - 1
+        return max(0, min(self.config.max_gamma, left))
+
+    def plan(self, decodes: list[Request], capacity: int) -> dict[str, int]:
+        """γ per request id for the sequences that should speculate this step (others decode plainly)."""
+        cands = [(r, self.max_gamma(r, capacity)) for r in decodes if self.eligible(r)]
+        cands = [(r, g) for r, g in cands if g > 0]
+        if not self.config.adaptive:
+            return {r.request_id: g for r, g in cands}
+        n = len(decodes)
+        draft_per_seq = self.cost("draft", max(1, len(cands))) / max(1, len(cands))
+        options = []
+        for r, gmax in cands:
+            alpha = self.stats.acceptance.get(r.request_id, self.config.prior_acceptance)
+            best = max(range(1, gmax + 1), key=lambda g: expected_tokens(alpha, g) /
+                       (self.cost("ver", g + 1) + g * draft_per_seq))
+            cost = self.cost("ver", best + 1) + best * draft_per_seq
+            options.append((r, best, expected_tokens(alpha, best), cost))
+        # Greedy: add the best marginal gains while they raise the step's tokens per second.
+        marginal = self.cost("dec", n) - self.cost("dec", n - 1) if n > 1 else self.cost("dec", 1)
+        options.sort(key=lambda o: (o[2] - 1) / max(o[3] - marginal, 1e-9), reverse=True)
+        tokens, time, chosen = float(n), self.cost("dec", n), {}
+        for r, g, e, cost in options:
+            extra = cost - marginal
+            if extra <= 0 or (tokens + e - 1) / (time + extra) > tokens / time:
+                chosen[r.request_id] = g
+                tokens, time = tokens + e - 1, time + extra
+        return chosen
+
+    def run(self, reqs: list[Request], gammas: list[int], busy: set[int], pool) -> dict[str, tuple[list[SampleResult], int]]:
+        """Propose, verify (one target run per sequence) and roll back; returns id → (tokens, target KV length)."""
+        import time
+
+        t0 = time.perf_counter()
+        proposals = self.proposer.propose(reqs, gammas, busy)
+        if self.proposer.name == "draft" and reqs:
+            self.cost.record("draft", len(reqs), (time.perf_counter() - t0) / max(1, max(gammas)))
+        results = {}
+        for req, prop in zip(reqs, proposals):
+            n = req.num_tokens
+            t1 = time.perf_counter()
+            logits = self.target.prefill(pool, req.slot, [req.all_ids[-1]] + prop.tokens, n - 1, all_logits=True)
+            self.cost.record("ver", len(prop.tokens) + 1, time.perf_counter() - t1)
+            emitted, accepted = rejection_sampler.verify(logits, prop, req, self.sampler)
+            self.proposer.rollback(req, n + accepted)
+            self._account(req, len(prop.tokens), accepted)
+            results[req.request_id] = (emitted, n + accepted)
+        return results
+
+    def _account(self, req: Request, proposed: int, accepted: int) -> None:
+        if not proposed:
+            return
+        s = self.stats
+        s.proposed, s.accepted, s.rounds = s.proposed + proposed, s.accepted + accepted, s.rounds + 1
+        old = s.acceptance.get(req.request_id, self.config.prior_acceptance)
+        s.acceptance[req.request_id] = (1 - self.config.smoothing) * old + self.config.smoothing * accepted / proposed
+        req.spec_proposed += proposed
+        req.spec_accepted += accepted
+
+    def forget(self, req: Request) -> None:
+        self.stats.acceptance.pop(req.request_id, None)

@@ -1,0 +1,140 @@
+"""Speculative decoding is exact: greedy output equals plain greedy, sampled output follows the target's
+distribution, and rollback / preemption / abort mid-speculation leak nothing."""
+
+import random
+
+import numpy as np
+import pytest
+
+from compile.errors import ArtifactError
+from runtime.config import CacheConfig, EngineConfig, SchedulerConfig
+from runtime.engine import Engine
+from runtime.request import Request, SamplingParams
+from runtime.sampler import Sampler
+from runtime.spec_decode import rejection_sampler
+from runtime.spec_decode.ngram import NgramProposer
+from runtime.spec_decode.proposer import Proposal
+from runtime.spec_decode.speculator import SpecConfig, expected_tokens
+
+from test_engine import GREEDY, assert_no_leaks, assert_same_greedy, prompts, run_all
+
+CACHE = CacheConfig(kv_budget_bytes=32 << 20)
+
+
+def spec_engine(target, draft=None, method="draft", adaptive=False, gamma=4, **sched):
+    return Engine(target, EngineConfig(SchedulerConfig(**sched), CACHE, SpecConfig(max_gamma=gamma, adaptive=adaptive),
+                                       draft=draft if method == "draft" else None, speculation=method))
+
+
+@pytest.mark.parametrize("draft_name", ["qwen2", "llama"])
+def test_greedy_speculation_equals_plain(engine, draft_name):
+    """Draft = another model (low acceptance: many rejections) or the target itself (everything accepted)."""
+    target = engine("llama")
+    items = [(p, GREEDY) for p in prompts(6, seed=21)]
+    plain = run_all(Engine(target, EngineConfig(SchedulerConfig(max_num_seqs=6), CACHE)), items)
+    eng = spec_engine(target, engine(draft_name), max_num_seqs=6)
+    spec = run_all(eng, items, join_steps=[0, 0, 2, 3, 7, 11])
+    for a, b in zip(plain, spec):
+        assert_same_greedy(a, b)
+    s = eng.speculator.stats
+    assert s.proposed > 0
+    if draft_name == "llama":
+        assert s.accepted / s.proposed > 0.95
+        assert all(r["usage"].spec_accepted > 0 for r in spec)
+    assert_no_leaks(eng)
+
+
+def test_ngram_speculation_equals_plain(engine):
+    target = engine("qwen2")
+    rep = prompts(1, seed=4)[0][:12]
+    items = [(rep * 5, GREEDY), (prompts(1, seed=5)[0], GREEDY)]
+    plain = run_all(Engine(target, EngineConfig(cache=CACHE)), items)
+    eng = spec_engine(target, method="ngram")
+    for a, b in zip(plain, run_all(eng, items)):
+        assert_same_greedy(a, b)
+    assert eng.speculator.stats.proposed > 0
+    assert_no_leaks(eng)
+
+
+def test_ngram_lookup():
+    ng = NgramProposer(max_n=3, min_n=1)
+    assert ng.lookup([1, 2, 3, 4, 9, 1, 2, 3], 3) == [4, 9, 1]
+    assert ng.lookup([5, 6, 7], 2) == []
+
+
+def test_rejection_sampling_preserves_target_distribution():
+    """First emitted token over 20,000 trials is distributed as the target's p, whatever the draft's q."""
+    p_logits = np.log(np.array([0.5, 0.2, 0.15, 0.1, 0.05]))
+    q = np.array([0.1, 0.1, 0.6, 0.1, 0.1])
+    sampler, req = Sampler(), Request([0], SamplingParams(temperature=1.0, seed=3))
+    rng = np.random.default_rng(0)
+    counts = np.zeros(5)
+    for _ in range(20000):
+        x = int(rng.choice(5, p=q))
+        emitted, _ = rejection_sampler.verify(np.stack([p_logits, p_logits]), Proposal([x], q[None]), req, sampler)
+        counts[emitted[0].token] += 1
+    expected = np.exp(p_logits) * 20000
+    chi2 = ((counts - expected) ** 2 / expected).sum()
+    assert chi2 < 18.5, chi2          # p ≈ 0.001 for 4 degrees of freedom
+
+
+def test_sampled_speculation_matches_plain_sampling_statistics(engine):
+    """End to end with temperature: the first generated token's frequencies agree with plain sampling."""
+    target, prompt = engine("llama"), prompts(1, seed=30)[0]
+    draws = {"plain": [], "spec": []}
+    plain = Engine(target, EngineConfig(SchedulerConfig(max_num_seqs=16), CACHE))
+    spec = spec_engine(target, engine("qwen2"), max_num_seqs=16, gamma=3)
+    for name, eng in (("plain", plain), ("spec", spec)):
+        for seed in range(0, 600, 16):
+            outs = eng.generate([prompt] * 16, [SamplingParams(max_tokens=3, temperature=1.0, top_k=4, seed=seed + i,
+                                                               ignore_eos=True) for i in range(16)])
+            draws[name] += [o["token_ids"][1] for o in outs]
+    # Compare the second token's empirical distributions (it goes through verification) by total variation.
+    vocab = max(max(draws["plain"]), max(draws["spec"])) + 1
+    a = np.bincount(draws["plain"], minlength=vocab) / len(draws["plain"])
+    b = np.bincount(draws["spec"], minlength=vocab) / len(draws["spec"])
+    assert 0.5 * np.abs(a - b).sum() < 0.2
+    assert spec.speculator.stats.proposed > 0
+
+
+def test_abort_and_preemption_mid_speculation(engine):
+    eng = spec_engine(engine("llama"), engine("qwen2"), max_num_seqs=3, prefill_chunk=16, token_budget=40)
+    rng = random.Random(1)
+    live = []
+    for op in range(600):
+        r = rng.random()
+        if r < 0.35:
+            prompt = [rng.randint(3, 400) for _ in range(rng.randint(1, 40))]
+            req = eng.add_request(prompt, SamplingParams(max_tokens=rng.randint(1, 25), ignore_eos=True),
+                                  priority=rng.randint(0, 2))
+            live.append(req.request_id)
+        elif r < 0.55 and live:
+            eng.abort(live.pop(rng.randrange(len(live))))
+        else:
+            eng.step()
+    while eng.has_work():
+        eng.step()
+    assert eng.stats.preemptions > 0 and eng.speculator.stats.proposed > 0
+    assert_no_leaks(eng)
+
+
+def test_mismatched_tokenizer_rejected(checkpoint, engine, tmp_path):
+    import make_checkpoint
+    from compile.build import build
+    from compile.config import CompileConfig
+
+    other = make_checkpoint.write_checkpoint("tiny-llama", tmp_path / "ck", tokenizer_vocab=300)
+    draft = tmp_path / "draft"
+    build(CompileConfig(other, draft, report=False), log=lambda _: None)
+    with pytest.raises(ArtifactError, match="tokenizer"):
+        spec_engine(engine("llama"), draft)
+
+
+def test_adaptive_turns_off_when_it_cannot_pay(engine):
+    """A draft that is always wrong (acceptance 0 after a few rounds) is switched off."""
+    eng = Engine(engine("llama"), EngineConfig(SchedulerConfig(), CACHE, SpecConfig(max_gamma=4, adaptive=True),
+                                               draft=engine("qwen2"), speculation="draft"))
+    eng.generate([prompts(1, seed=40)[0]], SamplingParams(max_tokens=60, ignore_eos=True))
+    s = eng.speculator.stats
+    assert s.rounds < 40, "speculation should stop once acceptance is known to be low"
+    assert expected_tokens(0.0, 4) == 1.0 and expected_tokens(0.9, 4) > 4
