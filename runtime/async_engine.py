@@ -33,8 +33,9 @@ class _Submit:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine):
-        self.engine = engine
+    def __init__(self, engine: Engine, on_step=None):
+        """`on_step(engine)`, if given, runs on the loop thread after every step (metrics)."""
+        self.engine, self.on_step = engine, on_step
         self._inbox: list = []
         self._wake = threading.Condition()
         self._queues: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
@@ -128,6 +129,8 @@ class AsyncEngine:
                 outputs = self.engine.fail_all(f"internal error: {type(e).__name__}: {e}")
             for out in outputs:
                 self._deliver(out)
+            if self.on_step is not None:
+                self.on_step(self.engine)
 
 
 def _set_result(fut: asyncio.Future, value) -> None:

@@ -32,10 +32,16 @@ def main() -> None:
 @click.option("--seed", type=int, default=None, help="Makes sampling reproducible.")
 @click.option("--stop", multiple=True, help="Stop string (repeatable); not included in the output.")
 @click.option("--threads", type=click.IntRange(1), default=None, help="ONNX Runtime intra-op threads [default: min(2, cores)].")
+@click.option("--draft", type=click.Path(path_type=Path), default=None, help="Draft engine for speculative decoding.")
+@click.option("--speculation", type=click.Choice(["auto", "draft", "ngram", "off"]), default="auto", show_default=True,
+              help="auto: the draft if given (or bundled), else off.")
+@click.option("--server", default=None, metavar="HOST:PORT", help="Stream from a running `runtime serve` over gRPC instead.")
+@click.option("--api-key", envvar="QUICKSILVER_API_KEY", default=None, help="Bearer token for --server.")
 @click.option("--stats/--no-stats", default=True, show_default=True, help="Print TTFT, TPOT and cached tokens to stderr.")
 def generate(args: tuple[str, ...], max_tokens: int, temperature: float, top_k: int, top_p: float, min_p: float,
-             repetition_penalty: float, seed: int | None, stop: tuple[str, ...], threads: int | None, stats: bool) -> None:
-    """Stream a completion of PROMPT from a local engine (default: the bundled target model)."""
+             repetition_penalty: float, seed: int | None, stop: tuple[str, ...], threads: int | None, draft: Path | None,
+             speculation: str, server: str | None, api_key: str | None, stats: bool) -> None:
+    """Stream a completion of PROMPT from a local engine (default: the bundled target, with the bundled draft)."""
     from compile.errors import QuicksilverError
 
     from .config import EngineConfig, SchedulerConfig
@@ -45,11 +51,17 @@ def generate(args: tuple[str, ...], max_tokens: int, temperature: float, top_k: 
 
     if len(args) > 2:
         fail("expected [ENGINE_DIR] PROMPT (quote the prompt)")
+    if server:
+        return _generate_remote(server, api_key, args[-1], dict(max_tokens=max_tokens, temperature=temperature,
+                                top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
+                                stop=list(stop), **({"seed": seed} if seed is not None else {})), stats)
     try:
         engine_path = Path(args[0]) if len(args) == 2 else engine_dir("target")
+        draft, method = _speculation(draft, speculation, bundled=len(args) == 1)
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                                 repetition_penalty=repetition_penalty, seed=seed, stop=stop)
-        engine = Engine(engine_path, EngineConfig(SchedulerConfig(max_num_seqs=1), threads=threads))
+        engine = Engine(engine_path, EngineConfig(SchedulerConfig(max_num_seqs=1), threads=threads, draft=draft,
+                                                  speculation=method))
         req = engine.add_request(args[-1], params)
     except (QuicksilverError, InvalidRequest, FileNotFoundError, ValueError) as e:
         fail(str(e))
@@ -61,9 +73,106 @@ def generate(args: tuple[str, ...], max_tokens: int, temperature: float, top_k: 
                 click.echo()
                 u = out.usage
                 if stats:
-                    tpot = f"{u.tpot_s * 1e3:.2f} ms ({1 / u.tpot_s:.0f} tok/s)" if u.tpot_s else "n/a"
-                    click.echo(f"[{u.prompt_tokens} prompt tokens ({u.cached_tokens} cached), {u.completion_tokens} "
-                               f"generated, finish: {out.finish_reason}; TTFT {u.ttft_s * 1e3:.1f} ms, TPOT {tpot}]",
-                               err=True)
+                    _print_stats(u.prompt_tokens, u.cached_tokens, u.completion_tokens, out.finish_reason, u.ttft_s,
+                                 u.tpot_s, u.spec_proposed, u.spec_accepted)
                 return
         assert engine.has_work(), req
+
+
+def _print_stats(prompt, cached, completion, finish, ttft_s, tpot_s, proposed=0, accepted=0) -> None:
+    tpot = f"{tpot_s * 1e3:.2f} ms ({1 / tpot_s:.0f} tok/s)" if tpot_s else "n/a"
+    spec = f", speculation {accepted}/{proposed} accepted" if proposed else ""
+    click.echo(f"[{prompt} prompt tokens ({cached} cached), {completion} generated, finish: {finish}; "
+               f"TTFT {ttft_s * 1e3:.1f} ms, TPOT {tpot}{spec}]", err=True)
+
+
+def _speculation(draft: Path | None, method: str, bundled: bool) -> tuple[Path | None, str | None]:
+    """Resolve --draft/--speculation: auto uses the given draft, or the bundled one with the bundled target."""
+    from .defaults import engine_dir
+
+    if method == "off":
+        return None, None
+    if method == "ngram":
+        return None, "ngram"
+    if draft is None and (method == "draft" or bundled):
+        try:
+            draft = engine_dir("draft")
+        except FileNotFoundError:
+            if method == "draft":
+                raise
+    return (draft, "draft") if draft is not None else (None, None)
+
+
+def _generate_remote(server: str, api_key: str | None, prompt: str, sampling: dict, stats: bool) -> None:
+    import grpc
+
+    from .client import Client
+
+    click.echo(prompt, nl=False)
+    try:
+        with Client(server, api_key) as client:
+            for msg in client.generate(prompt, **sampling):
+                click.echo(msg.text, nl=False)
+                if msg.finish_reason:
+                    click.echo()
+                    u = msg.usage
+                    if stats:
+                        _print_stats(u.prompt_tokens, u.cached_tokens, u.completion_tokens, msg.finish_reason,
+                                     u.ttft_ms / 1e3, u.tpot_ms / 1e3, u.spec_proposed_tokens, u.spec_accepted_tokens)
+    except grpc.RpcError as e:
+        click.echo()
+        fail(f"{server}: {e.code().name}: {e.details()}")
+
+
+@main.command()
+@click.argument("engine", required=False, type=click.Path(path_type=Path))
+@click.option("--draft", type=click.Path(path_type=Path), default=None, help="Draft engine for speculative decoding.")
+@click.option("--speculation", type=click.Choice(["auto", "draft", "ngram", "off"]), default="auto", show_default=True,
+              help="auto: the draft if given (or bundled with the bundled target), else off.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Interface to listen on (loopback by default).")
+@click.option("--grpc-port", type=int, default=50051, show_default=True, help="gRPC port (-1: no gRPC).")
+@click.option("--http-port", type=int, default=8000, show_default=True, help="HTTP port (-1: no HTTP).")
+@click.option("--max-num-seqs", type=int, default=16, show_default=True, help="Sequences decoded together (KV slots).")
+@click.option("--max-waiting", type=int, default=64, show_default=True, help="Queued requests before shedding (429).")
+@click.option("--token-budget", type=int, default=512, show_default=True, help="Tokens computed per engine step.")
+@click.option("--prefill-chunk", type=int, default=256, show_default=True, help="Most prompt tokens per sequence per step.")
+@click.option("--max-model-len", type=int, default=None, help="Context per sequence [default: the engine's].")
+@click.option("--kv-budget-mib", type=int, default=None, help="KV memory (slots + prefix cache) [default: 25%% of RAM, ≤ 8 GiB].")
+@click.option("--no-prefix-cache", is_flag=True, help="Disable automatic prefix caching.")
+@click.option("--threads", type=click.IntRange(1), default=None, help="ONNX Runtime intra-op threads.")
+@click.option("--api-key", envvar="QUICKSILVER_API_KEY", default=None, help="Require this bearer token (env QUICKSILVER_API_KEY).")
+@click.option("--tls-cert", type=click.Path(path_type=Path), default=None, help="PEM certificate: serve gRPC and HTTP over TLS.")
+@click.option("--tls-key", type=click.Path(path_type=Path), default=None, help="PEM private key for --tls-cert.")
+@click.option("--served-model-name", default=None, help="Model id clients use [default: the engine folder's name].")
+@click.option("--request-timeout", type=float, default=600.0, show_default=True, help="Seconds any request may take.")
+@click.option("--max-body-bytes", type=int, default=1 << 20, show_default=True, help="Largest request body / message.")
+@click.option("--max-tokens-limit", type=int, default=None, help="Largest max_tokens a request may ask for.")
+@click.option("--grace", type=float, default=10.0, show_default=True, help="Seconds in-flight requests get on SIGTERM.")
+def serve(engine: Path | None, draft: Path | None, speculation: str, host: str, grpc_port: int, http_port: int,
+          max_num_seqs: int, max_waiting: int, token_budget: int, prefill_chunk: int, max_model_len: int | None,
+          kv_budget_mib: int | None, no_prefix_cache: bool, threads: int | None, api_key: str | None,
+          tls_cert: Path | None, tls_key: Path | None, served_model_name: str | None, request_timeout: float,
+          max_body_bytes: int, max_tokens_limit: int | None, grace: float) -> None:
+    """Serve ENGINE (default: the bundled target) over gRPC and OpenAI-compatible HTTP, with /metrics."""
+    import asyncio
+    import logging
+
+    from compile.errors import QuicksilverError
+
+    from .config import CacheConfig, EngineConfig, SchedulerConfig, ServerConfig
+    from .defaults import engine_dir
+    from .server.app import serve as run_server
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        engine_path = engine or engine_dir("target")
+        draft_path, method = _speculation(draft, speculation, bundled=engine is None)
+        econf = EngineConfig(SchedulerConfig(max_num_seqs, token_budget, prefill_chunk, max_waiting),
+                             CacheConfig(max_model_len=max_model_len, enable_prefix_cache=not no_prefix_cache,
+                                         kv_budget_bytes=kv_budget_mib << 20 if kv_budget_mib else None),
+                             threads=threads, draft=draft_path, speculation=method)
+        sconf = ServerConfig(host, grpc_port, http_port, api_key, tls_cert, tls_key, served_model_name, request_timeout,
+                             max_body_bytes, None, max_tokens_limit, grace)
+        asyncio.run(run_server(engine_path, econf, sconf))
+    except (QuicksilverError, FileNotFoundError, ValueError, OSError) as e:
+        fail(str(e))

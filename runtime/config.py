@@ -68,3 +68,28 @@ class EngineConfig:
             raise ValueError("speculation must be 'draft', 'ngram' or None")
         if (self.speculation == "draft") != (self.draft is not None):
             raise ValueError("speculation='draft' and a draft engine go together")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"           # loopback unless told otherwise
+    grpc_port: int = 50051            # 0: any free port; -1: no gRPC server
+    http_port: int = 8000             # 0: any free port; -1: no HTTP server
+    api_key: str | None = None        # bearer token required on gRPC and HTTP (except /health, /metrics)
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    model_name: str | None = None     # served model id; None: the engine folder's name
+    request_timeout_s: float = 600.0  # upper bound on any request (gRPC deadlines may be shorter)
+    max_body_bytes: int = 1 << 20     # HTTP body / gRPC message limit
+    max_prompt_tokens: int | None = None   # None: the context length
+    max_tokens_limit: int | None = None    # cap on max_tokens; None: the context length
+    grace_s: float = 10.0             # graceful shutdown: in-flight requests get this long to finish
+
+    def __post_init__(self):
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("TLS needs both --tls-cert and --tls-key")
+        for path in (self.tls_cert, self.tls_key):
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"TLS file not found: {path}")
+        if self.request_timeout_s <= 0 or self.grace_s < 0 or self.max_body_bytes < 1024:
+            raise ValueError("request_timeout_s > 0, grace_s ≥ 0 and max_body_bytes ≥ 1024 are required")

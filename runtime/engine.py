@@ -49,6 +49,7 @@ class EngineStats:
     preemptions: int = 0
     last_step_s: float = 0.0
     last_batch: int = 0
+    last_step_prefill: bool = False
 
 
 class Engine:
@@ -171,6 +172,7 @@ class Engine:
         outputs = self._update(plan, logits)
         self.stats.steps += 1
         self.stats.last_step_s, self.stats.last_batch = time.perf_counter() - t0, len(plan.decodes) + len(plan.chunks)
+        self.stats.last_step_prefill = bool(plan.chunks)
         return outputs
 
     def _execute(self, plan: SchedulePlan) -> tuple[dict[str, np.ndarray], dict[str, tuple]]:

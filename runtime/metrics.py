@@ -1,0 +1,73 @@
+"""Prometheus metrics: the only module that imports prometheus_client.
+
+Components count where things happen (Engine.stats, KVCacheManager.stats, Speculator.stats, request
+timings); this module turns those into a registry: histograms observed per request and per step, and
+gauges/counters refreshed from the engine's stats on every step.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the HTTP server)
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5, 5, 10, 20, 60)
+
+
+class Metrics:
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        h = lambda name, doc: Histogram(name, doc, registry=r, buckets=LATENCY_BUCKETS)  # noqa: E731
+        self.ttft = h("quicksilver_time_to_first_token_seconds", "Request arrival to first token")
+        self.tpot = h("quicksilver_time_per_output_token_seconds", "Mean time per output token after the first, per request")
+        self.itl = h("quicksilver_inter_token_latency_seconds", "Time between consecutive streamed messages")
+        self.e2e = h("quicksilver_e2e_request_latency_seconds", "Request arrival to last token")
+        self.queue = h("quicksilver_request_queue_time_seconds", "Request arrival to first schedule")
+        self.prefill_step = h("quicksilver_prefill_step_seconds", "Engine steps that computed prompt tokens")
+        self.decode_step = h("quicksilver_decode_step_seconds", "Engine steps that only decoded")
+        self.running = Gauge("quicksilver_requests_running", "Requests holding a KV slot", registry=r)
+        self.waiting = Gauge("quicksilver_requests_waiting", "Requests queued for a slot", registry=r)
+        self.kv_usage = Gauge("quicksilver_kv_cache_usage_percent", "KV slots in use, percent", registry=r)
+        self.prefix_blocks = Gauge("quicksilver_prefix_cache_blocks_in_use", "Prefix-cache blocks referenced", registry=r)
+        self.batch = Gauge("quicksilver_batch_size", "Sequences in the last engine step", registry=r)
+        self.prefix_queries = Counter("quicksilver_prefix_cache_queries_tokens", "Prompt tokens looked up", registry=r)
+        self.prefix_hits = Counter("quicksilver_prefix_cache_hits_tokens", "Prompt tokens served from the cache", registry=r)
+        self.spec_proposed = Counter("quicksilver_spec_proposed_tokens", "Speculative tokens proposed", registry=r)
+        self.spec_accepted = Counter("quicksilver_spec_accepted_tokens", "Speculative tokens accepted", registry=r)
+        self.prompt_tokens = Counter("quicksilver_prompt_tokens", "Prompt tokens computed", registry=r)
+        self.generation_tokens = Counter("quicksilver_generation_tokens", "Tokens generated", registry=r)
+        self.finished = Counter("quicksilver_requests_finished", "Finished requests", ["finish_reason"], registry=r)
+        self.errors = Counter("quicksilver_request_errors", "Rejected or failed requests", ["code"], registry=r)
+        self._seen = {"queries": 0, "hits": 0, "proposed": 0, "accepted": 0, "prompt": 0, "generation": 0, "steps": 0}
+
+    def on_step(self, engine) -> None:
+        """Called on the engine thread after every step: refresh gauges, advance counters, observe step time."""
+        st, kv = engine.stats, engine.kv
+        self.running.set(len(engine.scheduler.running))
+        self.waiting.set(engine.scheduler.num_waiting)
+        self.kv_usage.set(100.0 * kv.usage)
+        self.prefix_blocks.set(kv.blocks.num_in_use)
+        self.batch.set(st.last_batch)
+        spec = engine.speculator.stats if engine.speculator else None
+        current = {"queries": kv.stats.queries, "hits": kv.stats.hits, "prompt": st.prompt_tokens,
+                   "generation": st.generation_tokens, "steps": st.steps,
+                   "proposed": spec.proposed if spec else 0, "accepted": spec.accepted if spec else 0}
+        for key, counter in (("queries", self.prefix_queries), ("hits", self.prefix_hits), ("prompt", self.prompt_tokens),
+                             ("generation", self.generation_tokens), ("proposed", self.spec_proposed),
+                             ("accepted", self.spec_accepted)):
+            if current[key] > self._seen[key]:
+                counter.inc(current[key] - self._seen[key])
+        if current["steps"] > self._seen["steps"]:
+            (self.prefill_step if st.last_step_prefill else self.decode_step).observe(st.last_step_s)
+        self._seen = current
+
+    def on_finish(self, finish_reason: str, usage) -> None:
+        self.finished.labels(finish_reason=finish_reason).inc()
+        if usage is None:
+            return
+        for hist, value in ((self.ttft, usage.ttft_s), (self.tpot, usage.tpot_s), (self.e2e, usage.e2e_s),
+                            (self.queue, usage.queue_wait_s)):
+            if value is not None:
+                hist.observe(value)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

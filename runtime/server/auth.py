@@ -1,0 +1,41 @@
+"""Bearer-token checks shared by the gRPC interceptor and the HTTP middleware (constant-time compare)."""
+
+from __future__ import annotations
+
+import hmac
+
+import grpc
+
+OPEN_GRPC_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.")
+
+
+def token_ok(header: str | None, api_key: str) -> bool:
+    """`header` is the Authorization value; compares in constant time whatever its content."""
+    expected = f"Bearer {api_key}".encode()
+    return hmac.compare_digest((header or "").encode(), expected)
+
+
+class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
+    """Rejects calls without `authorization: Bearer <key>` metadata with UNAUTHENTICATED (health and reflection stay open)."""
+
+    def __init__(self, api_key: str):
+        self.api_key = api_key
+
+    async def intercept_service(self, continuation, details):
+        if details.method.startswith(OPEN_GRPC_PREFIXES):
+            return await continuation(details)
+        header = dict(details.invocation_metadata or ()).get("authorization")
+        if token_ok(header, self.api_key):
+            return await continuation(details)
+        handler = await continuation(details)
+
+        async def deny_stream(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+            yield  # pragma: no cover
+
+        async def deny_unary(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+
+        if handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(deny_stream, handler.request_deserializer, handler.response_serializer)
+        return grpc.unary_unary_rpc_method_handler(deny_unary, handler.request_deserializer, handler.response_serializer)

@@ -1,0 +1,106 @@
+"""Bridge: the one place where transports (gRPC, HTTP) meet the engine — limits, shedding, deadlines,
+draining, metrics and the per-request log line. Transports translate its exceptions into their own codes:
+
+    InvalidRequest → INVALID_ARGUMENT / 400      Overloaded → RESOURCE_EXHAUSTED / 429 (+ retry hint)
+    asyncio.TimeoutError → DEADLINE_EXCEEDED / 504   Draining → UNAVAILABLE / 503
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from ..async_engine import AsyncEngine
+from ..config import ServerConfig
+from ..engine import EngineOverloaded
+from ..metrics import Metrics
+from ..outputs import RequestOutput
+from ..request import InvalidRequest, SamplingParams
+
+log = logging.getLogger("quicksilver.server")
+
+
+class Overloaded(Exception):
+    def __init__(self, message: str, retry_after_s: float):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class Draining(Exception):
+    """The server is shutting down and takes no new requests."""
+
+
+class Bridge:
+    def __init__(self, aengine: AsyncEngine, metrics: Metrics, config: ServerConfig):
+        self.aengine, self.metrics, self.config = aengine, metrics, config
+        engine = aengine.engine
+        self.model_name = config.model_name or engine.runner.engine_dir.resolve().name
+        self.max_model_len = engine.max_model_len
+        self.tokenizer = engine.tokenizer
+        self.draining = False
+        self.in_flight = 0
+
+    def check_model(self, model: str | None) -> None:
+        if model and model != self.model_name:
+            raise InvalidRequest(f"unknown model {model!r}; this server serves {self.model_name!r}")
+
+    def check_limits(self, prompt, params: SamplingParams) -> None:
+        c = self.config
+        if c.max_tokens_limit is not None and params.max_tokens > c.max_tokens_limit:
+            raise InvalidRequest(f"max_tokens {params.max_tokens} exceeds this server's limit of {c.max_tokens_limit}")
+        if c.max_prompt_tokens is not None:
+            n = len(prompt) if isinstance(prompt, list) else len(self.tokenizer.encode(prompt).ids)
+            if n > c.max_prompt_tokens:
+                raise InvalidRequest(f"prompt has {n} tokens; this server accepts at most {c.max_prompt_tokens}")
+
+    async def stream(self, prompt: str | list[int], params: SamplingParams, request_id: str = "", priority: int = 0,
+                     timeout_s: float | None = None) -> AsyncIterator[RequestOutput]:
+        """Validate, admit and stream one request; the request is aborted if the consumer stops early."""
+        if self.draining:
+            raise Draining("the server is shutting down")
+        self.check_limits(prompt, params)
+        timeout = min(timeout_s or self.config.request_timeout_s, self.config.request_timeout_s)
+        deadline = time.monotonic() + timeout
+        gen = self.aengine.generate(prompt, params, request_id, priority)
+        self.in_flight += 1
+        last, rid, finished = time.monotonic(), request_id, None
+        try:
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise asyncio.TimeoutError
+                try:
+                    out = await asyncio.wait_for(gen.__anext__(), remaining)
+                except EngineOverloaded as e:
+                    self.metrics.errors.labels(code="overloaded").inc()
+                    raise Overloaded(str(e), retry_after_s=1.0) from None
+                except InvalidRequest:
+                    self.metrics.errors.labels(code="invalid_argument").inc()
+                    raise
+                except StopAsyncIteration:
+                    return
+                now = time.monotonic()
+                self.metrics.itl.observe(now - last)
+                last, rid = now, out.request_id
+                if out.finished:
+                    finished = out
+                yield out
+                if out.finished:
+                    return
+        except asyncio.TimeoutError:
+            self.metrics.errors.labels(code="deadline_exceeded").inc()
+            raise
+        finally:
+            self.in_flight -= 1
+            await gen.aclose()        # aborts the request (and frees its KV) if it did not finish
+            if finished is not None:
+                self.metrics.on_finish(finished.finish_reason, finished.usage)
+                u = finished.usage
+                log.info("%s prompt=%d cached=%d completion=%d ttft_ms=%.1f e2e_ms=%.1f finish=%s", rid,
+                         u.prompt_tokens, u.cached_tokens, u.completion_tokens, 1e3 * (u.ttft_s or 0),
+                         1e3 * (u.e2e_s or 0), finished.finish_reason)
+            elif rid:
+                self.metrics.on_finish("abort", None)
+                log.info("%s aborted (client gone, deadline or shutdown)", rid)

@@ -1,0 +1,105 @@
+"""gRPC transport (quicksilver.v1.Generation, grpc.health.v1, reflection): protobuf ⇄ Bridge, nothing else."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from ..config import ServerConfig
+from ..outputs import RequestOutput
+from ..request import InvalidRequest, SamplingParams
+from .auth import BearerAuthInterceptor
+from .bridge import Bridge, Draining, Overloaded
+from .proto import quicksilver_pb2 as pb
+from .proto import quicksilver_pb2_grpc as pb_grpc
+
+SERVICE = "quicksilver.v1.Generation"
+_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+           "frequency_penalty", "seed", "ignore_eos", "logprobs")
+
+
+def sampling_from_pb(s: pb.SamplingParams) -> SamplingParams:
+    kwargs = {f: getattr(s, f) for f in _FIELDS if s.HasField(f)}
+    for f in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+        if f in kwargs and kwargs[f] != kwargs[f]:   # NaN
+            raise InvalidRequest(f"{f} must be a number, not NaN")
+    return SamplingParams(**kwargs, stop=tuple(s.stop), stop_token_ids=tuple(int(t) for t in s.stop_token_ids))
+
+
+def response_to_pb(out: RequestOutput) -> pb.GenerateResponse:
+    msg = pb.GenerateResponse(request_id=out.request_id, token_ids=out.token_ids, text=out.text,
+                              finish_reason=out.finish_reason or "")
+    for lp in out.logprobs or []:
+        msg.logprobs.add(token_id=lp["token"], logprob=lp["logprob"],
+                         top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp["top"] or []])
+    if out.usage is not None:
+        u = out.usage
+        ms = lambda v: 1e3 * v if v is not None else 0.0  # noqa: E731
+        msg.usage.CopyFrom(pb.Usage(prompt_tokens=u.prompt_tokens, cached_tokens=u.cached_tokens,
+                                    completion_tokens=u.completion_tokens, spec_proposed_tokens=u.spec_proposed,
+                                    spec_accepted_tokens=u.spec_accepted, queue_wait_ms=ms(u.queue_wait_s),
+                                    ttft_ms=ms(u.ttft_s), tpot_ms=ms(u.tpot_s), e2e_ms=ms(u.e2e_s)))
+    return msg
+
+
+class GenerationServicer(pb_grpc.GenerationServicer):
+    def __init__(self, bridge: Bridge):
+        self.bridge = bridge
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        b = self.bridge
+        try:
+            b.check_model(request.model)
+            which = request.WhichOneof("prompt")
+            if which is None:
+                raise InvalidRequest("the request has no prompt (set text or token_ids)")
+            prompt = request.text if which == "text" else [int(t) for t in request.token_ids.ids]
+            params = sampling_from_pb(request.sampling)
+            async for out in b.stream(prompt, params, request.request_id, request.priority, context.time_remaining()):
+                yield response_to_pb(out)
+        except InvalidRequest as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except Overloaded as e:
+            context.set_trailing_metadata((("retry-after-ms", str(int(e.retry_after_s * 1000))),))
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{e}; retry after {e.retry_after_s:g} s")
+        except Draining as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        except asyncio.TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded; the request was aborted")
+
+    async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
+        return pb.TokenizeResponse(token_ids=self.bridge.tokenizer.encode(request.text).ids)
+
+    async def ModelInfo(self, request, context) -> pb.ModelInfoResponse:
+        engine = self.bridge.aengine.engine
+        m = engine.runner.manifest
+        return pb.ModelInfoResponse(model=self.bridge.model_name, architecture=m["model"]["architecture"],
+                                    precision=m["precision"]["weights"], max_model_len=engine.max_model_len,
+                                    vocab_size=engine.runner.vocab_size,
+                                    draft_model=str(engine.draft.engine_dir) if engine.draft else "",
+                                    speculation=engine.config.speculation or "")
+
+
+async def start_grpc(bridge: Bridge, config: ServerConfig) -> tuple[grpc.aio.Server, int, health.HealthServicer]:
+    """Start the gRPC server; returns (server, bound port, health servicer)."""
+    options = [("grpc.max_receive_message_length", config.max_body_bytes),
+               ("grpc.max_send_message_length", 16 << 20)]
+    interceptors = [BearerAuthInterceptor(config.api_key)] if config.api_key else []
+    server = grpc.aio.server(options=options, interceptors=interceptors)
+    pb_grpc.add_GenerationServicer_to_server(GenerationServicer(bridge), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    address = f"{config.host}:{config.grpc_port}"
+    if config.tls_cert:
+        creds = grpc.ssl_server_credentials([(config.tls_key.read_bytes(), config.tls_cert.read_bytes())])
+        port = server.add_secure_port(address, creds)
+    else:
+        port = server.add_insecure_port(address)
+    await server.start()
+    for name in ("", SERVICE):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, port, health_servicer
