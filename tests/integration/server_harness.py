@@ -1,0 +1,45 @@
+"""A real Quicksilver server on 127.0.0.1 with ephemeral ports, run on its own event-loop thread."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import threading
+
+import httpx
+
+from runtime.config import CacheConfig, EngineConfig, SchedulerConfig, ServerConfig
+from runtime.server.app import Server
+
+
+class ServerThread:
+    def __init__(self, engine_dir, engine_config: EngineConfig | None = None, **server_kwargs):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        econf = engine_config or EngineConfig(SchedulerConfig(max_num_seqs=4, max_waiting=8),
+                                              CacheConfig(kv_budget_bytes=32 << 20))
+        sconf = ServerConfig(grpc_port=0, http_port=0, **server_kwargs)
+        self.server = self._run(self._make(engine_dir, econf, sconf))
+        self._run(self.server.start())
+        scheme = "https" if sconf.tls_cert else "http"
+        self.grpc_target = f"127.0.0.1:{self.server.grpc_port}"
+        self.http_url = f"{scheme}://127.0.0.1:{self.server.http_port}"
+
+    async def _make(self, engine_dir, econf, sconf):
+        return Server(engine_dir, econf, sconf)
+
+    def _run(self, coro, timeout=60):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def metric(self, name: str, **labels) -> float:
+        text = httpx.get(f"{self.http_url}/metrics", verify=False).text
+        label = ",".join(f'{k}="{v}"' for k, v in labels.items())
+        pattern = rf"^{re.escape(name)}{re.escape('{' + label + '}') if label else ''} ([0-9.e+-]+)$"
+        m = re.search(pattern, text, re.M)
+        return float(m.group(1)) if m else 0.0
+
+    def stop(self) -> None:
+        self._run(self.server.stop())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)

@@ -1,0 +1,284 @@
+"""Real servers on 127.0.0.1: gRPC and HTTP behave like the in-process engine, fail cleanly on bad input,
+cancel, shed, honour deadlines, authenticate, speak TLS, report metrics and shut down gracefully."""
+
+import concurrent.futures
+import json
+import math
+import os
+import signal
+import ssl
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+
+from runtime.client import Client
+from runtime.config import CacheConfig, EngineConfig, SchedulerConfig
+from runtime.engine import Engine
+from runtime.request import SamplingParams
+from runtime.server.proto import quicksilver_pb2 as pb
+
+from server_harness import ServerThread
+
+PROMPT = "def main(argv):\n    return"
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    s = ServerThread(engine("llama"))
+    yield s
+    s.stop()
+
+
+def test_grpc_stream_equals_engine(server, engine):
+    want = Engine(engine("llama"), EngineConfig(cache=CacheConfig(kv_budget_bytes=32 << 20))).generate(
+        [PROMPT], SamplingParams(max_tokens=20, ignore_eos=True))[0]
+    with Client(server.grpc_target) as c:
+        msgs = list(c.generate(PROMPT, max_tokens=20, ignore_eos=True, temperature=0.0))
+        assert c.tokenize("def x")
+        info = c.model_info()
+    assert [t for m in msgs for t in m.token_ids] == want["token_ids"]
+    assert "".join(m.text for m in msgs) == want["text"]
+    assert all(not m.finish_reason for m in msgs[:-1]) and msgs[-1].finish_reason == "length"
+    assert msgs[-1].usage.completion_tokens == 20 and msgs[-1].usage.ttft_ms > 0
+    assert info.model == "llama-fp32" and info.max_model_len == 512
+
+
+def test_openai_client(server):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{server.http_url}/v1", api_key="unused")
+    model = client.models.list().data[0].id
+    done = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=12, temperature=0, stream=True) if c.choices)
+    assert done.choices[0].text == streamed and done.usage.completion_tokens == 12
+    assert done.usage.prompt_tokens_details.cached_tokens >= 0
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=5)
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 5
+    chunks = list(client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=5, stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.completion_tokens == 5
+
+
+BAD_GRPC = [
+    (dict(prompt=""), "empty"), (dict(prompt="x" * 3000), "context"), (dict(prompt=[1, 2, 10**9]), "token ids"),
+    (dict(temperature=-1.0), "temperature"), (dict(temperature=math.nan), "NaN"), (dict(top_p=1.5), "top_p"),
+    (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=-5), "max_tokens"), (dict(max_tokens=100000), "context"),
+    (dict(stop=["s"] * 40), "stop"), (dict(stop=["x" * 1000]), "stop"), (dict(model="gpt-7"), "unknown model"),
+]
+
+
+@pytest.mark.parametrize("kwargs,needle", BAD_GRPC)
+def test_grpc_bad_input(server, kwargs, needle):
+    kwargs = dict(kwargs)
+    prompt = kwargs.pop("prompt", PROMPT)
+    model = kwargs.pop("model", "")
+    with Client(server.grpc_target) as c:
+        with pytest.raises(grpc.RpcError) as err:
+            list(c.generate(prompt, model=model, **kwargs))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and needle in err.value.details()
+        assert len(list(c.generate(PROMPT, max_tokens=2))) >= 1          # still serving
+
+
+BAD_HTTP = [
+    (b"{not json", "malformed JSON"), (json.dumps({"prompt": ""}), "empty"),
+    (json.dumps({"prompt": PROMPT, "temperature": -1}), "temperature"),
+    (json.dumps({"prompt": PROMPT, "top_p": 0}), "top_p"), (json.dumps({"prompt": PROMPT, "max_tokens": 0}), "max_tokens"),
+    (json.dumps({"prompt": PROMPT, "model": "gpt-7"}), "unknown model"),
+    (json.dumps({"prompt": [1, 2, 10**9]}), "token ids"), (json.dumps({"prompt": PROMPT, "n": 3}), "n = 1"),
+    (json.dumps({"prompt": PROMPT, "max_tokens": 10**6}), "context"),
+    (json.dumps({"prompt": PROMPT, "stop": ["x"] * 30}), "stop"),
+]
+
+
+@pytest.mark.parametrize("body,needle", BAD_HTTP)
+def test_http_bad_input(server, body, needle):
+    r = httpx.post(f"{server.http_url}/v1/completions", content=body)
+    assert r.status_code == 400 and needle in r.json()["error"]["message"]
+    chat = httpx.post(f"{server.http_url}/v1/chat/completions", json={"messages": "nope"})
+    assert chat.status_code == 400
+    assert httpx.post(f"{server.http_url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}).status_code == 200
+
+
+def test_oversized_body(server):
+    r = httpx.post(f"{server.http_url}/v1/completions", content=b'{"prompt": "' + b"x" * (2 << 20) + b'"}')
+    assert r.status_code == 413
+
+
+def wait_until(cond, timeout=5.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_cancellation_frees_kv(server):
+    with Client(server.grpc_target) as c:
+        stream = c.generate(PROMPT, max_tokens=480, ignore_eos=True)
+        next(stream)
+        stream.close()                                       # client cancels
+    assert wait_until(lambda: server.metric("quicksilver_requests_running") == 0
+                      and server.metric("quicksilver_kv_cache_usage_percent") == 0)
+    with httpx.stream("POST", f"{server.http_url}/v1/completions",
+                      json={"prompt": PROMPT, "max_tokens": 480, "ignore_eos": True, "stream": True}) as r:
+        next(r.iter_lines())                                 # HTTP client reads one event and hangs up
+    assert wait_until(lambda: server.metric("quicksilver_requests_running") == 0
+                      and server.metric("quicksilver_kv_cache_usage_percent") == 0)
+    assert server.metric("quicksilver_requests_finished_total", finish_reason="abort") >= 2
+
+
+def test_shedding_is_fast(engine):
+    s = ServerThread(engine("llama"), EngineConfig(SchedulerConfig(max_num_seqs=1, max_waiting=1),
+                                                   CacheConfig(kv_budget_bytes=32 << 20)))
+    try:
+        def one(_):
+            t0 = time.monotonic()
+            try:
+                with Client(s.grpc_target) as c:
+                    list(c.generate(PROMPT, max_tokens=300, ignore_eos=True))
+                return "ok", time.monotonic() - t0, None
+            except grpc.RpcError as e:
+                return e.code().name, time.monotonic() - t0, dict(e.trailing_metadata() or ())
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(one, range(8)))
+        shed = [r for r in results if r[0] == "RESOURCE_EXHAUSTED"]
+        assert shed and all(r[1] < 1.0 for r in shed) and all("retry-after-ms" in r[2] for r in shed)
+        assert any(r[0] == "ok" for r in results)
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            codes = list(pool.map(lambda _: httpx.post(f"{s.http_url}/v1/completions", timeout=30, json={
+                "prompt": PROMPT, "max_tokens": 300, "ignore_eos": True}), range(8)))
+        limited = [r for r in codes if r.status_code == 429]
+        assert limited and all("Retry-After" in r.headers for r in limited)
+    finally:
+        s.stop()
+
+
+def test_deadlines(engine):
+    s = ServerThread(engine("llama"), EngineConfig(SchedulerConfig(max_num_seqs=1), CacheConfig(kv_budget_bytes=32 << 20)))
+    try:
+        def expired_grpc():
+            try:
+                list(c.generate(PROMPT, max_tokens=50, timeout=0.1))   # waits behind the long one, then expires
+            except grpc.RpcError as e:
+                return e.code()
+
+        with Client(s.grpc_target) as c, concurrent.futures.ThreadPoolExecutor(3) as pool:
+            long = pool.submit(lambda: list(c.generate(PROMPT, max_tokens=480, ignore_eos=True)))
+            time.sleep(0.03)
+            code = pool.submit(expired_grpc)
+            http = pool.submit(lambda: httpx.post(f"{s.http_url}/v1/completions",
+                                                  json={"prompt": PROMPT, "max_tokens": 50, "timeout": 0.1}))
+            assert code.result() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert http.result().status_code == 504
+            long.result()
+        assert wait_until(lambda: s.metric("quicksilver_requests_running") == 0 and not s.server.engine.requests)
+        assert s.metric("quicksilver_request_errors_total", code="deadline_exceeded") >= 1
+    finally:
+        s.stop()
+
+
+def test_auth(engine):
+    s = ServerThread(engine("llama"), api_key="s3cret")
+    try:
+        with Client(s.grpc_target) as c:
+            with pytest.raises(grpc.RpcError) as err:
+                list(c.generate(PROMPT, max_tokens=2))
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with Client(s.grpc_target, api_key="wrong") as c, pytest.raises(grpc.RpcError):
+            list(c.generate(PROMPT, max_tokens=2))
+        with Client(s.grpc_target, api_key="s3cret") as c:
+            assert list(c.generate(PROMPT, max_tokens=2))
+        url = f"{s.http_url}/v1/completions"
+        assert httpx.post(url, json={"prompt": PROMPT}).status_code == 401
+        assert httpx.post(url, json={"prompt": PROMPT}, headers={"Authorization": "Bearer nope"}).status_code == 401
+        assert httpx.post(url, json={"prompt": PROMPT, "max_tokens": 2},
+                          headers={"Authorization": "Bearer s3cret"}).status_code == 200
+        assert httpx.get(f"{s.http_url}/health").status_code == 200
+    finally:
+        s.stop()
+
+
+def self_signed(tmp: Path) -> tuple[Path, Path]:
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+    import datetime
+    import ipaddress
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(1).not_valid_before(now).not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
+                                                        x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+            .sign(key, hashes.SHA256()))
+    (tmp / "cert.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (tmp / "key.pem").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                    serialization.NoEncryption()))
+    return tmp / "cert.pem", tmp / "key.pem"
+
+
+def test_tls(engine, tmp_path):
+    pytest.importorskip("cryptography")
+    cert, key = self_signed(tmp_path)
+    s = ServerThread(engine("llama"), tls_cert=cert, tls_key=key)
+    try:
+        with Client(s.grpc_target, tls_ca=cert) as c:
+            assert list(c.generate(PROMPT, max_tokens=3))
+        r = httpx.post(f"{s.http_url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 3},
+                       verify=ssl.create_default_context(cafile=str(cert)))
+        assert r.status_code == 200
+    finally:
+        s.stop()
+
+
+def test_concurrent_clients_and_metrics(server):
+    before = server.metric("quicksilver_generation_tokens_total")
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        def one(i):
+            with Client(server.grpc_target) as c:
+                return sum(len(m.token_ids) for m in c.generate(PROMPT + " " * i, max_tokens=10, ignore_eos=True))
+        assert list(pool.map(one, range(12))) == [10] * 12
+    assert server.metric("quicksilver_generation_tokens_total") >= before + 120
+    assert server.metric("quicksilver_time_to_first_token_seconds_count") >= 12
+    assert server.metric("quicksilver_prefix_cache_queries_tokens_total") > 0
+
+
+def test_graceful_shutdown(engine):
+    exe = Path(sys.executable).parent / "runtime"
+    proc = subprocess.Popen([str(exe), "serve", str(engine("llama")), "--grpc-port", "0", "--http-port", "-1",
+                             "--grace", "10"], stderr=subprocess.PIPE, text=True)
+    try:
+        port = None
+        for line in proc.stderr:
+            if "serving" in line:
+                port = int(line.split("grpc=")[1].split()[0])
+                break
+        with Client(f"127.0.0.1:{port}") as c:
+            stream = c.generate(PROMPT, max_tokens=480, ignore_eos=True)
+            next(stream)
+            proc.send_signal(signal.SIGTERM)
+            rest = list(stream)                       # the in-flight request finishes
+        assert rest[-1].finish_reason == "length"
+        assert proc.wait(20) == 0
+    finally:
+        proc.kill()
+
+
+def test_generated_proto_in_sync(tmp_path):
+    pytest.importorskip("grpc_tools")
+    from runtime.server.proto.generate import generate
+
+    generate(tmp_path)
+    here = Path(__file__).resolve().parents[2] / "runtime" / "server" / "proto"
+    for name in ("quicksilver_pb2.py", "quicksilver_pb2_grpc.py"):
+        assert (tmp_path / "runtime/server/proto" / name).read_text() == (here / name).read_text(), \
+            f"{name} is stale: run python -m runtime.server.proto.generate"
