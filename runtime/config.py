@@ -23,7 +23,7 @@ def available_memory_bytes() -> int:
 class SchedulerConfig:
     max_num_seqs: int = 16            # running sequences (one KV slot each)
     token_budget: int = 512           # tokens computed per step (decodes + prefill chunks)
-    prefill_chunk: int = 256          # most tokens one sequence prefills per step: bounds stalls of decodes
+    prefill_chunk: int = 128          # most tokens one sequence prefills per step: bounds stalls of decodes
     max_waiting: int = 256            # queued requests beyond which submit refuses (backpressure)
 
     def __post_init__(self):

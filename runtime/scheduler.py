@@ -3,9 +3,10 @@
 There are no prefill or decode phases, only requests catching up: each step, every running request with
 one pending token joins the decode batch, requests with more pending tokens (new prompts, recompute after
 preemption) get a chunk of at most `prefill_chunk` tokens, and the step never exceeds `token_budget`.
-Because a chunk is capped below the budget, a long prompt never holds the step alone: decodes run every
-step, and a short request arriving behind a long prompt is admitted into the same step, so its time to
-first token is about one step rather than the long prompt's whole prefill.
+Decodes run every step, so a long prompt stalls them by at most one chunk. Prefills go shortest-remaining
+first, and in a step where a short prompt (at most one chunk) is prefilling, long prompts sit out: a short
+request arriving behind a 4k-token prompt waits for at most the step in progress, then gets its first
+token from a step without the long prompt's chunk.
 
 Order: lower `priority` first, then arrival (FCFS). A waiting request that finds no free slot may take the
 slot of the running request of the lowest priority (strictly lower than its own); the victim is
@@ -61,38 +62,40 @@ class Scheduler:
         self.add(victim)
         return victim
 
-    def schedule(self) -> SchedulePlan:
-        plan = SchedulePlan()
-        budget = self.config.token_budget
-        for req in sorted(self.running, key=lambda r: (r.priority, r.seq_no)):
-            if req.num_pending == 1:
-                plan.decodes.append(req)
-                budget -= 1
-        for req in sorted(self.running, key=lambda r: (r.priority, r.seq_no)):
-            if req.num_pending > 1 and budget > 0:
-                n = min(req.num_pending, self.config.prefill_chunk, budget)
-                plan.chunks.append((req, n))
-                budget -= n
-        while self.waiting and budget > 0:
+    def _admit(self, plan: SchedulePlan) -> None:
+        """Move waiting requests into free slots (preempting lower priorities when none is free)."""
+        while self.waiting:
             req = self.waiting[0][2]
             if len(self.running) >= self.config.max_num_seqs or not self.kv.allocate(req):
                 victim = self._preempt_for(req)
                 if victim is None or not self.kv.allocate(req):
-                    break
+                    return
                 plan.preempted.append(victim)
-                plan.decodes = [r for r in plan.decodes if r is not victim]
-                plan.chunks = [(r, n) for r, n in plan.chunks if r is not victim]
             heapq.heappop(self.waiting)
             if req.status is RequestStatus.WAITING:
                 req.num_cached = req.num_computed
                 req.first_scheduled = time.monotonic()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            if req.num_pending == 1:
-                plan.decodes.append(req)
-                budget -= 1
-            else:
-                n = min(req.num_pending, self.config.prefill_chunk, budget)
-                plan.chunks.append((req, n))
-                budget -= n
+
+    def schedule(self) -> SchedulePlan:
+        plan = SchedulePlan()
+        self._admit(plan)
+        budget = self.config.token_budget
+        chunk = self.config.prefill_chunk
+        by_priority = sorted(self.running, key=lambda r: (r.priority, r.seq_no))
+        plan.decodes = [r for r in by_priority if r.num_pending == 1]
+        budget -= len(plan.decodes)
+        # Prefills shortest-remaining first; while any short prompt (≤ one chunk) waits for its first token,
+        # long prompts sit this step out, so a short request's TTFT never includes a long prompt's chunk.
+        prefills = sorted((r for r in self.running if r.num_pending > 1), key=lambda r: (r.priority, r.num_pending))
+        short_waiting = any(r.num_pending <= chunk for r in prefills)
+        for req in prefills:
+            if budget <= 0:
+                break
+            if short_waiting and req.num_pending > chunk:
+                continue
+            n = min(req.num_pending, chunk, budget)
+            plan.chunks.append((req, n))
+            budget -= n
         return plan
