@@ -91,7 +91,8 @@ class HttpApi:
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{"id": self.bridge.model_name, "object": "model",
                                                          "created": 0, "owned_by": "quicksilver",
-                                                         "max_model_len": self.bridge.max_model_len}]})
+                                                         "max_model_len": self.bridge.max_model_len,
+                                                         "vocab_size": self.bridge.aengine.engine.runner.vocab_size}]})
 
     async def completions(self, request: Request) -> Response:
         return await self._handle(request, chat=False)
