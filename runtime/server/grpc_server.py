@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -45,6 +46,23 @@ def response_to_pb(out: RequestOutput) -> pb.GenerateResponse:
     return msg
 
 
+class Malformed:
+    """Stands in for a request that did not parse (e.g. invalid UTF-8), so the handler can answer INVALID_ARGUMENT
+    instead of gRPC's generic UNKNOWN."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+
+def lenient(message_type):
+    def parse(data: bytes):
+        try:
+            return message_type.FromString(data)
+        except DecodeError as e:
+            return Malformed(e)
+    return parse
+
+
 class GenerationServicer(pb_grpc.GenerationServicer):
     def __init__(self, bridge: Bridge):
         self.bridge = bridge
@@ -52,6 +70,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         b = self.bridge
         try:
+            if isinstance(request, Malformed):
+                raise InvalidRequest(f"malformed request: {request.error}")
             b.check_model(request.model)
             which = request.WhichOneof("prompt")
             if which is None:
@@ -71,6 +91,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded; the request was aborted")
 
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
+        if isinstance(request, Malformed):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {request.error}")
         return pb.TokenizeResponse(token_ids=self.bridge.tokenizer.encode(request.text).ids)
 
     async def ModelInfo(self, request, context) -> pb.ModelInfoResponse:
@@ -89,7 +111,16 @@ async def start_grpc(bridge: Bridge, config: ServerConfig) -> tuple[grpc.aio.Ser
                ("grpc.max_send_message_length", 16 << 20)]
     interceptors = [BearerAuthInterceptor(config.api_key)] if config.api_key else []
     server = grpc.aio.server(options=options, interceptors=interceptors)
-    pb_grpc.add_GenerationServicer_to_server(GenerationServicer(bridge), server)
+    servicer = GenerationServicer(bridge)
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(servicer.Generate, lenient(pb.GenerateRequest),
+                                                         pb.GenerateResponse.SerializeToString),
+        "Tokenize": grpc.unary_unary_rpc_method_handler(servicer.Tokenize, lenient(pb.TokenizeRequest),
+                                                        pb.TokenizeResponse.SerializeToString),
+        "ModelInfo": grpc.unary_unary_rpc_method_handler(servicer.ModelInfo, lenient(pb.ModelInfoRequest),
+                                                         pb.ModelInfoResponse.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)

@@ -84,6 +84,16 @@ def test_grpc_bad_input(server, kwargs, needle):
         assert len(list(c.generate(PROMPT, max_tokens=2))) >= 1          # still serving
 
 
+def test_grpc_invalid_utf8(server):
+    channel = grpc.insecure_channel(server.grpc_target)
+    raw = channel.unary_stream("/quicksilver.v1.Generation/Generate", request_serializer=lambda b: b,
+                               response_deserializer=lambda b: b)
+    with pytest.raises(grpc.RpcError) as err:
+        list(raw(b"\x12\x03\xff\xfe\xfd"))               # field `text` holding invalid UTF-8
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "UTF-8" in err.value.details()
+    channel.close()
+
+
 BAD_HTTP = [
     (b"{not json", "malformed JSON"), (json.dumps({"prompt": ""}), "empty"),
     (json.dumps({"prompt": PROMPT, "temperature": -1}), "temperature"),
@@ -92,6 +102,8 @@ BAD_HTTP = [
     (json.dumps({"prompt": [1, 2, 10**9]}), "token ids"), (json.dumps({"prompt": PROMPT, "n": 3}), "n = 1"),
     (json.dumps({"prompt": PROMPT, "max_tokens": 10**6}), "context"),
     (json.dumps({"prompt": PROMPT, "stop": ["x"] * 30}), "stop"),
+    (b'{"prompt": "\xff\xfe"}', "malformed JSON"),
+    (json.dumps({"prompt": PROMPT, "temperature": "hot"}), "temperature"),
 ]
 
 
@@ -247,7 +259,8 @@ def test_concurrent_clients_and_metrics(server):
             with Client(server.grpc_target) as c:
                 return sum(len(m.token_ids) for m in c.generate(PROMPT + " " * i, max_tokens=10, ignore_eos=True))
         assert list(pool.map(one, range(12))) == [10] * 12
-    assert server.metric("quicksilver_generation_tokens_total") >= before + 120
+    # Counters are refreshed after each engine step, right after its outputs are delivered.
+    assert wait_until(lambda: server.metric("quicksilver_generation_tokens_total") >= before + 120)
     assert server.metric("quicksilver_time_to_first_token_seconds_count") >= 12
     assert server.metric("quicksilver_prefix_cache_queries_tokens_total") > 0
 
