@@ -33,11 +33,13 @@ class Metrics:
         self.prefix_hits = Counter("quicksilver_prefix_cache_hits_tokens", "Prompt tokens served from the cache", registry=r)
         self.spec_proposed = Counter("quicksilver_spec_proposed_tokens", "Speculative tokens proposed", registry=r)
         self.spec_accepted = Counter("quicksilver_spec_accepted_tokens", "Speculative tokens accepted", registry=r)
+        self.spec_rounds = Counter("quicksilver_spec_verifications", "Verification passes (mean accepted length = "
+                                   "accepted / verifications; acceptance rate = accepted / proposed)", registry=r)
         self.prompt_tokens = Counter("quicksilver_prompt_tokens", "Prompt tokens computed", registry=r)
         self.generation_tokens = Counter("quicksilver_generation_tokens", "Tokens generated", registry=r)
         self.finished = Counter("quicksilver_requests_finished", "Finished requests", ["finish_reason"], registry=r)
         self.errors = Counter("quicksilver_request_errors", "Rejected or failed requests", ["code"], registry=r)
-        self._seen = {"queries": 0, "hits": 0, "proposed": 0, "accepted": 0, "prompt": 0, "generation": 0, "steps": 0}
+        self._seen = {"queries": 0, "hits": 0, "proposed": 0, "accepted": 0, "rounds": 0, "prompt": 0, "generation": 0, "steps": 0}
 
     def on_step(self, engine) -> None:
         """Called on the engine thread after every step: refresh gauges, advance counters, observe step time."""
@@ -50,10 +52,11 @@ class Metrics:
         spec = engine.speculator.stats if engine.speculator else None
         current = {"queries": kv.stats.queries, "hits": kv.stats.hits, "prompt": st.prompt_tokens,
                    "generation": st.generation_tokens, "steps": st.steps,
-                   "proposed": spec.proposed if spec else 0, "accepted": spec.accepted if spec else 0}
+                   "proposed": spec.proposed if spec else 0, "accepted": spec.accepted if spec else 0,
+                   "rounds": spec.rounds if spec else 0}
         for key, counter in (("queries", self.prefix_queries), ("hits", self.prefix_hits), ("prompt", self.prompt_tokens),
                              ("generation", self.generation_tokens), ("proposed", self.spec_proposed),
-                             ("accepted", self.spec_accepted)):
+                             ("accepted", self.spec_accepted), ("rounds", self.spec_rounds)):
             if current[key] > self._seen[key]:
                 counter.inc(current[key] - self._seen[key])
         if current["steps"] > self._seen["steps"]:
