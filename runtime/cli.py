@@ -140,6 +140,8 @@ def _generate_remote(server: str, api_key: str | None, prompt: str, sampling: di
 @click.option("--kv-budget-mib", type=int, default=None, help="KV memory (slots + prefix cache) [default: 25%% of RAM, ≤ 8 GiB].")
 @click.option("--no-prefix-cache", is_flag=True, help="Disable automatic prefix caching.")
 @click.option("--threads", type=click.IntRange(1), default=None, help="ONNX Runtime intra-op threads.")
+@click.option("--spin/--no-spin", default=False, show_default=True,
+              help="Let ONNX Runtime threads spin between ops: lower latency on an otherwise idle machine.")
 @click.option("--api-key", envvar="QUICKSILVER_API_KEY", default=None, help="Require this bearer token (env QUICKSILVER_API_KEY).")
 @click.option("--tls-cert", type=click.Path(path_type=Path), default=None, help="PEM certificate: serve gRPC and HTTP over TLS.")
 @click.option("--tls-key", type=click.Path(path_type=Path), default=None, help="PEM private key for --tls-cert.")
@@ -150,7 +152,7 @@ def _generate_remote(server: str, api_key: str | None, prompt: str, sampling: di
 @click.option("--grace", type=float, default=10.0, show_default=True, help="Seconds in-flight requests get on SIGTERM.")
 def serve(engine: Path | None, draft: Path | None, speculation: str, host: str, grpc_port: int, http_port: int,
           max_num_seqs: int, max_waiting: int, token_budget: int, prefill_chunk: int, max_model_len: int | None,
-          kv_budget_mib: int | None, no_prefix_cache: bool, threads: int | None, api_key: str | None,
+          kv_budget_mib: int | None, no_prefix_cache: bool, threads: int | None, spin: bool, api_key: str | None,
           tls_cert: Path | None, tls_key: Path | None, served_model_name: str | None, request_timeout: float,
           max_body_bytes: int, max_tokens_limit: int | None, grace: float) -> None:
     """Serve ENGINE (default: the bundled target) over gRPC and OpenAI-compatible HTTP, with /metrics."""
@@ -170,7 +172,7 @@ def serve(engine: Path | None, draft: Path | None, speculation: str, host: str, 
         econf = EngineConfig(SchedulerConfig(max_num_seqs, token_budget, prefill_chunk, max_waiting),
                              CacheConfig(max_model_len=max_model_len, enable_prefix_cache=not no_prefix_cache,
                                          kv_budget_bytes=kv_budget_mib << 20 if kv_budget_mib else None),
-                             threads=threads, draft=draft_path, speculation=method)
+                             threads=threads, spin=spin, draft=draft_path, speculation=method)
         sconf = ServerConfig(host, grpc_port, http_port, api_key, tls_cert, tls_key, served_model_name, request_timeout,
                              max_body_bytes, None, max_tokens_limit, grace)
         asyncio.run(run_server(engine_path, econf, sconf))

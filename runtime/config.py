@@ -61,6 +61,7 @@ class EngineConfig:
     draft: Path | None = None         # draft engine for speculative decoding
     speculation: str | None = None    # None | "draft" (needs `draft`) | "ngram" (prompt lookup)
     threads: int | None = None        # ONNX Runtime intra-op threads; None: min(2, cores)
+    spin: bool = False                # let ONNX Runtime's threads spin between ops (lower latency, burns a core)
     verify_artifact: bool = True
 
     def __post_init__(self):

@@ -55,12 +55,13 @@ class EngineStats:
 class Engine:
     def __init__(self, engine_dir: str | Path, config: EngineConfig | None = None):
         self.config = config = config or EngineConfig()
-        self.runner = ModelRunner(engine_dir, threads=config.threads, verify=config.verify_artifact)
+        self.runner = ModelRunner(engine_dir, threads=config.threads, verify=config.verify_artifact, spin=config.spin)
         manifest = self.runner.manifest
         self.tokenizer = Tokenizer.from_file(str(Path(engine_dir) / "tokenizer.json"))
         self.eos_ids = frozenset(manifest["tokenizer"]["eos_token_ids"])
         self.max_model_len = min(config.cache.max_model_len or self.runner.max_seq_len, self.runner.max_seq_len)
-        self.draft = ModelRunner(config.draft, threads=config.threads, verify=config.verify_artifact) if config.draft else None
+        self.draft = (ModelRunner(config.draft, threads=config.threads, verify=config.verify_artifact, spin=config.spin)
+                      if config.draft else None)
         layouts = [KVLayout(self.runner.num_layers, self.runner.kv_heads, self.runner.head_dim)]
         if self.draft is not None:
             check_same_tokenizer(self.runner, self.draft)

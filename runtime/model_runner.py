@@ -26,12 +26,12 @@ def check_same_tokenizer(target: "ModelRunner", draft: "ModelRunner") -> None:
                             f"({target.engine_dir}); speculative decoding needs the same tokenizer.json")
 
 
-def session_options(threads: int | None, config: dict[str, str] | None = None) -> ort.SessionOptions:
-    """1–2 intra-op threads with spinning off: measured best on these 2-core machines (ort_notes §5)."""
+def session_options(threads: int | None, config: dict[str, str] | None = None, spin: bool = False) -> ort.SessionOptions:
+    """min(2, cores) intra-op threads, spinning off unless asked (spinning burns a core between ops; see README)."""
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads or min(2, os.cpu_count() or 1)
     so.inter_op_num_threads = 1
-    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     so.log_severity_level = 3
     for key, value in (config or {}).items():   # what the graph needs, recorded by the compiler
@@ -40,14 +40,14 @@ def session_options(threads: int | None, config: dict[str, str] | None = None) -
 
 
 class ModelRunner:
-    def __init__(self, engine_dir: str | Path, threads: int | None = None, verify: bool = True):
+    def __init__(self, engine_dir: str | Path, threads: int | None = None, verify: bool = True, spin: bool = False):
         self.engine_dir = Path(engine_dir)
         self.manifest = artifact.load(self.engine_dir, verify=verify)
         if self.manifest.get("target") != "cpu":
             raise ArtifactError(f"{engine_dir} targets {self.manifest.get('target')!r}; this runtime runs 'cpu' engines")
         graph = self.engine_dir / self.manifest["graph"]["file"]
         try:
-            self.session = ort.InferenceSession(str(graph), session_options(threads, self.manifest["precision"].get("session_config")),
+            self.session = ort.InferenceSession(str(graph), session_options(threads, self.manifest["precision"].get("session_config"), spin),
                                                 providers=["CPUExecutionProvider"])
         except Exception as e:  # ORT raises its own exception types for any bad graph
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

@@ -54,12 +54,12 @@ def weight_bytes_per_token(engine: Path, manifest: dict) -> int:
     return total
 
 
-def measure(engine: Path, prompt_len: int, decode_steps: int, threads: int | None) -> dict:
+def measure(engine: Path, prompt_len: int, decode_steps: int, threads: int | None, spin: bool) -> dict:
     from runtime.kv.slots import SlotRange
     from runtime.model_runner import ModelRunner
 
     t0 = time.perf_counter()
-    runner = ModelRunner(engine, threads=threads)
+    runner = ModelRunner(engine, threads=threads, spin=spin)
     load_s = time.perf_counter() - t0
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, runner.vocab_size, prompt_len).astype(np.int64)[None]
@@ -97,17 +97,19 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--decode-steps", type=int, default=64)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--spin", action="store_true", help="let ONNX Runtime threads spin between ops")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     ap.add_argument("--single", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.single:
-        print(json.dumps(measure(args.engines[0], args.prompt_len, args.decode_steps, args.threads)))
+        print(json.dumps(measure(args.engines[0], args.prompt_len, args.decode_steps, args.threads, args.spin)))
         return
     bandwidth = read_bandwidth_gbs()
     rows = []
     for engine in args.engines:
         cmd = [sys.executable, __file__, str(engine), "--single", "--prompt-len", str(args.prompt_len),
-               "--decode-steps", str(args.decode_steps)] + (["--threads", str(args.threads)] if args.threads else [])
+               "--decode-steps", str(args.decode_steps)] + (["--threads", str(args.threads)] if args.threads else []) \
+            + (["--spin"] if args.spin else [])
         out = subprocess.run(cmd, capture_output=True, text=True)
         if out.returncode:
             sys.exit(f"{engine}: {out.stderr.strip().splitlines()[-1]}")
