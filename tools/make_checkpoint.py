@@ -26,6 +26,11 @@ PRESETS: dict[str, dict] = {
     "tiny-qwen2": dict(arch="Qwen2ForCausalLM", hidden=64, layers=2, heads=4, kv_heads=2, ffn=128, vocab=512, tied=True),
     "tiny-mistral": dict(arch="MistralForCausalLM", hidden=64, layers=2, heads=4, kv_heads=1, ffn=160, vocab=512,
                          tied=False, sliding_window=48),
+    # the shapes of the bundled pair (tools/train_demo.py), for benchmarks without training
+    "demo-target": dict(arch="LlamaForCausalLM", hidden=512, layers=6, heads=8, kv_heads=4, ffn=1408, vocab=8192,
+                        tied=True, max_pos=2048),
+    "demo-draft": dict(arch="LlamaForCausalLM", hidden=256, layers=2, heads=4, kv_heads=2, ffn=640, vocab=8192,
+                       tied=True, max_pos=2048),
     "smollm2-135m": dict(arch="LlamaForCausalLM", hidden=576, layers=30, heads=9, kv_heads=3, ffn=1536,
                          vocab=49152, tied=True, rope_theta=100000.0, max_pos=8192),
     "qwen2.5-0.5b": dict(arch="Qwen2ForCausalLM", hidden=896, layers=24, heads=14, kv_heads=2, ffn=4864,
