@@ -70,3 +70,20 @@ def test_prefix_hit_equals_miss_on_bundled(bundled):
     hit = eng.generate([long_prompt], params)[0]
     assert hit["usage"].cached_tokens > 500 and miss["usage"].cached_tokens == 0
     assert hit["token_ids"] == miss["token_ids"]
+
+
+def test_readme_first_command_defaults(tmp_path):
+    """`runtime generate "prompt"` with no engine builds the bundled pair once and speculates with it."""
+    import shutil
+    import subprocess
+    import sys
+
+    root = tmp_path / "checkout"
+    shutil.copytree(MODELS, root / "models")
+    exe = Path(sys.executable).parent / "runtime"
+    for _ in range(2):   # first run builds engines/, second reuses them
+        r = subprocess.run([str(exe), "generate", "def fibonacci(n):", "--max-tokens", "16"], cwd=root,
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.startswith("def fibonacci(n):") and "TTFT" in r.stderr
+    assert (root / "engines" / "target" / "manifest.json").is_file() and (root / "engines" / "draft").is_dir()
