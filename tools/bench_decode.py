@@ -38,6 +38,13 @@ def read_bandwidth_gbs(threads: int = 2, mib: int = 512, repeats: int = 5) -> fl
     return best
 
 
+def pool_copy(pool, src: int, dst: int, rows: int) -> None:
+    """Give slot `dst` the first `rows` KV rows of slot `src` (same prompt, no second prefill)."""
+    for arrays in (pool.keys, pool.values):
+        for a in arrays:
+            a[dst, :, :rows] = a[src, :, :rows]
+
+
 def weight_bytes_per_token(engine: Path, manifest: dict) -> int:
     """Bytes of weights a batch-1 decode step reads (as resident at run time: fp8 is folded to fp32)."""
     model = onnx.load(str(engine / manifest["graph"]["file"]), load_external_data=False)
@@ -54,15 +61,19 @@ def weight_bytes_per_token(engine: Path, manifest: dict) -> int:
     return total
 
 
-def measure(engine: Path, prompt_len: int, decode_steps: int, threads: int | None, spin: bool) -> dict:
+def measure(engine: Path, prompt_len: int, decode_steps: int, threads: int | None, spin: bool,
+            prompt_file: Path | None = None) -> dict:
     from runtime.kv.slots import SlotRange
     from runtime.model_runner import ModelRunner
 
     t0 = time.perf_counter()
     runner = ModelRunner(engine, threads=threads, spin=spin)
     load_s = time.perf_counter() - t0
-    rng = np.random.default_rng(0)
-    prompt = rng.integers(0, runner.vocab_size, prompt_len).astype(np.int64)[None]
+    if prompt_file is not None:   # the peers' prompt (shared/peers: prompt_512.json), for side-by-side runs
+        ids = json.loads(prompt_file.read_text())["ids"][:prompt_len]
+    else:
+        ids = np.random.default_rng(0).integers(0, runner.vocab_size, prompt_len).tolist()
+    prompt = np.asarray([ids], np.int64)
     pool = runner.new_pool(8, capacity=prompt_len + decode_steps + 8)
 
     ttft = []
@@ -74,15 +85,15 @@ def measure(engine: Path, prompt_len: int, decode_steps: int, threads: int | Non
 
     result = {"engine": str(engine), "precision": runner.manifest["precision"]["weights"], "load_s": round(load_s, 3),
               "ttft_ms": round(1e3 * float(np.median(ttft)), 2)}
-    short = 64  # decode context: a 64-token prompt per row, prefilled per slot
+    # decode right after the prompt (context prompt_len … prompt_len + decode_steps), every row the same prompt
+    for s in range(1, 8):
+        pool_copy(pool, 0, s, prompt_len)
     for batch in (1, 8):
-        for s in range(batch):
-            runner.execute(prompt[:, :short], np.array([short - 1], np.int32), np.array([short - 1]), pool, SlotRange(s, 1))
-        tokens = np.full((batch, 1), 1, np.int64)
+        tokens = np.full((batch, 1), int(logits.argmax()), np.int64)
         steps = []
         for i in range(decode_steps):
             t = time.perf_counter()
-            logits = runner.execute(tokens, np.full(batch, short + i, np.int32), np.arange(batch), pool, SlotRange(0, batch))
+            logits = runner.execute(tokens, np.full(batch, prompt_len + i, np.int32), np.arange(batch), pool, SlotRange(0, batch))
             tokens = logits.argmax(-1).astype(np.int64)[:, None]
             steps.append(time.perf_counter() - t)
         result[f"decode_b{batch}_tok_s"] = round(batch / float(np.median(steps)), 1)
@@ -98,18 +109,20 @@ def main() -> None:
     ap.add_argument("--decode-steps", type=int, default=64)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--spin", action="store_true", help="let ONNX Runtime threads spin between ops")
+    ap.add_argument("--prompt-file", type=Path, default=None, help='JSON {"ids": [...]} (e.g. the peers\' prompt_512.json)')
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     ap.add_argument("--single", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.single:
-        print(json.dumps(measure(args.engines[0], args.prompt_len, args.decode_steps, args.threads, args.spin)))
+        print(json.dumps(measure(args.engines[0], args.prompt_len, args.decode_steps, args.threads, args.spin,
+                                 args.prompt_file)))
         return
     bandwidth = read_bandwidth_gbs()
     rows = []
     for engine in args.engines:
         cmd = [sys.executable, __file__, str(engine), "--single", "--prompt-len", str(args.prompt_len),
                "--decode-steps", str(args.decode_steps)] + (["--threads", str(args.threads)] if args.threads else []) \
-            + (["--spin"] if args.spin else [])
+            + (["--spin"] if args.spin else []) + (["--prompt-file", str(args.prompt_file)] if args.prompt_file else [])
         out = subprocess.run(cmd, capture_output=True, text=True)
         if out.returncode:
             sys.exit(f"{engine}: {out.stderr.strip().splitlines()[-1]}")
