@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 BUNDLED = {"target": "models/target", "draft": "models/draft"}
@@ -23,6 +24,6 @@ def engine_dir(role: str = "target", root: Path | None = None) -> Path:
     from compile.build import build
     from compile.config import CompileConfig
 
-    print(f"building the bundled {role} engine: {model} → {engine} (once)", flush=True)
+    print(f"building the bundled {role} engine: {model} → {engine} (once)", file=sys.stderr, flush=True)
     build(CompileConfig(model, engine, "int8", overwrite=True, report=False), log=lambda _: None)
     return engine
