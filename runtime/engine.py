@@ -85,6 +85,7 @@ class Engine:
         With speculation, also measure the step costs its decisions are based on."""
         models = [(self.runner, self.kv.slots)] + ([(self.draft, self.kv.pools[1])] if self.draft else [])
         for runner, pool in models:
+            pool.prefault()
             for n in (8, 1):
                 runner.prefill(pool, 0, [0] * n, 0)
         if self.speculator is None:

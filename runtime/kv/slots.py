@@ -27,6 +27,13 @@ class SlotPool:
         self.slot_shape = shape[1:]
         self.slot_bytes = int(np.prod(shape[1:])) * 4
 
+    def prefault(self) -> None:
+        """Touch every page now. GroupQueryAttention writes across a slot's whole capacity the first time the slot
+        is used, so untouched (lazily allocated) slots cost up to a second of page faults inside a request;
+        the budget is reserved up front instead, as GPU servers reserve theirs."""
+        for array in self.keys + self.values:
+            array.fill(0.0)
+
     @property
     def nbytes(self) -> int:
         return 2 * len(self.keys) * self.num_slots * self.slot_bytes

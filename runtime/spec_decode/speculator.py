@@ -90,22 +90,25 @@ class Speculator:
             return {r.request_id: g for r, g in cands}
         n = len(decodes)
         draft_per_seq = self.cost("draft", max(1, len(cands))) / max(1, len(cands))
+        round_cost = [0.0] + [self.cost("ver", g + 1) + g * draft_per_seq for g in range(1, self.config.max_gamma + 1)]
         options = []
         for r, gmax in cands:
             alpha = self.stats.acceptance.get(r.request_id, self.config.prior_acceptance)
-            best = max(range(1, gmax + 1), key=lambda g: expected_tokens(alpha, g) /
-                       (self.cost("ver", g + 1) + g * draft_per_seq))
-            cost = self.cost("ver", best + 1) + best * draft_per_seq
-            options.append((r, best, expected_tokens(alpha, best), cost))
+            best = max(range(1, gmax + 1), key=lambda g: expected_tokens(alpha, g) / round_cost[g])
+            options.append((r, best, expected_tokens(alpha, best), round_cost[best]))
         # Greedy: add the best marginal gains while they raise the step's tokens per second.
-        marginal = self.cost("dec", n) - self.cost("dec", n - 1) if n > 1 else self.cost("dec", 1)
+        plain_time = self.cost("dec", n)
+        marginal = plain_time - self.cost("dec", n - 1) if n > 1 else plain_time
         options.sort(key=lambda o: (o[2] - 1) / max(o[3] - marginal, 1e-9), reverse=True)
-        tokens, time, chosen = float(n), self.cost("dec", n), {}
+        tokens, time, chosen = float(n), plain_time, {}
         for r, g, e, cost in options:
-            extra = cost - marginal
-            if extra <= 0 or (tokens + e - 1) / (time + extra) > tokens / time:
-                chosen[r.request_id] = g
-                tokens, time = tokens + e - 1, time + extra
+            gain, extra = e - 1, cost - marginal
+            if gain <= 0.05:          # acceptance known to be ~0: nothing to win
+                continue
+            if extra > 0 and (tokens + gain) / (time + extra) <= tokens / time:
+                break
+            chosen[r.request_id] = g
+            tokens, time = tokens + gain, time + extra
         return chosen
 
     def run(self, reqs: list[Request], gammas: list[int], busy: set[int], pool) -> dict[str, tuple[list[SampleResult], int]]:
