@@ -89,6 +89,8 @@ class Scheduler:
         # Prefills shortest-remaining first; while any short prompt (≤ one chunk) waits for its first token,
         # long prompts sit this step out, so a short request's TTFT never includes a long prompt's chunk.
         prefills = sorted((r for r in self.running if r.num_pending > 1), key=lambda r: (r.priority, r.num_pending))
+        if not plan.decodes and len(prefills) == 1:
+            chunk = budget            # alone: nobody to stall, so no reason to cut the prompt into chunks
         short_waiting = any(r.num_pending <= chunk for r in prefills)
         for req in prefills:
             if budget <= 0:

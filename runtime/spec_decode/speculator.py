@@ -41,8 +41,10 @@ class CostModel:
         self.table: dict[str, dict[int, float]] = {"dec": {}, "ver": {}, "draft": {}}
 
     def record(self, kind: str, n: int, seconds: float) -> None:
+        """Moving average; a sample far above the current estimate (a page fault, a GC pause, another process)
+        is clipped, so one outlier cannot flip decisions that would then never re-measure it."""
         old = self.table[kind].get(n)
-        self.table[kind][n] = seconds if old is None else 0.8 * old + 0.2 * seconds
+        self.table[kind][n] = seconds if old is None else 0.8 * old + 0.2 * min(seconds, 1.5 * old)
 
     def __call__(self, kind: str, n: int) -> float:
         t = self.table[kind]
