@@ -62,11 +62,11 @@ def generate(args: tuple[str, ...], max_tokens: int, temperature: float, top_k: 
                                 repetition_penalty=repetition_penalty, seed=seed, stop=stop)
         engine = Engine(engine_path, EngineConfig(SchedulerConfig(max_num_seqs=1), threads=threads, draft=draft,
                                                   speculation=method))
-        req = engine.add_request(args[-1], params)
+        engine.add_request(args[-1], params)
     except (QuicksilverError, InvalidRequest, FileNotFoundError, ValueError) as e:
         fail(str(e))
     click.echo(args[-1], nl=False)
-    while True:
+    while engine.has_work():
         for out in engine.step():
             click.echo(out.text, nl=False)
             if out.finished:
@@ -75,8 +75,6 @@ def generate(args: tuple[str, ...], max_tokens: int, temperature: float, top_k: 
                 if stats:
                     _print_stats(u.prompt_tokens, u.cached_tokens, u.completion_tokens, out.finish_reason, u.ttft_s,
                                  u.tpot_s, u.spec_proposed, u.spec_accepted)
-                return
-        assert engine.has_work(), req
 
 
 def _print_stats(prompt, cached, completion, finish, ttft_s, tpot_s, proposed=0, accepted=0) -> None:
