@@ -77,6 +77,7 @@ class Engine:
             self.speculator = Speculator(config.spec, proposer, self.runner, self.sampler)
         self.requests: dict[str, Request] = {}
         self._streams: dict[str, _Stream] = {}
+        self._uncached: set[str] = set()   # requests whose new full blocks go to the prefix cache next step
         self.stats = EngineStats()
         self._warm_up()
 
@@ -166,6 +167,7 @@ class Engine:
     # -- the step ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
+        self._cache_blocks()
         plan = self.scheduler.schedule()
         self.stats.preemptions += len(plan.preempted)
         if not plan:
@@ -176,6 +178,15 @@ class Engine:
         self.stats.last_step_s, self.stats.last_batch = time.perf_counter() - t0, len(plan.decodes) + len(plan.chunks)
         self.stats.last_step_prefill = bool(plan.chunks)
         return outputs
+
+    def _cache_blocks(self) -> None:
+        """Copy last step's newly full blocks into the prefix cache. Done at the start of the next step, after
+        the outputs went out, so the copy never delays a token; a finishing request is cached in _finish."""
+        for rid in self._uncached:
+            req = self.requests.get(rid)
+            if req is not None and req.slot is not None:
+                self.kv.cache_computed(req)
+        self._uncached.clear()
 
     def _execute(self, plan: SchedulePlan) -> tuple[dict[str, np.ndarray], dict[str, tuple]]:
         """Run the plan. Returns (logits [vocab] for every request that catches up without speculating,
@@ -219,7 +230,7 @@ class Engine:
                 emitted = [self.sampler.sample(row, req)] if row is not None else []
             self.stats.prompt_tokens += max(0, min(req.num_computed, len(req.prompt_ids)) - before)
             if self.config.cache.enable_prefix_cache:
-                self.kv.cache_computed(req)
+                self._uncached.add(req.request_id)
             if emitted:
                 outputs.append(self._append(req, emitted))
         return outputs
@@ -260,6 +271,9 @@ class Engine:
         stream = self._streams.pop(req.request_id)
         if not stop_string_hit:   # release text held back for a stop string that never completed
             text += stream.stops.feed(stream.detok.flush())[0] + stream.stops.flush()
+        if self.config.cache.enable_prefix_cache and req.slot is not None and reason != "error":
+            self.kv.cache_computed(req)      # its KV is complete and about to be freed: keep the reusable part
+        self._uncached.discard(req.request_id)
         self.scheduler.remove(req)
         self.sampler.forget(req)
         if self.speculator:
