@@ -30,23 +30,20 @@ def prompt_ids(vocab_size: int, length: int, seed: int = 0) -> list[int]:
 
 
 def verify(engine_dir: Path, model_dir: Path, prompt: list[int], decode_steps: int = 16) -> VerifyResult:
-    from runtime.kv.slots import SlotRange
     from runtime.model_runner import ModelRunner
 
     runner = ModelRunner(engine_dir)
     spec = read_spec(model_dir)
     ref = ReferenceModel(spec, CheckpointReader(model_dir))
     pool = runner.new_pool(1, capacity=len(prompt) + decode_steps + 1)
-    slot = SlotRange(0, 1)
     n = len(prompt)
-    ids = np.asarray([prompt], np.int64)
-    got = runner.execute(ids, np.array([n - 1], np.int32), np.arange(n), pool, slot).copy()
+    got = runner.prefill(pool, 0, prompt, 0, all_logits=True)
     want = ref.forward(prompt)
     prefill = float(np.abs(got - want).max())
     decode, match = 0.0, bool((got.argmax(-1) == want.argmax(-1)).all())
     token = int(got[-1].argmax())
     for step in range(decode_steps):
-        got = runner.execute(np.array([[token]], np.int64), np.array([n + step], np.int32), np.arange(1), pool, slot)
+        got = runner.decode(pool, [(0, token, n + step)], set())
         want = ref.forward([token])
         decode = max(decode, float(np.abs(got - want).max()))
         match &= int(got[0].argmax()) == int(want[0].argmax())

@@ -67,10 +67,6 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._post(("abort", request_id))
 
-    def call(self, fn) -> None:
-        """Run `fn(engine)` on the loop thread (e.g. to read stats consistently)."""
-        self._post(("call", fn))
-
     def shutdown(self) -> None:
         with self._wake:
             self._stopping = True
@@ -107,12 +103,10 @@ class AsyncEngine:
                     continue
                 self._queues[req.request_id] = (item.queue, item.loop)
                 item.loop.call_soon_threadsafe(_set_result, item.accepted, req.request_id)
-            elif item[0] == "abort":
+            else:                      # ("abort", request id)
                 out = self.engine.abort(item[1])
                 if out is not None:
                     self._deliver(out)
-            elif item[0] == "call":
-                item[1](self.engine)
 
     def _loop(self) -> None:
         while True:

@@ -15,10 +15,6 @@ class SchedulePlan:
     chunks: list[tuple[Request, int]] = field(default_factory=list)    # (request, tokens) one ONNX run each
     preempted: list[Request] = field(default_factory=list)
 
-    @property
-    def num_tokens(self) -> int:
-        return len(self.decodes) + sum(n for _, n in self.chunks)
-
     def __bool__(self) -> bool:
         return bool(self.decodes or self.chunks)
 

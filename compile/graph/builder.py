@@ -30,8 +30,6 @@ class GraphBuilder:
         self.outputs: list[onnx.ValueInfoProto] = []
         self._constants: dict[tuple, str] = {}
         self._names: set[str] = set()
-        self.weight_bytes = 0
-        self.num_params = 0
 
     # -- values -------------------------------------------------------------------------------
     def input(self, name: str, elem_type: int, shape: list) -> str:
@@ -58,8 +56,6 @@ class GraphBuilder:
             entry = tensor.external_data.add()
             entry.key, entry.value = key, value
         self.initializers.append(tensor)
-        self.weight_bytes += array.nbytes
-        self.num_params += array.size
         return name
 
     def const(self, values, dtype=np.int64) -> str:

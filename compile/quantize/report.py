@@ -25,7 +25,6 @@ def eval_tokens(engine_dir: Path, text_file: Path | None, max_tokens: int = MAX_
 
 def score(engine_dir: Path, ids: list[int], window: int = WINDOW) -> tuple[np.ndarray, np.ndarray]:
     """(negative log-likelihood [n], argmax prediction [n]) for every predicted token of `ids`."""
-    from runtime.kv.slots import SlotRange
     from runtime.model_runner import ModelRunner
 
     runner = ModelRunner(engine_dir, verify=False)
@@ -35,8 +34,7 @@ def score(engine_dir: Path, ids: list[int], window: int = WINDOW) -> tuple[np.nd
     for start in range(0, len(ids) - 1, window):
         chunk = ids[start:start + window + 1]
         x, y = chunk[:-1], np.asarray(chunk[1:])
-        logits = runner.execute(np.asarray([x], np.int64), np.array([len(x) - 1], np.int32), np.arange(len(x)),
-                                pool, SlotRange(0, 1)).astype(np.float64)
+        logits = runner.prefill(pool, 0, x, 0, all_logits=True).astype(np.float64)
         m = logits.max(-1, keepdims=True)
         logz = (m + np.log(np.exp(logits - m).sum(-1, keepdims=True)))[:, 0]
         nll.append(logz - logits[np.arange(len(y)), y])

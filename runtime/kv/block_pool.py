@@ -25,10 +25,7 @@ class BlockPool:
         self.identity: list[tuple | None] = [None] * num_blocks   # (parent key, token ids) to rule out collisions
         self.by_key: dict[int, int] = {}
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
-
-    @property
-    def nbytes(self) -> int:
-        return 2 * sum(k.nbytes for k in self.keys)
+        self.evictions = 0                 # cached blocks overwritten to make room
 
     @property
     def num_in_use(self) -> int:
@@ -58,6 +55,7 @@ class BlockPool:
         block, _ = self.free.popitem(last=False)
         if self.key[block] is not None:
             del self.by_key[self.key[block]]
+            self.evictions += 1
         self.key[block], self.identity[block] = key, (parent, tokens)
         self.by_key[key] = block
         self.ref[block] = 1

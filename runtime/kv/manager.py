@@ -32,7 +32,6 @@ class KVLayout:
 class CacheStats:
     queries: int = 0          # prompt tokens looked up in the prefix cache
     hits: int = 0             # of which served from it
-    evictions: int = 0
 
 
 class KVCacheManager:
@@ -54,10 +53,6 @@ class KVCacheManager:
     @property
     def num_free_slots(self) -> int:
         return len(self._free_slots)
-
-    @property
-    def num_models(self) -> int:
-        return len(self.pools)
 
     @property
     def usage(self) -> float:
@@ -115,11 +110,9 @@ class KVCacheManager:
             if block is not None:
                 self.blocks.acquire(block)          # someone cached the same prefix meanwhile
             else:
-                evicting = bool(self.blocks.free) and self.blocks.key[next(iter(self.blocks.free))] is not None
                 block = self.blocks.allocate(keys[i], parent, tokens)
                 if block is None:
                     return                          # every block is referenced: stop caching, nothing breaks
-                self.stats.evictions += evicting
                 self._copy_out(req.slot, i, block)
             held.append(block)
 

@@ -34,10 +34,6 @@ class SlotPool:
         for array in self.keys + self.values:
             array.fill(0.0)
 
-    @property
-    def nbytes(self) -> int:
-        return 2 * len(self.keys) * self.num_slots * self.slot_bytes
-
     def pointer(self, array: np.ndarray, slots: SlotRange) -> int:
         assert 0 <= slots.start and slots.start + slots.count <= self.num_slots, slots
         return array.ctypes.data + slots.start * self.slot_bytes

@@ -11,6 +11,7 @@ where it does not pay (low acceptance, or large batches where a plain decode ste
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -102,21 +103,19 @@ class Speculator:
         plain_time = self.cost("dec", n)
         marginal = plain_time - self.cost("dec", n - 1) if n > 1 else plain_time
         options.sort(key=lambda o: (o[2] - 1) / max(o[3] - marginal, 1e-9), reverse=True)
-        tokens, time, chosen = float(n), plain_time, {}
+        tokens, seconds, chosen = float(n), plain_time, {}
         for r, g, e, cost in options:
             gain, extra = e - 1, cost - marginal
             if gain <= 0.05:          # acceptance known to be ~0: nothing to win
                 continue
-            if extra > 0 and (tokens + gain) / (time + extra) <= tokens / time:
+            if extra > 0 and (tokens + gain) / (seconds + extra) <= tokens / seconds:
                 break
             chosen[r.request_id] = g
-            tokens, time = tokens + gain, time + extra
+            tokens, seconds = tokens + gain, seconds + extra
         return chosen
 
     def run(self, reqs: list[Request], gammas: list[int], busy: set[int], pool) -> dict[str, tuple[list[SampleResult], int]]:
         """Propose, verify (one target run per sequence) and roll back; returns id → (tokens, target KV length)."""
-        import time
-
         t0 = time.perf_counter()
         proposals = self.proposer.propose(reqs, gammas, busy)
         if self.proposer.name == "draft" and reqs:

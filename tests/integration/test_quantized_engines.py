@@ -1,7 +1,6 @@
 """Every precision builds, loads, generates, and reports its accuracy; quantized graphs compute what their
 scheme says (checked against the numpy reference on checkpoints whose weights are exactly representable)."""
 
-import json
 import shutil
 
 import numpy as np

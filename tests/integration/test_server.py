@@ -4,7 +4,6 @@ cancel, shed, honour deadlines, authenticate, speak TLS, report metrics and shut
 import concurrent.futures
 import json
 import math
-import os
 import signal
 import ssl
 import subprocess
@@ -20,7 +19,6 @@ from runtime.client import Client
 from runtime.config import CacheConfig, EngineConfig, SchedulerConfig
 from runtime.engine import Engine
 from runtime.request import SamplingParams
-from runtime.server.proto import quicksilver_pb2 as pb
 
 from server_harness import ServerThread
 

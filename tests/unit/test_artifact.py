@@ -15,7 +15,7 @@ from runtime.model_runner import ModelRunner
 
 @pytest.fixture
 def damaged(engine, tmp_path):
-    def copy() -> "Path":
+    def copy():
         dst = tmp_path / "engine"
         shutil.copytree(engine("llama"), dst)
         return dst

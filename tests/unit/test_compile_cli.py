@@ -24,7 +24,7 @@ def assert_clean_failure(result, out, needle):
 
 @pytest.fixture
 def broken(checkpoint, tmp_path):
-    def make(edit) -> "Path":
+    def make(edit):
         dst = tmp_path / "ckpt"
         shutil.copytree(checkpoint("llama"), dst)
         edit(dst)
