@@ -28,7 +28,26 @@ GRAPH_FILE, DATA_FILE = "model.onnx", "model.onnx.data"
 CALIB_TOKENS = 512
 
 
-def _graph_io(spec: ModelSpec) -> dict:
+def _graph_io(spec: ModelSpec, target: str) -> dict:
+    if target != "cpu":
+        cache = ["num_blocks", "block_size", spec.num_kv_heads, spec.head_dim]
+        return {
+            "inputs": {
+                "input_ids": {"dtype": "int64", "shape": ["num_tokens"]},
+                "cumulative_sequence_length": {"dtype": "int32", "shape": ["batch_plus_1"]},
+                "past_seqlens": {"dtype": "int32", "shape": ["batch"]},
+                "block_table": {"dtype": "int32", "shape": ["batch", "max_blocks"]},
+                "slot_mapping": {"dtype": "int32", "shape": ["num_tokens"]},
+                "logits_indices": {"dtype": "int64", "shape": ["num_logits"]},
+                "key_cache.{layer}": {"dtype": "float16", "shape": cache},
+                "value_cache.{layer}": {"dtype": "float16", "shape": cache},
+            },
+            "outputs": {
+                "logits": {"dtype": "float32", "shape": ["num_logits", spec.vocab_size]},
+                "key_cache_out.{layer}": {"dtype": "float16", "shape": cache},
+                "value_cache_out.{layer}": {"dtype": "float16", "shape": cache},
+            },
+        }
     kv_shape = ["batch", spec.num_kv_heads, "kv_capacity", spec.head_dim]
     return {
         "inputs": {
@@ -47,6 +66,17 @@ def _graph_io(spec: ModelSpec) -> dict:
     }
 
 
+def _paged_kv_record(spec: ModelSpec, max_len: int) -> dict:
+    return {
+        "layout": "paged [num_blocks, block_size, kv_heads, head_dim]", "dtype": "float16",
+        "num_layers": spec.num_layers, "num_kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim,
+        "max_seq_len": max_len, "block_size": 16,
+        "cache": "key_cache.{layer}, value_cache.{layer}", "cache_out": "key_cache_out.{layer}, value_cache_out.{layer}",
+        "shared_buffer": True, "rotary_applied": True,
+        "note": "the cache outputs alias the inputs (updated in place); block_size is the runtime's default, any works",
+    }
+
+
 def _eos_ids(spec: ModelSpec, model_dir: Path) -> list[int]:
     ids = list(spec.eos_token_ids)
     gen = model_dir / "generation_config.json"
@@ -61,8 +91,9 @@ def _eos_ids(spec: ModelSpec, model_dir: Path) -> list[int]:
 def _precision_record(cfg: CompileConfig) -> dict:
     """What the precision means on this target, including the session options the graph relies on."""
     p, q = cfg.precision, cfg.quant
-    record = {"weights": p, "compute": "fp32", "kv_cache": "fp32", "embeddings": q.embeddings,
-              "session_config": {}}
+    gpu = cfg.target != "cpu"
+    record = {"weights": p, "compute": "fp16" if gpu else "fp32", "kv_cache": "fp16" if gpu else "fp32",
+              "embeddings": q.embeddings, "session_config": {}}
     if p == "int8":
         record.update(scheme="int8 symmetric, per output channel; DynamicQuantizeMatMul (activations uint8 per call)")
     elif p == "int4":
@@ -71,7 +102,10 @@ def _precision_record(cfg: CompileConfig) -> dict:
     elif p == "fp8":
         record.update(scheme="float8 e4m3fn, per output channel scale, 1 byte per weight",
                       cpu_conversion="fp8 → fp32 once at load (DequantizeLinear constant-folded), exact fp8 numerics")
-        record["session_config"]["session.disable_quant_qdq"] = "1"
+        if not gpu:
+            record["session_config"]["session.disable_quant_qdq"] = "1"
+    elif p == "fp16" and gpu:
+        record.update(scheme="fp16 weights and activations")
     elif p == "fp16":
         record.update(scheme="fp16 storage, widened to fp32 at load")
     return record
@@ -117,7 +151,7 @@ def build(cfg: CompileConfig, log=print) -> dict:
         builder = GraphBuilder(tmp / DATA_FILE)
         try:
             arch = REGISTRY[spec.architecture](spec, reader)
-            ctx = Ctx(builder, spec, cfg.precision, cfg.quant.block_size, cfg.quant.embeddings)
+            ctx = Ctx(builder, spec, cfg.precision, cfg.quant.block_size, cfg.quant.embeddings, cfg.target)
             with tqdm(total=spec.num_layers, desc="export", unit="layer", leave=False) as bar:
                 arch.emit(ctx, max_len, progress=bar.update)
         finally:
@@ -131,8 +165,8 @@ def build(cfg: CompileConfig, log=print) -> dict:
             "precision": _precision_record(cfg),
             "model": {**spec.to_dict(), "max_seq_len": max_len,
                       "num_parameters": reader.num_parameters()},
-            "graph": {"file": GRAPH_FILE, "data": DATA_FILE, "opset": OPSET, **_graph_io(spec)},
-            "kv_cache": {
+            "graph": {"file": GRAPH_FILE, "data": DATA_FILE, "opset": OPSET, **_graph_io(spec, cfg.target)},
+            "kv_cache": _paged_kv_record(spec, max_len) if cfg.target != "cpu" else {
                 "layout": "BNSH", "dtype": "float32", "num_layers": spec.num_layers,
                 "num_kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim, "max_seq_len": max_len,
                 "past": "past_key_values.{layer}.{key|value}", "present": "present.{layer}.{key|value}",
@@ -144,7 +178,9 @@ def build(cfg: CompileConfig, log=print) -> dict:
             "source": {"path": str(cfg.model_dir.resolve()), "fingerprint": fingerprint(cfg.model_dir),
                        "dtypes": sorted(reader.dtypes())},
         })
-        if cfg.report:
+        if cfg.report and cfg.target != "cpu":
+            log(f"accuracy report skipped: a --target {cfg.target} engine runs only on its GPU execution provider")
+        elif cfg.report:
             manifest["accuracy"] = _accuracy(tmp, cfg, log)
             log(report.describe(manifest["accuracy"]))
             manifest = write_manifest(tmp, manifest)

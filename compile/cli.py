@@ -29,8 +29,10 @@ def main() -> None:
               help="Hugging Face checkpoint folder (config.json, *.safetensors, tokenizer.json).")
 @click.option("--out", "out_dir", required=True, type=click.Path(path_type=Path), help="Engine folder to write.")
 @click.option("--precision", type=click.Choice(PRECISIONS), default="fp32", show_default=True,
-              help="Weight storage precision (the CPU computes in fp32).")
-@click.option("--target", type=click.Choice(TARGETS), default="cpu", show_default=True, help="Execution target.")
+              help="Weight storage precision (the CPU computes in fp32, the cuda target in fp16).")
+@click.option("--target", type=click.Choice(TARGETS), default="cpu", show_default=True,
+              help="Execution target: cpu (ONNX Runtime CPU), or cuda (fp16 graph with paged attention for "
+                   "onnxruntime-gpu; precisions fp16, int4, fp8).")
 @click.option("--max-seq-len", type=int, default=None,
               help="Longest context the engine serves [default: the model's max_position_embeddings].")
 @click.option("--block-size", type=int, default=32, show_default=True, help="int4: weights per scale along the input dimension.")

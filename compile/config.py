@@ -6,7 +6,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 PRECISIONS = ("fp32", "fp16", "int8", "int4", "fp8")
-TARGETS = ("cpu",)
+TARGETS = ("cpu", "cuda")
+# What each target can compute: the cuda graph runs in fp16 with com.microsoft.PagedAttention (ONNX Runtime's
+# CUDA execution provider); DynamicQuantizeMatMul (int8 weights on CPU) has no CUDA kernel there.
+TARGET_PRECISIONS = {"cpu": PRECISIONS, "cuda": ("fp16", "int4", "fp8")}
 EMBEDDINGS = ("quantized", "int8", "fp32")
 
 
@@ -43,6 +46,11 @@ class CompileConfig:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, not {self.precision!r}")
         if self.target not in TARGETS:
             raise ValueError(f"target must be one of {', '.join(TARGETS)}, not {self.target!r}")
+        if self.precision not in TARGET_PRECISIONS[self.target]:
+            raise ValueError(f"--target {self.target} supports --precision {', '.join(TARGET_PRECISIONS[self.target])}, "
+                             f"not {self.precision}")
+        if self.target != "cpu" and self.quant.embeddings == "int8":
+            raise ValueError(f"--embeddings int8 is a CPU format; --target {self.target} keeps the table in fp16")
         if self.max_seq_len is not None and self.max_seq_len < 16:
             raise ValueError(f"max_seq_len must be at least 16, not {self.max_seq_len}")
         if self.quant.calib is not None and self.precision != "int4":

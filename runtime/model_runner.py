@@ -43,8 +43,14 @@ class ModelRunner:
     def __init__(self, engine_dir: str | Path, threads: int | None = None, verify: bool = True, spin: bool = False):
         self.engine_dir = Path(engine_dir)
         self.manifest = artifact.load(self.engine_dir, verify=verify)
-        if self.manifest.get("target") != "cpu":
-            raise ArtifactError(f"{engine_dir} targets {self.manifest.get('target')!r}; this runtime runs 'cpu' engines")
+        target = self.manifest.get("target")
+        if target != "cpu":
+            from .paged_runner import select_providers
+
+            select_providers(target)        # says what to install when the backend is missing here
+            raise ArtifactError(f"{engine_dir} targets {target!r}: the continuous-batching engine runs cpu engines; "
+                                "a cuda engine runs through runtime.paged_runner.PagedModelRunner (the GPU serving "
+                                "loop is not wired yet), or rebuild with --target cpu")
         graph = self.engine_dir / self.manifest["graph"]["file"]
         try:
             self.session = ort.InferenceSession(str(graph), session_options(threads, self.manifest["precision"].get("session_config"), spin),

@@ -9,6 +9,18 @@ Graph interface (the contract with the runtime, recorded in the manifest):
     past_key_values.{i}.key/value  float32 [batch, kv_heads, kv_capacity, head_dim]
     → logits               float32 [num_logits, vocab]
     → present.{i}.key/value         same shape; bound to the same buffer as past (updated in place)
+
+The GPU target (--target cuda) computes in fp16 on packed tokens over a paged cache:
+
+    input_ids                    int64   [num_tokens]        this step's tokens of all sequences, packed
+    cumulative_sequence_length   int32   [batch + 1]         packed offsets of each sequence's tokens
+    past_seqlens                 int32   [batch]             tokens already in each sequence's blocks
+    block_table                  int32   [batch, max_blocks] physical block of each logical block
+    slot_mapping                 int32   [num_tokens]        cache slot of each new token (-1: do not write)
+    logits_indices               int64   [num_logits]        rows of the packed tokens to project
+    key_cache.{i}/value_cache.{i} float16 [num_blocks, block_size, kv_heads, head_dim]
+    → logits                     float32 [num_logits, vocab]
+    → key_cache_out.{i}/value_cache_out.{i}  same buffers as the caches (updated in place)
 """
 
 from __future__ import annotations
@@ -26,9 +38,14 @@ from ..rope import cos_sin_cache
 KV_DIMS = ["batch", "kv_heads", "kv_capacity", "head_dim"]
 
 
+PAGED_KV_DIMS = ["num_blocks", "block_size", "kv_heads", "head_dim"]
+
+
 def kv_names(layer: int) -> dict[str, str]:
     return {"past_key": f"past_key_values.{layer}.key", "past_value": f"past_key_values.{layer}.value",
-            "present_key": f"present.{layer}.key", "present_value": f"present.{layer}.value"}
+            "present_key": f"present.{layer}.key", "present_value": f"present.{layer}.value",
+            "key_cache": f"key_cache.{layer}", "value_cache": f"value_cache.{layer}",
+            "key_cache_out": f"key_cache_out.{layer}", "value_cache_out": f"value_cache_out.{layer}"}
 
 
 class LlamaArch:
@@ -61,12 +78,33 @@ class LlamaArch:
             b.output(names["present_key"], TensorProto.FLOAT, shape)
             b.output(names["present_value"], TensorProto.FLOAT, shape)
 
+    def declare_paged_io(self, b: GraphBuilder) -> None:
+        s = self.spec
+        b.input("input_ids", TensorProto.INT64, ["num_tokens"])
+        b.input("cumulative_sequence_length", TensorProto.INT32, ["batch_plus_1"])
+        b.input("past_seqlens", TensorProto.INT32, ["batch"])
+        b.input("block_table", TensorProto.INT32, ["batch", "max_blocks"])
+        b.input("slot_mapping", TensorProto.INT32, ["num_tokens"])
+        b.input("logits_indices", TensorProto.INT64, ["num_logits"])
+        shape = ["num_blocks", "block_size", s.num_kv_heads, s.head_dim]
+        for i in range(s.num_layers):
+            names = kv_names(i)
+            b.input(names["key_cache"], TensorProto.FLOAT16, shape)
+            b.input(names["value_cache"], TensorProto.FLOAT16, shape)
+        b.output("logits", TensorProto.FLOAT, ["num_logits", s.vocab_size])
+        for i in range(s.num_layers):
+            names = kv_names(i)
+            b.output(names["key_cache_out"], TensorProto.FLOAT16, shape)
+            b.output(names["value_cache_out"], TensorProto.FLOAT16, shape)
+
     def emit(self, ctx: layers.Ctx, max_seq_len: int, progress: Callable[[], None] = lambda: None) -> None:
         s, b, r = self.spec, ctx.b, self.reader
-        self.declare_io(b)
+        paged = ctx.target != "cpu"
+        self.declare_paged_io(b) if paged else self.declare_io(b)
+        attention = layers.paged_attention if paged else layers.attention
         cos, sin = cos_sin_cache(s.head_dim, s.rope_theta, s.rope_scaling, max_seq_len)
-        b.weight("cos_cache", cos)
-        b.weight("sin_cache", sin)
+        b.weight("cos_cache", cos.astype(ctx.act))
+        b.weight("sin_cache", sin.astype(ctx.act))
 
         embeddings = layers.Embeddings(ctx, r.get("model.embed_tokens.weight"))
         x = embeddings.lookup("input_ids")
@@ -78,7 +116,7 @@ class LlamaArch:
             else:
                 h, residual = layers.skip_rms_norm(ctx, h, residual, norm_w, f"/model/layers.{i}/input_layernorm")
             keys = self.attn_keys + (self.bias_keys if s.attention_bias else ())
-            h = layers.attention(ctx, h, self.layer_weights(i, "self_attn", keys), i, kv_names(i))
+            h = attention(ctx, h, self.layer_weights(i, "self_attn", keys), i, kv_names(i))
             h, residual = layers.skip_rms_norm(ctx, h, residual, r.get(f"model.layers.{i}.post_attention_layernorm.weight"),
                                                f"/model/layers.{i}/post_attention_layernorm")
             h = layers.mlp(ctx, h, self.layer_weights(i, "mlp", self.mlp_keys), i)

@@ -22,17 +22,31 @@ STORAGE_DTYPES = {"fp32": np.float32, "fp16": np.float16}
 class Ctx:
     b: GraphBuilder
     spec: ModelSpec
-    precision: str             # fp32 | fp16 (storage; computed in fp32) | int8 | int4 | fp8
+    precision: str             # fp32 | fp16 (storage; computed in fp32 on CPU) | int8 | int4 | fp8
     block_size: int = 32       # int4 block size along K
     embeddings: str = "quantized"  # embedding table + LM head: "quantized" (as precision), "int8" or "fp32"
+    target: str = "cpu"        # cpu: fp32 compute, GroupQueryAttention | cuda: fp16 compute, PagedAttention
+
+    @property
+    def act(self) -> type:
+        """The activation (compute) dtype: fp32 on CPU, fp16 on the GPU targets."""
+        return np.float32 if self.target == "cpu" else np.float16
+
+    @property
+    def act_type(self) -> int:
+        return TensorProto.FLOAT if self.target == "cpu" else TensorProto.FLOAT16
+
+    def float_weight(self, name: str, array: np.ndarray) -> str:
+        """A small float tensor (norm gain, bias, scale) in the compute dtype."""
+        return self.b.weight(name, np.asarray(array, dtype=self.act))
 
     def stored(self, name: str, array: np.ndarray) -> str:
         """A float weight kept at storage precision; fp16 is widened by a Cast that ORT folds at load."""
         dtype = STORAGE_DTYPES.get(self.precision, np.float32)
         w = self.b.weight(name, np.asarray(array, dtype=dtype))
-        if dtype == np.float32:
+        if dtype == self.act:
             return w
-        return self.b.op("Cast", [w], f"{name}/Cast", to=TensorProto.FLOAT)
+        return self.b.op("Cast", [w], f"{name}/Cast", to=self.act_type)
 
 
 def linear(ctx: Ctx, x: str, weight: np.ndarray, bias: np.ndarray | None, name: str) -> str:
@@ -43,19 +57,19 @@ def linear(ctx: Ctx, x: str, weight: np.ndarray, bias: np.ndarray | None, name: 
     channel) → MatMul, which the runtime folds to fp32 once at load (`session.disable_quant_qdq`).
     """
     b, w = ctx.b, np.asarray(weight, np.float32).T          # [K, N]
-    bias_name = b.weight(f"{name}.bias", bias.astype(np.float32)) if bias is not None else ""
+    bias_name = ctx.float_weight(f"{name}.bias", bias) if bias is not None else ""
     if ctx.precision == "int8":
         q, scale = int8.quantize(w)
         ins = [x, b.weight(f"{name}.weight_int8", q), b.weight(f"{name}.weight_scale", scale), "", bias_name]
         return b.op("DynamicQuantizeMatMul", ins, f"{name}/DynamicQuantizeMatMul", domain=MS_DOMAIN)
     if ctx.precision == "int4":
         packed, scales = int4.quantize(w, ctx.block_size)
-        ins = [x, b.weight(f"{name}.weight_q4", packed), b.weight(f"{name}.weight_scales", scales), "", "", bias_name]
+        ins = [x, b.weight(f"{name}.weight_q4", packed), ctx.float_weight(f"{name}.weight_scales", scales), "", "", bias_name]
         return b.op("MatMulNBits", ins, f"{name}/MatMulNBits", domain=MS_DOMAIN, K=w.shape[0], N=w.shape[1],
                     bits=4, block_size=ctx.block_size, accuracy_level=4)
     if ctx.precision == "fp8":
         q, scale = fp8.quantize(w)
-        wq = b.op("DequantizeLinear", [b.weight(f"{name}.weight_fp8", q), b.weight(f"{name}.weight_scale", scale)],
+        wq = b.op("DequantizeLinear", [b.weight(f"{name}.weight_fp8", q), ctx.float_weight(f"{name}.weight_scale", scale)],
                   f"{name}/DequantizeLinear", axis=1)
     else:
         wq = ctx.stored(f"{name}.weight", w)
@@ -65,7 +79,7 @@ def linear(ctx: Ctx, x: str, weight: np.ndarray, bias: np.ndarray | None, name: 
 
 def rms_norm(ctx: Ctx, x: str, gamma: np.ndarray, name: str) -> str:
     """x / rms(x) * gamma   (SimplifiedLayerNormalization)"""
-    g = ctx.b.weight(f"{name}.weight", gamma.astype(np.float32))
+    g = ctx.float_weight(f"{name}.weight", gamma)
     return ctx.b.node("SimplifiedLayerNormalization", [x, g], f"{name}/SimplifiedLayerNorm",
                       num_outputs=1, axis=-1, epsilon=ctx.spec.rms_norm_eps, stash_type=1)[0]
 
@@ -77,7 +91,7 @@ def skip_rms_norm(ctx: Ctx, x: str, skip: str, gamma: np.ndarray, name: str) -> 
             Add ──▶ residual (output 3)
         skip┘  └──▶ RMSNorm(gamma) ──▶ normed (output 0)
     """
-    g = ctx.b.weight(f"{name}.weight", gamma.astype(np.float32))
+    g = ctx.float_weight(f"{name}.weight", gamma)
     outs = ctx.b.node("SkipSimplifiedLayerNormalization", [x, skip, g], f"{name}/SkipLayerNorm",
                       num_outputs=4, domain=MS_DOMAIN, epsilon=ctx.spec.rms_norm_eps)
     return outs[0], outs[3]
@@ -105,6 +119,32 @@ def attention(ctx: Ctx, x: str, w: dict[str, np.ndarray], layer: int, kv: dict[s
               "cos_cache", "sin_cache"]
     out = ctx.b.node("GroupQueryAttention", inputs, f"{name}/GroupQueryAttention", domain=MS_DOMAIN,
                      outputs=[f"{name}/output", kv["present_key"], kv["present_value"]], **attrs)[0]
+    return linear(ctx, out, w["o_proj.weight"], None, f"{name}/o_proj")
+
+
+def paged_attention(ctx: Ctx, x: str, w: dict[str, np.ndarray], layer: int, kv: dict[str, str]) -> str:
+    """Self-attention over the paged KV cache (the GPU targets), on packed tokens [num_tokens, hidden]:
+
+        x ─▶ MatMul(Wq|Wk|Wv) (+bias) ─▶ PagedAttention(rotary inside, cache updated in place) ─▶ MatMul(Wo)
+
+    com.microsoft.PagedAttention rotates q/k at each token's position (past_seqlens + index in its
+    sequence), writes K/V at `slot_mapping` (-1 skips: prefix-cache hits), and attends causally over the
+    sequence's blocks through `block_table`.
+    """
+    s, name = ctx.spec, f"/model/layers.{layer}/attn"
+    qkv_w = np.concatenate([w["q_proj.weight"], w["k_proj.weight"], w["v_proj.weight"]], axis=0)
+    qkv_b = None
+    if s.attention_bias:
+        qkv_b = np.concatenate([w["q_proj.bias"], w["k_proj.bias"], w["v_proj.bias"]])
+    qkv = linear(ctx, x, qkv_w, qkv_b, f"{name}/qkv_proj")
+    attrs = dict(num_heads=s.num_heads, kv_num_heads=s.num_kv_heads, do_rotary=1, rotary_interleaved=0,
+                 scale=float(s.head_dim ** -0.5))
+    if s.sliding_window:
+        attrs["local_window_size"] = int(s.sliding_window)
+    inputs = [qkv, "", "", kv["key_cache"], kv["value_cache"], "cumulative_sequence_length", "past_seqlens",
+              "block_table", "cos_cache", "sin_cache", "slot_mapping"]
+    out = ctx.b.node("PagedAttention", inputs, f"{name}/PagedAttention", domain=MS_DOMAIN,
+                     outputs=[f"{name}/output", kv["key_cache_out"], kv["value_cache_out"]], **attrs)[0]
     return linear(ctx, out, w["o_proj.weight"], None, f"{name}/o_proj")
 
 
@@ -140,10 +180,10 @@ class Embeddings:
         self.mode = "float" if mode in ("fp32", "fp16") else mode
         if self.mode == "float":
             self.table = ctx.stored(f"{name}.weight", table) if ctx.embeddings == "quantized" \
-                else b.weight(f"{name}.weight", table)
+                else b.weight(f"{name}.weight", table.astype(ctx.act))
         elif self.mode == "fp8":
             q, scale = fp8.quantize(table, axis=1)
-            self.table = b.op("DequantizeLinear", [b.weight(f"{name}.weight_fp8", q), b.weight(f"{name}.weight_scale", scale)],
+            self.table = b.op("DequantizeLinear", [b.weight(f"{name}.weight_fp8", q), ctx.float_weight(f"{name}.weight_scale", scale)],
                               f"/{name}/DequantizeLinear", axis=0)
             self.mode = "float"
         elif self.mode == "int8":
@@ -153,7 +193,7 @@ class Embeddings:
         else:
             packed, scales = int4.quantize(table.T, ctx.block_size)  # [V, H/bs, bs/2], [V*H/bs]
             self.table = b.weight(f"{name}.weight_q4", packed)
-            self.scale = b.weight(f"{name}.weight_scales", scales)
+            self.scale = ctx.float_weight(f"{name}.weight_scales", scales)
             self.blocks = packed.shape[1]
 
     def lookup(self, ids: str) -> str:
@@ -174,7 +214,7 @@ class Embeddings:
         pairs = b.op("Concat", [b.op("Unsqueeze", [low, b.const([-1])], f"{n}/UnsqueezeLow"),
                                 b.op("Unsqueeze", [high, b.const([-1])], f"{n}/UnsqueezeHigh")], f"{n}/Concat", axis=-1)
         q = b.op("Reshape", [pairs, b.const([0, 0, self.blocks, bs])], f"{n}/ReshapeBlocks")    # [B, S, nb, bs]
-        centered = b.op("Sub", [b.op("Cast", [q], f"{n}/Cast", to=TensorProto.FLOAT), b.const(8.0, np.float32)], f"{n}/Sub")
+        centered = b.op("Sub", [b.op("Cast", [q], f"{n}/Cast", to=self.ctx.act_type), b.const(8.0, self.ctx.act)], f"{n}/Sub")
         scales = b.op("Reshape", [self.scale, b.const([self.vocab, self.blocks, 1])], f"{n}/ReshapeScales")
         scale = b.op("Gather", [scales, ids], f"{n}/GatherScale", axis=0)                      # [B, S, nb, 1]
         return b.op("Reshape", [b.op("Mul", [centered, scale], f"{n}/Mul"), b.const([0, 0, self.hidden])], f"{n}/Reshape")
@@ -183,14 +223,20 @@ class Embeddings:
         """rows [N, H] → logits [N, V] with this table (tied) or with an untied `weight` [V, H]."""
         if weight is not None:
             return Embeddings(self.ctx, weight, "lm_head").head(rows, None)
-        b, out = self.ctx.b, ["logits"]
+        b = self.ctx.b
+        out = ["logits"] if self.ctx.act == np.float32 else ["/lm_head/logits_act"]
         if self.mode == "float":
-            return b.node("Gemm", [rows, self.table], "/lm_head/Gemm", outputs=out, transB=1)[0]
-        if self.mode == "int8":
-            return b.node("DynamicQuantizeMatMul", [rows, self.table, self.scale], "/lm_head/DynamicQuantizeMatMul",
-                          domain=MS_DOMAIN, outputs=out)[0]
-        return b.node("MatMulNBits", [rows, self.table, self.scale], "/lm_head/MatMulNBits", domain=MS_DOMAIN,
-                      outputs=out, K=self.hidden, N=self.vocab, bits=4, block_size=self.ctx.block_size, accuracy_level=4)[0]
+            y = b.node("Gemm", [rows, self.table], "/lm_head/Gemm", outputs=out, transB=1)[0]
+        elif self.mode == "int8":
+            y = b.node("DynamicQuantizeMatMul", [rows, self.table, self.scale], "/lm_head/DynamicQuantizeMatMul",
+                       domain=MS_DOMAIN, outputs=out)[0]
+        else:
+            y = b.node("MatMulNBits", [rows, self.table, self.scale], "/lm_head/MatMulNBits", domain=MS_DOMAIN,
+                       outputs=out, K=self.hidden, N=self.vocab, bits=4, block_size=self.ctx.block_size,
+                       accuracy_level=4)[0]
+        if y == "logits":
+            return y
+        return b.node("Cast", [y], "/lm_head/Cast", outputs=["logits"], to=TensorProto.FLOAT)[0]
 
 
 def lm_head(ctx: Ctx, hidden: str, embeddings: Embeddings, weight: np.ndarray | None) -> str:

@@ -48,15 +48,25 @@ class BlockPool:
         if self.ref[block] == 0:
             self.free[block] = None        # most recently released: evicted last
 
-    def allocate(self, key: int, parent: int, tokens: tuple[int, ...]) -> int | None:
-        """Take the least recently used free block for a new key (evicting what it held); None if all are in use."""
+    def allocate(self, key: int | None = None, parent: int | None = None, tokens: tuple[int, ...] | None = None) -> int | None:
+        """Take the least recently used free block (evicting what it held), for `key` or — key None — for a
+        sequence to fill before it is registered; None if all are in use."""
         if not self.free:
             return None
         block, _ = self.free.popitem(last=False)
         if self.key[block] is not None:
             del self.by_key[self.key[block]]
             self.evictions += 1
+        self.key[block], self.identity[block] = None, None
+        self.ref[block] = 1
+        if key is not None:
+            self.register(block, key, parent, tokens)
+        return block
+
+    def register(self, block: int, key: int, parent: int, tokens: tuple[int, ...]) -> bool:
+        """Make a filled block findable under `key`; False (stays private) if another block already holds it."""
+        if key in self.by_key:
+            return False
         self.key[block], self.identity[block] = key, (parent, tokens)
         self.by_key[key] = block
-        self.ref[block] = 1
-        return block
+        return True

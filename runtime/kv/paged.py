@@ -1,0 +1,152 @@
+"""Block tables for paged attention (the GPU path): sequences own KV blocks directly, no slots, no copies.
+
+`PagedKVManager` gives each running sequence a list of blocks of the shared BlockPool. A prompt whose
+leading full blocks are in the prefix cache simply references them (refcount +1) — the hit costs no copy
+at all, unlike the CPU path's copy into a slot. Fresh blocks are allocated as the sequence grows and
+registered under their chained hash once every token in them is computed, so later prompts can share
+them. A sequence never writes into a block it shares: it only writes at positions ≥ num_computed, and
+the cached prefix stops at least one token short of the prompt.
+
+`build_paged_batch` turns one step's sequences into what the kernels and ORT's PagedAttention read:
+block_tables, seq_lens / past_lens, cu_seqlens_q, positions and the slot of every new token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..request import Request
+from .block_pool import BlockPool
+from .hashing import hash_blocks
+
+
+@dataclass(frozen=True)
+class PagedBatch:
+    block_tables: np.ndarray   # int32 [seqs, max_blocks]   physical block of each logical block (pad: 0, never read)
+    past_lens: np.ndarray      # int32 [seqs]               tokens already in the cache
+    seq_lens: np.ndarray       # int32 [seqs]               KV length after this step (past + new)
+    cu_seqlens_q: np.ndarray   # int32 [seqs + 1]           packed query offsets
+    positions: np.ndarray      # int32 [tokens]             absolute position of each new token
+    slot_mapping: np.ndarray   # int64 [tokens]             block * block_size + offset (-1: do not write)
+
+    @property
+    def max_query_len(self) -> int:
+        return int(np.diff(self.cu_seqlens_q).max(initial=0))
+
+    @property
+    def max_seq_len(self) -> int:
+        return int(self.seq_lens.max(initial=0))
+
+
+def build_paged_batch(seqs: Sequence[tuple[Sequence[int], int, int]], block_size: int,
+                      max_blocks: int | None = None, num_blocks: int | None = None) -> PagedBatch:
+    """seqs: (blocks, past_len, num_new) per sequence, in batch order. Every sequence must own enough blocks
+    for past_len + num_new tokens; block ids must lie in [0, num_blocks) when num_blocks is given."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, not {block_size}")
+    need = [(past + new + block_size - 1) // block_size for _, past, new in seqs]
+    width = max_blocks if max_blocks is not None else max([len(b) for b, _, _ in seqs] + [1])
+    tables = np.zeros((len(seqs), width), np.int32)
+    past_lens = np.zeros(len(seqs), np.int32)
+    cu = np.zeros(len(seqs) + 1, np.int32)
+    positions, slots = [], []
+    for i, ((blocks, past, new), n) in enumerate(zip(seqs, need)):
+        if past < 0 or new < 0:
+            raise ValueError(f"sequence {i}: past_len ({past}) and num_new ({new}) must be >= 0")
+        if len(blocks) < n:
+            raise ValueError(f"sequence {i} needs {n} blocks for {past + new} tokens but owns {len(blocks)}")
+        if len(blocks) > width:
+            raise ValueError(f"sequence {i} owns {len(blocks)} blocks; the table holds {width}")
+        ids = np.asarray(blocks, np.int64)
+        if len(ids) and (ids.min() < 0 or (num_blocks is not None and ids.max() >= num_blocks)):
+            raise ValueError(f"sequence {i}: block ids must lie in [0, {num_blocks}), got {ids.min()}..{ids.max()}")
+        tables[i, :len(ids)] = ids
+        past_lens[i] = past
+        cu[i + 1] = cu[i] + new
+        pos = np.arange(past, past + new, dtype=np.int64)
+        positions.append(pos)
+        slots.append(ids[pos // block_size] * block_size + pos % block_size)
+    cat = (lambda parts, dt: np.concatenate(parts).astype(dt)) if seqs else (lambda parts, dt: np.zeros(0, dt))
+    return PagedBatch(tables, past_lens, past_lens + np.diff(cu).astype(np.int32), cu,
+                      cat(positions, np.int32), cat(slots, np.int64))
+
+
+class PagedKVManager:
+    """Owns the block lists of running sequences over one BlockPool (bookkeeping only: the KV lives on the
+    device, laid out [num_blocks, block_size, kv_heads, head_dim] per layer)."""
+
+    def __init__(self, num_blocks: int, block_size: int):
+        self.blocks = BlockPool([], num_blocks, block_size)
+        self.block_size = block_size
+        self._tables: dict[str, list[int]] = {}     # request id → its blocks, in logical order
+        self._keys: dict[str, list[int]] = {}       # request id → chained keys of its full blocks
+        self._registered: dict[str, int] = {}       # request id → leading blocks that are findable
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.blocks.free)
+
+    def table(self, req: Request) -> list[int]:
+        return self._tables[req.request_id]
+
+    def _keys_for(self, req: Request) -> list[int]:
+        keys = self._keys.setdefault(req.request_id, [])
+        ids, bs = req.all_ids, self.block_size
+        full = len(ids) // bs
+        if len(keys) < full:
+            keys.extend(hash_blocks(ids[len(keys) * bs:full * bs], bs, keys[-1] if keys else 0))
+        return keys
+
+    def allocate(self, req: Request) -> bool:
+        """Start `req`: reference its cached prefix blocks and set num_computed after them. Always succeeds
+        (blocks for the new tokens are taken by `reserve`)."""
+        assert req.request_id not in self._tables, "a request is allocated only while it holds nothing"
+        keys, bs = self._keys_for(req), self.block_size
+        table: list[int] = []
+        parent = 0
+        for i in range(min(len(keys), (req.num_tokens - 1) // bs)):
+            block = self.blocks.lookup(keys[i], parent, tuple(req.all_ids[i * bs:(i + 1) * bs]))
+            if block is None:
+                break
+            self.blocks.acquire(block)
+            table.append(block)
+            parent = keys[i]
+        self._tables[req.request_id] = table
+        self._registered[req.request_id] = len(table)
+        req.num_computed = req.num_computed_draft = len(table) * bs
+        return True
+
+    def reserve(self, req: Request, num_tokens: int) -> bool:
+        """Make sure `req` owns blocks for its first `num_tokens` tokens; False (nothing taken) if the pool
+        cannot supply them — the scheduler then preempts or waits."""
+        table = self._tables[req.request_id]
+        need = (num_tokens + self.block_size - 1) // self.block_size - len(table)
+        if need <= 0:
+            return True
+        if need > len(self.blocks.free):
+            return False
+        table.extend(self.blocks.allocate() for _ in range(need))
+        return True
+
+    def commit(self, req: Request) -> None:
+        """Register the blocks `req` has completely computed, so later prompts can share them."""
+        table, keys, bs = self._tables[req.request_id], self._keys_for(req), self.block_size
+        done = min(req.num_computed // bs, len(keys), len(table))
+        for i in range(self._registered[req.request_id], done):
+            self.blocks.register(table[i], keys[i], keys[i - 1] if i else 0, tuple(req.all_ids[i * bs:(i + 1) * bs]))
+        self._registered[req.request_id] = max(done, self._registered[req.request_id])
+
+    def free(self, req: Request) -> None:
+        """Release every block of `req` (idempotent); registered blocks stay cached until evicted."""
+        for block in self._tables.pop(req.request_id, []):
+            self.blocks.release(block)
+        self._keys.pop(req.request_id, None)
+        self._registered.pop(req.request_id, None)
+
+    def step_batch(self, reqs: Sequence[Request], num_new: Sequence[int], max_blocks: int | None = None) -> PagedBatch:
+        """The paged batch for computing num_new[i] tokens of reqs[i] after its num_computed."""
+        return build_paged_batch([(self._tables[r.request_id], r.num_computed, n) for r, n in zip(reqs, num_new)],
+                                 self.block_size, max_blocks, self.blocks.num_blocks)

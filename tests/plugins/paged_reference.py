@@ -1,0 +1,111 @@
+"""Slow truth for the paged path: float64 numpy paged attention, and the same as an ONNX Runtime custom op.
+
+`paged_attention` is what every fast path is compared with — the CUDA kernels on a GPU, and on CPU the
+block tables and slot mappings the host builds. `register_reference_op` + `use_reference_op` let a
+`--target cuda` engine run on the CPU: PagedAttention nodes move to onnxruntime-extensions' Python op
+domain, where this reference (with ORT's semantics: packed QKV, rotary, slot writes) implements them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def write_kv(k_cache, v_cache, key, value, slot_mapping) -> None:
+    """key/value [tokens, kv_heads, head_dim] → cache [blocks, block_size, kv_heads, head_dim] at slots (-1 skips)."""
+    nb, bs = k_cache.shape[:2]
+    for t, slot in enumerate(np.asarray(slot_mapping)):
+        if slot >= 0:
+            k_cache[slot // bs, slot % bs] = key[t]
+            v_cache[slot // bs, slot % bs] = value[t]
+
+
+def paged_attention(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale=None, window=0):
+    """query [tokens, heads, head_dim] → out [tokens, heads, head_dim] (float64), causal over cached + new keys."""
+    tokens, heads, dim = query.shape
+    bs, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group, scale = heads // kv_heads, scale if scale is not None else dim ** -0.5
+    out = np.zeros((tokens, heads, dim))
+    for b in range(len(seq_lens)):
+        q0, q1 = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
+        n = int(seq_lens[b])
+        pos = np.arange(n)
+        blocks = np.asarray(block_tables[b])[pos // bs]
+        k = k_cache[blocks, pos % bs].astype(np.float64)             # [n, kv_heads, dim]
+        v = v_cache[blocks, pos % bs].astype(np.float64)
+        for r in range(q0, q1):
+            ctx = n - (q1 - 1 - r)
+            start = max(0, ctx - window) if window > 0 else 0
+            for h in range(heads):
+                s = k[start:ctx, h // group] @ query[r, h].astype(np.float64) * scale
+                p = np.exp(s - s.max())
+                out[r, h] = (p / p.sum()) @ v[start:ctx, h // group]
+    return out
+
+
+def rotate(x, positions, cos, sin):
+    """Half-rotation rotary (as Llama) of x [tokens, heads, dim] at positions, tables [max_pos, dim/2]."""
+    half = x.shape[-1] // 2
+    c, s = cos[positions][:, None, :], sin[positions][:, None, :]
+    a, b = x[..., :half], x[..., half:]
+    return np.concatenate([a * c - b * s, b * c + a * s], axis=-1)
+
+
+def ort_paged_attention(qkv, key_cache, value_cache, cu, past, block_table, cos, sin, slot_mapping,
+                        num_heads, kv_heads, scale, window=0):
+    """com.microsoft.PagedAttention with packed QKV and do_rotary=1; returns (out [T, H*D], caches)."""
+    tokens = qkv.shape[0]
+    dim = cos.shape[1] * 2
+    q = qkv[:, :num_heads * dim].reshape(tokens, num_heads, dim).astype(np.float64)
+    k = qkv[:, num_heads * dim:(num_heads + kv_heads) * dim].reshape(tokens, kv_heads, dim).astype(np.float64)
+    v = qkv[:, (num_heads + kv_heads) * dim:].reshape(tokens, kv_heads, dim)
+    lens = np.diff(cu)
+    positions = np.concatenate([np.arange(p, p + n) for p, n in zip(past, lens)]).astype(np.int64) if tokens else np.zeros(0, np.int64)
+    q, k = rotate(q, positions, cos.astype(np.float64), sin.astype(np.float64)), rotate(k, positions, cos.astype(np.float64), sin.astype(np.float64))
+    key_cache, value_cache = key_cache.copy(), value_cache.copy()
+    write_kv(key_cache, value_cache, k.astype(key_cache.dtype), v.astype(value_cache.dtype), slot_mapping)
+    out = paged_attention(q, key_cache, value_cache, block_table, past + lens, cu, scale, window)
+    return out.reshape(tokens, -1).astype(qkv.dtype), key_cache, value_cache
+
+
+_REGISTERED: set[tuple] = set()
+
+
+def register_reference_op(num_heads: int, kv_heads: int) -> str:
+    """Register the reference as op `QsRefPagedAttention_{H}_{KVH}` (Python ops take attributes, but a
+    per-shape name keeps the registration explicit); returns the op type."""
+    from onnxruntime_extensions import PyCustomOpDef, onnx_op
+
+    op_type = f"QsRefPagedAttention_{num_heads}_{kv_heads}"
+    if op_type in _REGISTERED:
+        return op_type
+    f16, i32 = PyCustomOpDef.dt_float16, PyCustomOpDef.dt_int32
+
+    @onnx_op(op_type=op_type, inputs=[f16, f16, f16, i32, i32, i32, f16, f16, i32], outputs=[f16, f16, f16],
+             attrs={"scale": PyCustomOpDef.dt_float})
+    def _op(qkv, key_cache, value_cache, cu, past, block_table, cos, sin, slot_mapping, **attrs):
+        return ort_paged_attention(qkv, key_cache, value_cache, cu, past, block_table, cos, sin, slot_mapping,
+                                   num_heads, kv_heads, attrs["scale"])
+
+    _REGISTERED.add(op_type)
+    return op_type
+
+
+def use_reference_op(model, num_heads: int, kv_heads: int) -> int:
+    """Point every PagedAttention node of `model` (onnx.ModelProto) at the reference op; returns how many."""
+    from onnx import helper
+
+    op_type = register_reference_op(num_heads, kv_heads)
+    count = 0
+    for node in model.graph.node:
+        if node.op_type == "PagedAttention" and node.domain == "com.microsoft":
+            scale = next(a.f for a in node.attribute if a.name == "scale")
+            inputs = [name for name in node.input if name]                  # drop the absent key / value
+            del node.input[:]
+            node.input.extend(inputs)
+            del node.attribute[:]
+            node.attribute.append(helper.make_attribute("scale", scale))
+            node.op_type, node.domain = op_type, "ai.onnx.contrib"
+            count += 1
+    model.opset_import.append(helper.make_opsetid("ai.onnx.contrib", 1))
+    return count
