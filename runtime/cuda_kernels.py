@@ -23,8 +23,9 @@ STATUS = {0: "ok", 1: "invalid argument", 2: "unsupported", 3: "CUDA error"}
 PARTITION_TOKENS = 256   # QS_PARTITION_TOKENS
 
 _TORCH = {"torch.float32": "f32", "torch.float16": "f16", "torch.bfloat16": "bf16",
-          "torch.float8_e4m3fn": "fp8_e4m3", "torch.int32": "i32", "torch.int64": "i64"}
-_TYPESTR = {"<f4": "f32", "<f2": "f16", "<i4": "i32", "<i8": "i64"}
+          "torch.float8_e4m3fn": "fp8_e4m3", "torch.int32": "i32", "torch.int64": "i64", "torch.uint8": "u8"}
+_TYPESTR = {"<f4": "f32", "<f2": "f16", "<i4": "i32", "<i8": "i64", "|u1": "u8"}
+ITEMSIZE = {"f32": 4, "f16": 2, "bf16": 2, "fp8_e4m3": 1, "i32": 4, "i64": 8, "u8": 1}
 
 
 class KernelError(RuntimeError):
@@ -41,7 +42,7 @@ class DeviceArray:
 
     ptr: int
     shape: tuple[int, ...]
-    dtype: str       # f32 | f16 | bf16 | fp8_e4m3 | i32 | i64
+    dtype: str       # f32 | f16 | bf16 | fp8_e4m3 | i32 | i64 | u8
 
     @classmethod
     def of(cls, x) -> "DeviceArray":
@@ -146,7 +147,7 @@ class CudaKernels:
         for name, s in (("k_scale", ks), ("v_scale", vs)):
             _expect(s is None or (s.shape in ((1,), ()) and s.dtype == "f32"), f"{name} must be a device float32 [1]")
         scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
-        ws_bytes = 0 if ws is None else math.prod(ws.shape) * {"f32": 4, "i32": 4, "i64": 8, "f16": 2, "bf16": 2, "fp8_e4m3": 1}[ws.dtype]
+        ws_bytes = 0 if ws is None else math.prod(ws.shape) * ITEMSIZE[ws.dtype]
         common = (heads, kv_heads, head_dim, block_size, bt.shape[1], max_seq_len, window, scale, _ptr(ks), _ptr(vs),
                   DTYPES[q.dtype] if q.dtype in DTYPES else -1, DTYPES.get(kc.dtype, -1), _ptr(ws), ws_bytes,
                   ctypes.c_void_p(stream or None))

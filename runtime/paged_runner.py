@@ -92,11 +92,11 @@ class PagedModelRunner:
         io.bind_cpu_input("block_table", batch.block_tables)
         io.bind_cpu_input("slot_mapping", batch.slot_mapping.astype(np.int32))
         io.bind_cpu_input("logits_indices", np.ascontiguousarray(logits_indices, np.int64))
+        io.bind_output("logits", "cpu")                                    # first: outputs come back in bind order
         for i in range(self.num_layers):
             for name, value in ((f"key_cache.{i}", self.key_cache[i]), (f"value_cache.{i}", self.value_cache[i])):
                 io.bind_ortvalue_input(name, value)
             io.bind_ortvalue_output(f"key_cache_out.{i}", self.key_cache[i])
             io.bind_ortvalue_output(f"value_cache_out.{i}", self.value_cache[i])
-        io.bind_output("logits", "cpu")
         self.session.run_with_iobinding(io)
         return io.get_outputs()[0].numpy()

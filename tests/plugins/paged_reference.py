@@ -79,9 +79,9 @@ def register_reference_op(num_heads: int, kv_heads: int) -> str:
     op_type = f"QsRefPagedAttention_{num_heads}_{kv_heads}"
     if op_type in _REGISTERED:
         return op_type
-    f16, i32 = PyCustomOpDef.dt_float16, PyCustomOpDef.dt_int32
+    f32, i32 = PyCustomOpDef.dt_float, PyCustomOpDef.dt_int32
 
-    @onnx_op(op_type=op_type, inputs=[f16, f16, f16, i32, i32, i32, f16, f16, i32], outputs=[f16, f16, f16],
+    @onnx_op(op_type=op_type, inputs=[f32, f32, f32, i32, i32, i32, f32, f32, i32], outputs=[f32, f32, f32],
              attrs={"scale": PyCustomOpDef.dt_float})
     def _op(qkv, key_cache, value_cache, cu, past, block_table, cos, sin, slot_mapping, **attrs):
         return ort_paged_attention(qkv, key_cache, value_cache, cu, past, block_table, cos, sin, slot_mapping,
@@ -92,20 +92,31 @@ def register_reference_op(num_heads: int, kv_heads: int) -> str:
 
 
 def use_reference_op(model, num_heads: int, kv_heads: int) -> int:
-    """Point every PagedAttention node of `model` (onnx.ModelProto) at the reference op; returns how many."""
-    from onnx import helper
+    """Point every PagedAttention node of `model` (onnx.ModelProto) at the reference op; returns how many.
+
+    Python ops take no float16, so the op's float16 inputs and outputs pass through Casts (fp16 → fp32 is
+    exact, and the reference rounds its cache writes back to fp16 as the real cache would store them).
+    """
+    from onnx import TensorProto, helper
 
     op_type = register_reference_op(num_heads, kv_heads)
-    count = 0
+    nodes, count = [], 0
     for node in model.graph.node:
-        if node.op_type == "PagedAttention" and node.domain == "com.microsoft":
-            scale = next(a.f for a in node.attribute if a.name == "scale")
-            inputs = [name for name in node.input if name]                  # drop the absent key / value
-            del node.input[:]
-            node.input.extend(inputs)
-            del node.attribute[:]
-            node.attribute.append(helper.make_attribute("scale", scale))
-            node.op_type, node.domain = op_type, "ai.onnx.contrib"
-            count += 1
+        if not (node.op_type == "PagedAttention" and node.domain == "com.microsoft"):
+            nodes.append(node)
+            continue
+        scale = next(a.f for a in node.attribute if a.name == "scale")
+        inputs = [name for name in node.input if name]                      # drop the absent key / value
+        wide = {0, 1, 2, 6, 7}                                              # qkv, caches, cos, sin
+        for i in wide:
+            nodes.append(helper.make_node("Cast", [inputs[i]], [f"{node.name}/in{i}_f32"], to=TensorProto.FLOAT))
+            inputs[i] = f"{node.name}/in{i}_f32"
+        outputs = [f"{o}_f32" for o in node.output]
+        nodes.append(helper.make_node(op_type, inputs, outputs, name=node.name, domain="ai.onnx.contrib", scale=scale))
+        for wide_name, name in zip(outputs, node.output):
+            nodes.append(helper.make_node("Cast", [wide_name], [name], to=TensorProto.FLOAT16))
+        count += 1
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
     model.opset_import.append(helper.make_opsetid("ai.onnx.contrib", 1))
     return count

@@ -1,0 +1,160 @@
+"""The CUDA kernels against PyTorch on a GPU: paged attention (decode and multi-token, GQA, f16/bf16, fp8 KV)
+vs scaled_dot_product_attention over each sequence's contiguous K/V, and the small kernels vs torch.
+
+Skipped (with the reason) wherever there is no CUDA GPU — which includes CI.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import requires_gpu
+
+pytestmark = requires_gpu
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+
+
+def make_paged(seq_lens, kv_heads, head_dim, block_size, dtype, seed):
+    """Random K/V per sequence, scattered over a shuffled block pool; returns (caches, tables, dense K/V)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    blocks_per = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(blocks_per) + 3
+    perm = torch.randperm(num_blocks, generator=g, device="cuda")
+    k_cache = torch.zeros(num_blocks, block_size, kv_heads, head_dim, device="cuda", dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    width = max(blocks_per)
+    tables = torch.zeros(len(seq_lens), width, dtype=torch.int32, device="cuda")
+    dense, used = [], 0
+    for b, n in enumerate(seq_lens):
+        ids = perm[used:used + blocks_per[b]]
+        used += blocks_per[b]
+        tables[b, :len(ids)] = ids.int()
+        k = torch.randn(n, kv_heads, head_dim, generator=g, device="cuda").to(dtype)
+        v = torch.randn(n, kv_heads, head_dim, generator=g, device="cuda").to(dtype)
+        pos = torch.arange(n, device="cuda")
+        k_cache[ids[pos // block_size], pos % block_size] = k
+        v_cache[ids[pos // block_size], pos % block_size] = v
+        dense.append((k, v))
+    return k_cache, v_cache, tables, dense
+
+
+def sdpa(q, k, v, causal_offset=None):
+    """q [n, H, D] (float32), k/v [L, KVH, D]: attention of the n queries at positions L-n .. L-1 (causal)."""
+    heads, kv_heads = q.shape[1], k.shape[1]
+    k = k.float().repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
+    v = v.float().repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
+    n, L = q.shape[0], k.shape[1]
+    mask = torch.arange(L, device="cuda")[None, :] <= torch.arange(L - n, L, device="cuda")[:, None]
+    return F.scaled_dot_product_attention(q.float().transpose(0, 1), k, v, attn_mask=mask).transpose(0, 1)
+
+
+TOL = {torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(8, 8, 64), (32, 8, 128), (14, 2, 64), (16, 1, 128), (9, 3, 64)])
+def test_decode_matches_sdpa(cuda_kernels, dtype, heads, kv_heads, head_dim):
+    seq_lens = [1, 17, 255, 256, 257, 1000, 4096, 8192]
+    k_cache, v_cache, tables, dense = make_paged(seq_lens, kv_heads, head_dim, 16, dtype, seed=heads + head_dim)
+    q = torch.randn(len(seq_lens), heads, head_dim, device="cuda").to(dtype)
+    out = torch.empty_like(q)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    ws = torch.empty(cuda_kernels.workspace_size(len(seq_lens), heads, head_dim, max(seq_lens)), dtype=torch.uint8, device="cuda")
+    cuda_kernels.paged_attention(out, q, k_cache, v_cache, tables, lens, max_seq_len=max(seq_lens),
+                                 workspace=ws if ws.numel() else None)
+    torch.cuda.synchronize()
+    for b, (k, v) in enumerate(dense):
+        ref = sdpa(q[b:b + 1], k, v)
+        torch.testing.assert_close(out[b:b + 1].float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_decode_with_fp8_kv_matches_sdpa_on_dequantized_cache(cuda_kernels):
+    seq_lens = [33, 700, 3000]
+    k_cache, v_cache, tables, dense = make_paged(seq_lens, 4, 128, 16, torch.float16, seed=7)
+    k_scale = (k_cache.float().abs().max() / 448).reshape(1)
+    v_scale = (v_cache.float().abs().max() / 448).reshape(1)
+    k8 = (k_cache.float() / k_scale).to(torch.float8_e4m3fn)
+    v8 = (v_cache.float() / v_scale).to(torch.float8_e4m3fn)
+    q = torch.randn(3, 16, 128, device="cuda", dtype=torch.float16)
+    out = torch.empty_like(q)
+    ws = torch.empty(cuda_kernels.workspace_size(3, 16, 128, 3000), dtype=torch.uint8, device="cuda")
+    cuda_kernels.paged_attention(out, q, k8, v8, tables, torch.tensor(seq_lens, dtype=torch.int32, device="cuda"),
+                                 max_seq_len=3000, k_scale=k_scale, v_scale=v_scale, workspace=ws)
+    torch.cuda.synchronize()
+    kd, vd = k8.float() * k_scale, v8.float() * v_scale
+    for b, n in enumerate(seq_lens):
+        pos = torch.arange(n, device="cuda")
+        blk = tables[b].long()[pos // 16]
+        ref = sdpa(q[b:b + 1], kd[blk, pos % 16], vd[blk, pos % 16])
+        torch.testing.assert_close(out[b:b + 1].float(), ref, atol=5e-3, rtol=5e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_multi_token_attention_is_causal_over_cached_and_new(cuda_kernels, dtype):
+    seq_lens, q_lens = [12, 300, 1030, 5], [12, 5, 130, 1]     # prefill, verification, chunked prefill, decode
+    k_cache, v_cache, tables, dense = make_paged(seq_lens, 2, 64, 16, dtype, seed=3)
+    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    q = torch.randn(int(cu[-1]), 8, 64, device="cuda").to(dtype)
+    out = torch.empty_like(q)
+    ws = torch.empty(cuda_kernels.workspace_size(q.shape[0], 8, 64, max(seq_lens)), dtype=torch.uint8, device="cuda")
+    cuda_kernels.paged_attention(out, q, k_cache, v_cache, tables, torch.tensor(seq_lens, dtype=torch.int32, device="cuda"),
+                                 cu_seqlens_q=cu, max_seq_len=max(seq_lens), workspace=ws)
+    torch.cuda.synchronize()
+    for b, (k, v) in enumerate(dense):
+        rows = slice(int(cu[b]), int(cu[b + 1]))
+        torch.testing.assert_close(out[rows].float(), sdpa(q[rows], k, v), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_sliding_window_sees_only_the_last_keys(cuda_kernels):
+    k_cache, v_cache, tables, dense = make_paged([600], 2, 64, 16, torch.float16, seed=5)
+    q = torch.randn(1, 4, 64, device="cuda", dtype=torch.float16)
+    out = torch.empty_like(q)
+    ws = torch.empty(cuda_kernels.workspace_size(1, 4, 64, 600), dtype=torch.uint8, device="cuda")
+    cuda_kernels.paged_attention(out, q, k_cache, v_cache, tables, torch.tensor([600], dtype=torch.int32, device="cuda"),
+                                 max_seq_len=600, window=100, workspace=ws)
+    k, v = dense[0]
+    torch.testing.assert_close(out.float(), sdpa(q, k[-100:], v[-100:]), atol=4e-3, rtol=4e-3)
+
+
+def test_kv_append_writes_slots_and_skips_minus_one(cuda_kernels):
+    k_cache = torch.zeros(8, 16, 2, 64, device="cuda", dtype=torch.float16)
+    v_cache = torch.zeros_like(k_cache)
+    key = torch.randn(3, 2, 64, device="cuda", dtype=torch.float16)
+    value = torch.randn_like(key)
+    slots = torch.tensor([5 * 16 + 3, -1, 0], dtype=torch.int64, device="cuda")
+    cuda_kernels.kv_append(key, value, k_cache, v_cache, slots)
+    torch.cuda.synchronize()
+    assert torch.equal(k_cache[5, 3], key[0]) and torch.equal(v_cache[0, 0], value[2])
+    assert int((k_cache != 0).any(-1).any(-1).sum()) == 2
+
+
+def test_rmsnorm_residual_and_rotary_match_torch(cuda_kernels):
+    x = torch.randn(5, 576, device="cuda", dtype=torch.float16)
+    residual = torch.randn_like(x)
+    weight = torch.randn(576, device="cuda", dtype=torch.float16)
+    expect_res = (residual.float() + x.float())
+    expect = expect_res * torch.rsqrt(expect_res.pow(2).mean(-1, keepdim=True) + 1e-5) * weight.float()
+    out = torch.empty_like(x)
+    cuda_kernels.rmsnorm_residual(out, residual, x, weight, 1e-5)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(residual.float(), expect_res, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(out.float(), expect, atol=1e-2, rtol=1e-2)
+
+    q = torch.randn(4, 8, 64, device="cuda", dtype=torch.float32)
+    k = torch.randn(4, 2, 64, device="cuda", dtype=torch.float32)
+    pos = torch.tensor([0, 5, 9, 1000], dtype=torch.int32, device="cuda")
+    inv = 1.0 / 10000 ** (torch.arange(0, 64, 2, device="cuda").float() / 64)
+    ang = torch.arange(2048, device="cuda").float()[:, None] * inv[None]
+    cos, sin = ang.cos().contiguous(), ang.sin().contiguous()
+
+    def rope(t):
+        c, s = cos[pos.long()][:, None], sin[pos.long()][:, None]
+        a, b = t[..., :32], t[..., 32:]
+        return torch.cat([a * c - b * s, b * c + a * s], -1)
+
+    eq, ek = rope(q), rope(k)
+    cuda_kernels.rotary(q, k, pos, cos, sin)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(q, eq, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(k, ek, atol=1e-5, rtol=1e-5)

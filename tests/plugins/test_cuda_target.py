@@ -1,0 +1,138 @@
+"""`compile build --target cuda` on the CPU: the fp16 paged graph, run end to end through PagedModelRunner
+with ORT's PagedAttention replaced by the float64 reference (onnxruntime-extensions Python op).
+
+What this proves without a GPU: the graph's packing, rotary, slot writes, block tables, prefix sharing
+and logits selection agree with the reference model; only the PagedAttention kernel itself is swapped.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import onnx
+import pytest
+
+from compile.build import build
+from compile.config import CompileConfig
+from compile.errors import ArtifactError
+from compile.hf_source import CheckpointReader, read_spec
+from compile.reference import ReferenceModel
+from runtime.kv.paged import PagedKVManager
+from runtime.model_runner import ModelRunner
+from runtime.paged_runner import BackendUnavailable, PagedModelRunner
+from runtime.request import Request, SamplingParams
+
+from paged_reference import use_reference_op
+
+pytest.importorskip("onnxruntime_extensions")
+from onnxruntime_extensions import get_library_path  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def cuda_engine(checkpoint, tmp_path_factory):
+    out = tmp_path_factory.mktemp("cuda") / "llama-cuda-fp16"
+    build(CompileConfig(checkpoint("llama"), out, "fp16", target="cuda"), log=lambda _: None)
+    return out
+
+
+@pytest.fixture(scope="module")
+def cpu_runnable(cuda_engine, tmp_path_factory):
+    """A copy of the engine whose PagedAttention nodes run the reference op."""
+    copy = tmp_path_factory.mktemp("cuda-ref") / "engine"
+    shutil.copytree(cuda_engine, copy)
+    model = onnx.load(str(copy / "model.onnx"), load_external_data=False)
+    m = json.loads((copy / "manifest.json").read_text())["model"]
+    assert use_reference_op(model, m["num_heads"], m["num_kv_heads"]) == m["num_layers"]
+    onnx.save_model(model, str(copy / "model.onnx"))
+    return copy
+
+
+def test_cuda_graph_is_fp16_paged_attention_with_float_logits(cuda_engine):
+    manifest = json.loads((cuda_engine / "manifest.json").read_text())
+    assert manifest["target"] == "cuda" and manifest["precision"]["compute"] == "fp16"
+    assert manifest["kv_cache"]["dtype"] == "float16" and "accuracy" not in manifest
+    model = onnx.load(str(cuda_engine / "model.onnx"), load_external_data=False)
+    ops = [n.op_type for n in model.graph.node]
+    assert ops.count("PagedAttention") == 2 and "GroupQueryAttention" not in ops
+    inputs = {i.name: i.type.tensor_type.elem_type for i in model.graph.input}
+    assert inputs["key_cache.0"] == onnx.TensorProto.FLOAT16 and inputs["slot_mapping"] == onnx.TensorProto.INT32
+    assert {o.name: o.type.tensor_type.elem_type for o in model.graph.output}["logits"] == onnx.TensorProto.FLOAT
+    node = next(n for n in model.graph.node if n.op_type == "PagedAttention")
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    assert attrs["do_rotary"] == 1 and attrs["num_heads"] == 4 and attrs["kv_num_heads"] == 2
+    assert list(node.input)[3:] == ["key_cache.0", "value_cache.0", "cumulative_sequence_length", "past_seqlens",
+                                    "block_table", "cos_cache", "sin_cache", "slot_mapping"]
+
+
+def test_backend_selection_says_what_is_missing(cuda_engine):
+    import onnxruntime as ort
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        pytest.skip("onnxruntime-gpu is installed here")
+    with pytest.raises(BackendUnavailable, match="install onnxruntime-gpu"):
+        PagedModelRunner(cuda_engine, num_blocks=8)
+    with pytest.raises(BackendUnavailable, match="--target cpu"):
+        ModelRunner(cuda_engine)
+
+
+@pytest.mark.parametrize("precision, message", [("int8", "supports --precision fp16, int4, fp8"),
+                                                ("fp32", "supports --precision fp16, int4, fp8")])
+def test_cuda_target_refuses_cpu_only_precisions(checkpoint, tmp_path, precision, message):
+    with pytest.raises(ValueError, match=message):
+        CompileConfig(checkpoint("llama"), tmp_path / "x", precision, target="cuda")
+
+
+def test_paged_engine_matches_reference_across_chunks_decode_and_shared_prefix(cpu_runnable, checkpoint):
+    runner = PagedModelRunner(cpu_runnable, num_blocks=16, block_size=4, providers=["CPUExecutionProvider"],
+                              custom_ops_library=get_library_path(), verify=False)
+    ckpt = checkpoint("llama")
+    reference = lambda ids: ReferenceModel(read_spec(ckpt), CheckpointReader(ckpt)).forward(ids)  # noqa: E731
+    mgr = PagedKVManager(runner.num_blocks, runner.block_size)
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, 512, 11).tolist()
+
+    def run(reqs, counts):
+        """One step over reqs computing counts[i] tokens each; logits at every new token."""
+        for r, n in zip(reqs, counts):
+            assert mgr.reserve(r, r.num_computed + n)
+        batch = mgr.step_batch(reqs, counts)
+        ids = np.concatenate([np.asarray(r.all_ids[r.num_computed:r.num_computed + n]) for r, n in zip(reqs, counts)])
+        logits = runner.step(ids, batch, np.arange(len(ids)))
+        for r, n in zip(reqs, counts):
+            r.num_computed += n
+            mgr.commit(r)
+        return logits
+
+    def close(ours, ref):
+        scale = np.abs(ref).max()
+        assert np.abs(ours - ref).max() <= 0.02 * scale, np.abs(ours - ref).max() / scale
+        assert (ours.argmax(-1) == ref.argmax(-1)).mean() >= 0.9
+
+    a = Request(list(prompt), SamplingParams(max_tokens=8), request_id="a")
+    mgr.allocate(a)
+    chunk1, chunk2 = run([a], [6]), run([a], [5])                 # chunked prefill
+    full = reference(prompt)
+    close(np.concatenate([chunk1, chunk2]), full)
+    for _ in range(3):                                             # greedy decode
+        a.output_ids.append(int(full[-1].argmax()) if not a.output_ids else int(logits[-1].argmax()))
+        logits = run([a], [1])
+        full = reference(a.all_ids)
+        close(logits, full[-1:])
+
+    # b shares a's first two blocks (8 tokens): they are referenced, not recomputed, in a mixed step with a.
+    b = Request(prompt[:8] + rng.integers(0, 512, 4).tolist(), SamplingParams(max_tokens=8), request_id="b")
+    mgr.allocate(b)
+    assert b.num_computed == 8 and mgr.table(b)[:2] == mgr.table(a)[:2]
+    a.output_ids.append(int(logits[-1].argmax()))
+    mixed = run([a, b], [1, 4])
+    close(mixed[:1], reference(a.all_ids)[-1:])
+    close(mixed[1:], reference(b.all_ids)[8:])
+    for r in (a, b):
+        mgr.free(r)
+    assert mgr.num_free_blocks == runner.num_blocks
+
+
+def test_paged_runner_refuses_cpu_engines(engine):
+    with pytest.raises(ArtifactError, match="runs --target cuda engines"):
+        PagedModelRunner(engine("llama"), num_blocks=4)
