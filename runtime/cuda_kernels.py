@@ -99,10 +99,13 @@ class CudaKernels:
         L.qs_paged_attention_workspace_size.argtypes = [i, i, i, i]
         L.qs_paged_attention_decode.argtypes = [vp, vp, vp, vp, vp, vp, i, i, i, i, i, i, i, i, f, vp, vp, i, i, vp, sz, vp]
         L.qs_paged_attention_prefill.argtypes = [vp, vp, vp, vp, vp, vp, vp, i, i, i, i, i, i, i, i, i, f, vp, vp, i, i, vp, sz, vp]
+        L.qs_packed_attention_workspace_size.restype = sz
+        L.qs_packed_attention_workspace_size.argtypes = [i, i, i, i, i]
+        L.qs_packed_paged_attention.argtypes = [vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, i, i, i, i, i, i, i, i, i, f, i, vp, sz, vp]
         L.qs_kv_append.argtypes = [vp, vp, vp, vp, vp, i, i, i, i, i, vp, vp, vp]
         L.qs_rmsnorm_residual.argtypes = [vp, vp, vp, vp, i, i, f, i, vp]
         L.qs_rotary.argtypes = [vp, vp, vp, vp, vp, i, i, i, i, i, i, vp]
-        for name in ("qs_paged_attention_decode", "qs_paged_attention_prefill", "qs_kv_append",
+        for name in ("qs_paged_attention_decode", "qs_paged_attention_prefill", "qs_packed_paged_attention", "qs_kv_append",
                      "qs_rmsnorm_residual", "qs_rotary"):
             getattr(L, name).restype = ctypes.c_int
 
@@ -157,6 +160,39 @@ class CudaKernels:
             status = self.lib.qs_paged_attention_prefill(_ptr(o), _ptr(q), _ptr(kc), _ptr(vc), _ptr(bt), _ptr(sl), _ptr(cu),
                                                          rows, seqs, *common)
         self._check(status, "paged attention")
+
+    def packed_workspace_size(self, num_tokens: int, num_seqs: int, num_heads: int, head_dim: int, max_seq_len: int) -> int:
+        return int(self.lib.qs_packed_attention_workspace_size(num_tokens, num_seqs, num_heads, head_dim, max_seq_len))
+
+    def packed_paged_attention(self, out, qkv, k_cache, v_cache, cu_seqlens_q, past_seqlens, block_tables, slot_mapping,
+                               cos_cache, sin_cache, *, num_heads: int, max_seq_len: int, scale: float | None = None,
+                               window: int = 0, workspace=None, stream: int = 0) -> None:
+        """ORT com.microsoft.PagedAttention semantics in one call: packed qkv [tokens, (H + 2·KVH)·D], rotary at
+        past + index, K/V written at slot_mapping (int32, -1 skips), causal attention → out [tokens, H·D]."""
+        o, x, kc, vc = (DeviceArray.of(a) for a in (out, qkv, k_cache, v_cache))
+        cu, past, bt, sm = (DeviceArray.of(a) for a in (cu_seqlens_q, past_seqlens, block_tables, slot_mapping))
+        c, s = DeviceArray.of(cos_cache), DeviceArray.of(sin_cache)
+        ws = DeviceArray.of(workspace) if workspace is not None else None
+        _expect(len(kc.shape) == 4 and kc.shape == vc.shape and kc.dtype == vc.dtype == x.dtype,
+                "caches must share shape [blocks, block_size, kv_heads, head_dim] and qkv's dtype")
+        _, block_size, kv_heads, head_dim = kc.shape
+        _expect(len(x.shape) == 2 and x.shape[1] == (num_heads + 2 * kv_heads) * head_dim,
+                f"qkv must be [tokens, {(num_heads + 2 * kv_heads) * head_dim}]")
+        tokens = x.shape[0]
+        _expect(o.shape == (tokens, num_heads * head_dim) and o.dtype == x.dtype, f"out must be [{tokens}, {num_heads * head_dim}]")
+        seqs = past.shape[0] if past.shape else 0
+        for name, a, shape in (("cu_seqlens_q", cu, (seqs + 1,)), ("slot_mapping", sm, (tokens,))):
+            _expect(a.shape == shape and a.dtype == "i32", f"{name} must be int32 {list(shape)}")
+        _expect(len(bt.shape) == 2 and bt.shape[0] == seqs and bt.dtype == "i32", f"block_tables must be int32 [{seqs}, max_blocks]")
+        _expect(c.shape == s.shape and len(c.shape) == 2 and c.shape[1] == head_dim // 2 and c.dtype == x.dtype,
+                f"cos/sin caches must be [max_position, {head_dim // 2}] in qkv's dtype")
+        ws_bytes = 0 if ws is None else math.prod(ws.shape) * ITEMSIZE[ws.dtype]
+        status = self.lib.qs_packed_paged_attention(
+            _ptr(o), _ptr(x), _ptr(kc), _ptr(vc), _ptr(cu), _ptr(past), _ptr(bt), _ptr(sm), _ptr(c), _ptr(s), tokens, seqs,
+            num_heads, kv_heads, head_dim, block_size, bt.shape[1], max_seq_len, window,
+            scale if scale is not None else 1.0 / math.sqrt(head_dim), DTYPES.get(x.dtype, -1), _ptr(ws), ws_bytes,
+            ctypes.c_void_p(stream or None))
+        self._check(status, "packed paged attention")
 
     # -- small kernels ----------------------------------------------------------------------------
     def kv_append(self, key, value, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scale=None, stream: int = 0) -> None:

@@ -20,6 +20,18 @@ int ok();
 // Turn the outcome of a launch into a status (QS_ERR_CUDA with the runtime's message on failure).
 int from_cuda(cudaError_t err, const char* what);
 
+// paged_attention.cu: the pointer-free argument checks (shared with packed.cu) ...
+int check_attention_shape(int rows, int num_seqs, int num_heads, int kv_heads, int head_dim, int block_size,
+                          int max_blocks, int max_seq_len, float scale, qs_dtype dtype, qs_dtype kv_dtype);
+// ... and the full call: checks arguments, then launches the attention (+ reduce) kernels.
+int run_paged_attention(void* out, const void* query, const void* k_cache, const void* v_cache,
+                        const int32_t* block_tables, const int32_t* seq_lens, const int32_t* cu_q, int rows,
+                        int num_seqs, int num_heads, int kv_heads, int head_dim, int block_size, int max_blocks,
+                        int max_seq_len, int window, float scale, const float* k_scale, const float* v_scale,
+                        qs_dtype dtype, qs_dtype kv_dtype, void* workspace, size_t workspace_bytes, void* stream);
+
+inline size_t align256(size_t n) { return (n + 255) / 256 * 256; }
+
 inline bool aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 inline const char* dtype_name(qs_dtype t) {
   switch (t) {
@@ -81,6 +93,16 @@ __device__ __forceinline__ void unpack8(const uint2& r, const fp8*, float (&f)[8
     f[2 * i] = v.x;
     f[2 * i + 1] = v.y;
   }
+}
+
+// The sequence owning packed row `row`: the last b with cu_q[b] <= row (sequences with no rows are skipped).
+__device__ __forceinline__ int find_seq(const int32_t* cu_q, int num_seqs, int row) {
+  int lo = 0, hi = num_seqs - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (cu_q[mid] <= row) lo = mid; else hi = mid - 1;
+  }
+  return lo;
 }
 
 }  // namespace qs

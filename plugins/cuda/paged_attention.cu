@@ -40,15 +40,6 @@ struct Params {
   int num_seqs, num_heads, kv_heads, group, head_chunks, block_size, max_blocks, window, num_parts;
 };
 
-__device__ __forceinline__ int find_seq(const int32_t* cu_q, int num_seqs, int row) {
-  int lo = 0, hi = num_seqs - 1;  // last b with cu_q[b] <= row: the sequence that owns the row
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (cu_q[mid] <= row) lo = mid; else hi = mid - 1;
-  }
-  return lo;
-}
-
 template <typename T, typename KV, int HD, int G>
 __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
   constexpr int L = HD / 8;         // lanes per key
@@ -253,15 +244,11 @@ cudaError_t dispatch_head_dim(Params& p, int head_dim, int rows, cudaStream_t st
 
 int num_partitions(int max_seq_len) { return max_seq_len <= kPart ? 1 : (max_seq_len + kPart - 1) / kPart; }
 
-int run(void* out, const void* query, const void* k_cache, const void* v_cache, const int32_t* block_tables,
-        const int32_t* seq_lens, const int32_t* cu_q, int rows, int num_seqs, int num_heads, int kv_heads,
-        int head_dim, int block_size, int max_blocks, int max_seq_len, int window, float scale,
-        const float* k_scale, const float* v_scale, qs_dtype dtype, qs_dtype kv_dtype, void* workspace,
-        size_t workspace_bytes, void* stream) {
+}  // namespace
+
+int check_attention_shape(int rows, int num_seqs, int num_heads, int kv_heads, int head_dim, int block_size,
+                          int max_blocks, int max_seq_len, float scale, qs_dtype dtype, qs_dtype kv_dtype) {
   if (rows < 0 || num_seqs < 1) return fail(QS_ERR_INVALID_ARGUMENT, "need num_seqs >= 1 and rows >= 0 (got %d, %d)", num_seqs, rows);
-  if (rows == 0) return ok();
-  if (!out || !query || !k_cache || !v_cache || !block_tables || !seq_lens)
-    return fail(QS_ERR_INVALID_ARGUMENT, "out, query, k_cache, v_cache, block_tables and seq_lens must be device pointers, not NULL");
   if (num_heads < 1 || kv_heads < 1 || num_heads % kv_heads != 0)
     return fail(QS_ERR_INVALID_ARGUMENT, "num_heads (%d) must be a positive multiple of kv_heads (%d)", num_heads, kv_heads);
   if (head_dim != 32 && head_dim != 64 && head_dim != 128 && head_dim != 256)
@@ -275,13 +262,26 @@ int run(void* out, const void* query, const void* k_cache, const void* v_cache, 
     return fail(QS_ERR_UNSUPPORTED, "query dtype %s: paged attention runs in f16 or bf16", dtype_name(dtype));
   if (kv_dtype != dtype && kv_dtype != QS_DTYPE_FP8_E4M3)
     return fail(QS_ERR_INVALID_ARGUMENT, "kv dtype %s must equal the query dtype %s or be fp8_e4m3", dtype_name(kv_dtype), dtype_name(dtype));
+  if (!(scale > 0.f) || !isfinite(scale)) return fail(QS_ERR_INVALID_ARGUMENT, "scale must be a positive finite number, not %g", scale);
+  if (rows > 65535) return fail(QS_ERR_UNSUPPORTED, "%d query rows in one call; split the batch (at most 65535)", rows);
+  return ok();
+}
+
+int run_paged_attention(void* out, const void* query, const void* k_cache, const void* v_cache, const int32_t* block_tables,
+        const int32_t* seq_lens, const int32_t* cu_q, int rows, int num_seqs, int num_heads, int kv_heads,
+        int head_dim, int block_size, int max_blocks, int max_seq_len, int window, float scale,
+        const float* k_scale, const float* v_scale, qs_dtype dtype, qs_dtype kv_dtype, void* workspace,
+        size_t workspace_bytes, void* stream) {
+  const int shape = check_attention_shape(rows, num_seqs, num_heads, kv_heads, head_dim, block_size, max_blocks,
+                                          max_seq_len, scale, dtype, kv_dtype);
+  if (shape != QS_OK || rows == 0) return shape;
+  if (!out || !query || !k_cache || !v_cache || !block_tables || !seq_lens)
+    return fail(QS_ERR_INVALID_ARGUMENT, "out, query, k_cache, v_cache, block_tables and seq_lens must be device pointers, not NULL");
   if (kv_dtype == QS_DTYPE_FP8_E4M3 && (!k_scale || !v_scale))
     return fail(QS_ERR_INVALID_ARGUMENT, "an fp8 KV cache needs k_scale and v_scale (device float[1])");
-  if (!(scale > 0.f) || !isfinite(scale)) return fail(QS_ERR_INVALID_ARGUMENT, "scale must be a positive finite number, not %g", scale);
   const size_t kv_align = kv_dtype == QS_DTYPE_FP8_E4M3 ? 8 : 16;
   if (!aligned(query, 16) || !aligned(out, 16) || !aligned(k_cache, kv_align) || !aligned(v_cache, kv_align))
     return fail(QS_ERR_INVALID_ARGUMENT, "query/out must be 16-byte aligned and the caches %zu-byte aligned", kv_align);
-  if (rows > 65535) return fail(QS_ERR_UNSUPPORTED, "%d query rows in one call; split the batch (at most 65535)", rows);
   const size_t need = qs_paged_attention_workspace_size(rows, num_heads, head_dim, max_seq_len);
   if (need > 0 && (workspace == nullptr || workspace_bytes < need))
     return fail(QS_ERR_INVALID_ARGUMENT, "workspace of %zu bytes needed for max_seq_len %d (got %zu); see qs_paged_attention_workspace_size",
@@ -319,7 +319,6 @@ int run(void* out, const void* query, const void* k_cache, const void* v_cache, 
   return from_cuda(err, "paged attention launch");
 }
 
-}  // namespace
 }  // namespace qs
 
 extern "C" size_t qs_paged_attention_workspace_size(int num_rows, int num_heads, int head_dim, int max_seq_len) {
@@ -334,7 +333,7 @@ extern "C" int qs_paged_attention_decode(void* out, const void* query, const voi
                                          int max_blocks_per_seq, int max_seq_len, int window, float scale,
                                          const float* k_scale, const float* v_scale, qs_dtype dtype,
                                          qs_dtype kv_dtype, void* workspace, size_t workspace_bytes, void* stream) {
-  return qs::run(out, query, k_cache, v_cache, block_tables, seq_lens, nullptr, num_seqs, num_seqs, num_heads,
+  return qs::run_paged_attention(out, query, k_cache, v_cache, block_tables, seq_lens, nullptr, num_seqs, num_seqs, num_heads,
                  kv_heads, head_dim, block_size, max_blocks_per_seq, max_seq_len, window, scale, k_scale, v_scale,
                  dtype, kv_dtype, workspace, workspace_bytes, stream);
 }
@@ -348,7 +347,7 @@ extern "C" int qs_paged_attention_prefill(void* out, const void* query, const vo
                                           size_t workspace_bytes, void* stream) {
   if (cu_seqlens_q == nullptr)
     return qs::fail(QS_ERR_INVALID_ARGUMENT, "cu_seqlens_q (int32 [num_seqs + 1]) is required for multi-token attention");
-  return qs::run(out, query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, num_tokens, num_seqs,
+  return qs::run_paged_attention(out, query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, num_tokens, num_seqs,
                  num_heads, kv_heads, head_dim, block_size, max_blocks_per_seq, max_seq_len, window, scale, k_scale,
                  v_scale, dtype, kv_dtype, workspace, workspace_bytes, stream);
 }

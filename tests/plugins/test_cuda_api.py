@@ -95,6 +95,16 @@ def test_small_kernels_refuse_bad_arguments(cuda_kernels, call, message):
         call(cuda_kernels)
 
 
+def test_packed_attention_needs_its_workspace(cuda_kernels):
+    tokens, heads, kv_heads, dim = 5, 8, 2, 64
+    with pytest.raises(KernelError, match="256-byte aligned workspace of .* bytes is needed"):
+        cuda_kernels.packed_paged_attention(
+            arr(tokens, heads * dim), arr(tokens, (heads + 2 * kv_heads) * dim), arr(10, 16, 2, 64), arr(10, 16, 2, 64),
+            arr(3, dtype="i32"), arr(2, dtype="i32"), arr(2, 4, dtype="i32"), arr(tokens, dtype="i32"),
+            arr(128, 32), arr(128, 32), num_heads=heads, max_seq_len=64)
+    assert cuda_kernels.packed_workspace_size(tokens, 2, heads, dim, 64) >= tokens * heads * dim * 2
+
+
 def test_missing_library_says_how_to_build_it(tmp_path):
     with pytest.raises(KernelsUnavailable, match="QS_BUILD_CUDA=ON"):
         CudaKernels(tmp_path / "libqs_cuda.so")

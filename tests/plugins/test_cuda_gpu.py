@@ -10,7 +10,7 @@ import pytest
 
 from conftest import requires_gpu
 
-pytestmark = requires_gpu
+pytestmark = [pytest.mark.gpu, requires_gpu]
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
@@ -158,3 +158,36 @@ def test_rmsnorm_residual_and_rotary_match_torch(cuda_kernels):
     torch.cuda.synchronize()
     torch.testing.assert_close(q, eq, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(k, ek, atol=1e-5, rtol=1e-5)
+
+
+def test_packed_attention_matches_the_ort_paged_attention_reference(cuda_kernels):
+    """The TensorRT plugin's entry point vs the numpy model of com.microsoft.PagedAttention the CPU tests use."""
+    import numpy as np
+
+    from paged_reference import ort_paged_attention
+    from runtime.kv.paged import build_paged_batch
+
+    heads, kv_heads, dim, bs, num_blocks = 8, 2, 64, 16, 40
+    rng = np.random.default_rng(11)
+    perm = rng.permutation(num_blocks).tolist()
+    seqs = [([perm.pop() for _ in range(-(-(p + n) // bs))], p, n) for p, n in ((0, 20), (33, 1), (100, 7))]
+    batch = build_paged_batch(seqs, bs)
+    tokens = int(batch.cu_seqlens_q[-1])
+    qkv = rng.standard_normal((tokens, (heads + 2 * kv_heads) * dim)).astype(np.float16)
+    k_cache = rng.standard_normal((num_blocks, bs, kv_heads, dim)).astype(np.float16)   # "cached" history
+    v_cache = rng.standard_normal((num_blocks, bs, kv_heads, dim)).astype(np.float16)
+    ang = np.arange(512)[:, None] / 10000 ** (np.arange(0, dim, 2) / dim)
+    cos, sin = np.cos(ang).astype(np.float16), np.sin(ang).astype(np.float16)
+    slots = batch.slot_mapping.astype(np.int32)
+    expect, k_expect, _ = ort_paged_attention(qkv, k_cache, v_cache, batch.cu_seqlens_q, batch.past_lens,
+                                              batch.block_tables, cos, sin, slots, heads, kv_heads, dim ** -0.5)
+    dev = lambda a: torch.from_numpy(np.ascontiguousarray(a)).cuda()  # noqa: E731
+    kc, vc = dev(k_cache), dev(v_cache)
+    out = torch.empty(tokens, heads * dim, dtype=torch.float16, device="cuda")
+    ws = torch.empty(cuda_kernels.packed_workspace_size(tokens, 3, heads, dim, 107), dtype=torch.uint8, device="cuda")
+    cuda_kernels.packed_paged_attention(out, dev(qkv), kc, vc, dev(batch.cu_seqlens_q), dev(batch.past_lens),
+                                        dev(batch.block_tables), dev(slots), dev(cos), dev(sin), num_heads=heads,
+                                        max_seq_len=107, workspace=ws)
+    torch.cuda.synchronize()
+    np.testing.assert_allclose(out.cpu().float().numpy(), expect.astype(np.float32), atol=1e-2, rtol=1e-2)
+    np.testing.assert_allclose(kc.cpu().float().numpy(), k_expect.astype(np.float32), atol=2e-3, rtol=2e-3)

@@ -63,6 +63,21 @@ QS_API int qs_paged_attention_prefill(void* out, const void* query, const void* 
                                const float* k_scale, const float* v_scale, qs_dtype dtype, qs_dtype kv_dtype,
                                void* workspace, size_t workspace_bytes, void* stream);
 
+// Packed paged attention with ONNX Runtime com.microsoft.PagedAttention semantics (what the TensorRT plugin
+// runs): qkv [num_tokens, (num_heads + 2 * kv_heads) * head_dim] packed per token; rotary (half rotation)
+// with cos/sin [max_position, head_dim / 2] (dtype) at position past_seqlens[b] + index in the sequence;
+// K/V written to the cache (dtype) at slot_mapping (int32, -1 skips); causal attention over cached + new
+// keys → out [num_tokens, num_heads * head_dim]. max_seq_len bounds past + new of every sequence (trusted).
+QS_API size_t qs_packed_attention_workspace_size(int num_tokens, int num_seqs, int num_heads, int head_dim,
+                                                 int max_seq_len);
+QS_API int qs_packed_paged_attention(void* out, const void* qkv, void* k_cache, void* v_cache,
+                                     const int32_t* cu_seqlens_q, const int32_t* past_seqlens,
+                                     const int32_t* block_tables, const int32_t* slot_mapping, const void* cos_cache,
+                                     const void* sin_cache, int num_tokens, int num_seqs, int num_heads, int kv_heads,
+                                     int head_dim, int block_size, int max_blocks_per_seq, int max_seq_len,
+                                     int window, float scale, qs_dtype dtype, void* workspace,
+                                     size_t workspace_bytes, void* stream);
+
 // KV append: write new K/V [num_tokens, kv_heads, head_dim] (dtype) into the cache at slot_mapping
 // [num_tokens] (int64; -1 skips). With kv_dtype FP8_E4M3 the values are divided by *k_scale / *v_scale
 // and saturated to e4m3.
