@@ -63,6 +63,8 @@ class EngineConfig:
     threads: int | None = None        # ONNX Runtime intra-op threads; None: min(2, cores)
     spin: bool = False                # let ONNX Runtime's threads spin between ops (lower latency, burns a core)
     verify_artifact: bool = True
+    providers: tuple[str, ...] | None = None   # ONNX Runtime execution providers; None: chosen from the engine's target
+    custom_ops_library: str | None = None      # an ONNX Runtime custom-op library to register (own kernels)
 
     def __post_init__(self):
         if self.speculation not in (None, "draft", "ngram"):

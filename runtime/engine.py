@@ -8,17 +8,21 @@ The Engine is single-threaded by design (AsyncEngine runs it on one loop thread)
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 from tokenizers import Tokenizer
 
+from compile import artifact
+
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer, StopStringFilter
 from .kv.manager import KVCacheManager, KVLayout
+from .kv.paged import PagedKVManager, build_paged_batch
 from .model_runner import ModelRunner, check_same_tokenizer
 from .outputs import RequestOutput, SchedulePlan, Usage
+from .paged_runner import PagedModelRunner
 from .request import InvalidRequest, Request, RequestStatus, SamplingParams
 from .sampler import Sampler
 from .scheduler import Scheduler
@@ -55,19 +59,28 @@ class EngineStats:
 class Engine:
     def __init__(self, engine_dir: str | Path, config: EngineConfig | None = None):
         self.config = config = config or EngineConfig()
-        self.runner = ModelRunner(engine_dir, threads=config.threads, verify=config.verify_artifact, spin=config.spin)
+        self.paged = artifact.load(Path(engine_dir), verify=False).get("target") == "cuda"
+        self.draft = None
+        if self.paged:
+            self.runner = self._paged_runner(Path(engine_dir), config)
+        else:
+            self.runner = ModelRunner(engine_dir, threads=config.threads, verify=config.verify_artifact, spin=config.spin)
         manifest = self.runner.manifest
         self.tokenizer = Tokenizer.from_file(str(Path(engine_dir) / "tokenizer.json"))
         self.eos_ids = frozenset(manifest["tokenizer"]["eos_token_ids"])
         self.max_model_len = min(config.cache.max_model_len or self.runner.max_seq_len, self.runner.max_seq_len)
-        self.draft = (ModelRunner(config.draft, threads=config.threads, verify=config.verify_artifact, spin=config.spin)
-                      if config.draft else None)
-        layouts = [KVLayout(self.runner.num_layers, self.runner.kv_heads, self.runner.head_dim)]
-        if self.draft is not None:
-            check_same_tokenizer(self.runner, self.draft)
-            self.max_model_len = min(self.max_model_len, self.draft.max_seq_len)
-            layouts.append(KVLayout(self.draft.num_layers, self.draft.kv_heads, self.draft.head_dim))
-        self.kv = self._make_kv(config, layouts)
+        if not self.paged:
+            self.draft = (ModelRunner(config.draft, threads=config.threads, verify=config.verify_artifact, spin=config.spin)
+                          if config.draft else None)
+            layouts = [KVLayout(self.runner.num_layers, self.runner.kv_heads, self.runner.head_dim)]
+            if self.draft is not None:
+                check_same_tokenizer(self.runner, self.draft)
+                self.max_model_len = min(self.max_model_len, self.draft.max_seq_len)
+                layouts.append(KVLayout(self.draft.num_layers, self.draft.kv_heads, self.draft.head_dim))
+            self.kv = self._make_kv(config, layouts)
+        else:
+            self.kv = PagedKVManager(self.runner.num_blocks, self.runner.block_size, config.scheduler.max_num_seqs,
+                                     self.max_model_len)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.sampler = Sampler()
         self.speculator = None
@@ -84,6 +97,11 @@ class Engine:
     def _warm_up(self) -> None:
         """ONNX Runtime's first runs pay for allocation and weight prepacking: pay it here, not in a user's TTFT.
         With speculation, also measure the step costs its decisions are based on."""
+        if self.paged:          # one packed step of 8 tokens over block 0 that writes no KV (slot -1)
+            warm = build_paged_batch([([0] * -(-8 // self.kv.block_size), 0, 8)], self.kv.block_size)
+            warm = replace(warm, slot_mapping=np.full(8, -1, np.int64))
+            self.runner.step(np.zeros(8, np.int64), warm, np.array([7]))
+            return
         models = [(self.runner, self.kv.slots)] + ([(self.draft, self.kv.pools[1])] if self.draft else [])
         for runner, pool in models:
             pool.prefault()
@@ -108,6 +126,22 @@ class Engine:
                 cost.record("draft", b, timed(lambda: self.draft.decode(self.kv.pools[1], rows, set())))
         for g in range(1, self.config.spec.max_gamma + 1):
             cost.record("ver", g + 1, timed(lambda: self.runner.prefill(self.kv.slots, 0, [0] * (g + 1), 16, True)))
+
+    @staticmethod
+    def _paged_runner(engine_dir: Path, config: EngineConfig) -> PagedModelRunner:
+        """A --target cuda engine: one fp16 block pool sized by the KV budget; prefix caching is the pool itself."""
+        if config.draft is not None or config.speculation is not None:
+            raise ValueError("speculative decoding is not wired for --target cuda engines yet; serve without "
+                             "--draft / --speculation")
+        m = artifact.load(engine_dir, verify=False)["model"]
+        c = config.cache
+        block_bytes = 2 * m["num_layers"] * m["num_kv_heads"] * m["head_dim"] * 2 * c.block_size
+        num_blocks = int(c.budget() // block_bytes)
+        if num_blocks < 1:
+            raise ValueError(f"KV budget {c.budget() / 2**20:.0f} MiB holds no {c.block_size}-token block")
+        return PagedModelRunner(engine_dir, num_blocks, c.block_size, verify=config.verify_artifact,
+                                providers=list(config.providers) if config.providers else None,
+                                custom_ops_library=config.custom_ops_library)
 
     def _make_kv(self, config: EngineConfig, layouts: list[KVLayout]) -> KVCacheManager:
         c = config.cache
@@ -191,6 +225,8 @@ class Engine:
     def _execute(self, plan: SchedulePlan) -> tuple[dict[str, np.ndarray], dict[str, tuple]]:
         """Run the plan. Returns (logits [vocab] for every request that catches up without speculating,
         {request id: (emitted tokens, target KV length)} for the ones that speculated)."""
+        if self.paged:
+            return self._execute_paged(plan), {}
         pool, logits = self.kv.slots, {}
         running = {r.slot for r in self.scheduler.running}
         gammas = self.speculator.plan(plan.decodes, self.max_model_len) if self.speculator else {}
@@ -216,6 +252,21 @@ class Engine:
             busy = running - {r.slot for r in spec}
             speculated = self.speculator.run(spec, [gammas[r.request_id] for r in spec], busy, pool)
         return logits, speculated
+
+    def _execute_paged(self, plan: SchedulePlan) -> dict[str, np.ndarray]:
+        """All decodes and prefill chunks of the plan in one packed step over the block tables."""
+        reqs = list(plan.decodes) + [r for r, _ in plan.chunks]
+        counts = [1] * len(plan.decodes) + [n for _, n in plan.chunks]
+        ids, wanted, end = [], [], 0
+        for req, n in zip(reqs, counts):
+            assert self.kv.reserve(req, req.num_computed + n), "admission reserved every request's worst case"
+            ids.extend(req.all_ids[req.num_computed:req.num_computed + n])
+            end += n
+            if req.num_computed + n == req.num_tokens:      # caught up: its next token is sampled
+                wanted.append((req, end - 1))
+        batch = self.kv.step_batch(reqs, counts, self.runner.max_blocks_per_seq)
+        out = self.runner.step(np.asarray(ids, np.int64), batch, np.asarray([i for _, i in wanted], np.int64))
+        return {req.request_id: row for (req, _), row in zip(wanted, out)}
 
     def _update(self, plan: SchedulePlan, results: tuple[dict[str, np.ndarray], dict[str, tuple]]) -> list[RequestOutput]:
         logits, speculated = results

@@ -51,6 +51,10 @@ class KVCacheManager:
 
     # -- capacity ---------------------------------------------------------------------------------
     @property
+    def num_slots(self) -> int:
+        return self.slots.num_slots
+
+    @property
     def num_free_slots(self) -> int:
         return len(self._free_slots)
 

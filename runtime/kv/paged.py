@@ -18,9 +18,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+import heapq
+
 from ..request import Request
 from .block_pool import BlockPool
 from .hashing import hash_blocks
+from .manager import CacheStats
 
 
 @dataclass(frozen=True)
@@ -76,14 +79,35 @@ def build_paged_batch(seqs: Sequence[tuple[Sequence[int], int, int]], block_size
 
 class PagedKVManager:
     """Owns the block lists of running sequences over one BlockPool (bookkeeping only: the KV lives on the
-    device, laid out [num_blocks, block_size, kv_heads, head_dim] per layer)."""
+    device, laid out [num_blocks, block_size, kv_heads, head_dim] per layer).
 
-    def __init__(self, num_blocks: int, block_size: int):
+    Admission reserves a request's worst case (prompt + max_tokens, capped at max_model_len) up front, so a
+    running sequence never runs out of blocks mid-generation (no eviction, as TensorRT-LLM's guaranteed-no-
+    evict policy); cached blocks nobody references count as free and are evicted LRU when needed. It offers
+    the same interface as the CPU path's KVCacheManager (allocate / cache_computed / free, `req.slot` marks a
+    holder), so the scheduler drives both.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, num_slots: int | None = None, max_model_len: int | None = None):
         self.blocks = BlockPool([], num_blocks, block_size)
         self.block_size = block_size
+        self.num_slots = num_slots or num_blocks
+        self.max_model_len = max_model_len
+        self._free_slots = list(range(self.num_slots))      # sequence indices: `req.slot` marks a holder
         self._tables: dict[str, list[int]] = {}     # request id → its blocks, in logical order
         self._keys: dict[str, list[int]] = {}       # request id → chained keys of its full blocks
         self._registered: dict[str, int] = {}       # request id → leading blocks that are findable
+        self.stats = CacheStats()
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by running sequences (the KV usage reported in metrics)."""
+        held = sum(1 for r in self.blocks.ref if r > 0)
+        return held / self.blocks.num_blocks
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free_slots)
 
     @property
     def num_free_blocks(self) -> int:
@@ -101,9 +125,11 @@ class PagedKVManager:
         return keys
 
     def allocate(self, req: Request) -> bool:
-        """Start `req`: reference its cached prefix blocks and set num_computed after them. Always succeeds
-        (blocks for the new tokens are taken by `reserve`)."""
+        """Start `req`: reference its cached prefix blocks, set num_computed after them and reserve blocks for
+        its worst case; False (holding nothing) if no sequence index or not enough blocks are free."""
         assert req.request_id not in self._tables, "a request is allocated only while it holds nothing"
+        if not self._free_slots:
+            return False
         keys, bs = self._keys_for(req), self.block_size
         table: list[int] = []
         parent = 0
@@ -115,8 +141,15 @@ class PagedKVManager:
             table.append(block)
             parent = keys[i]
         self._tables[req.request_id] = table
-        self._registered[req.request_id] = len(table)
-        req.num_computed = req.num_computed_draft = len(table) * bs
+        self._registered[req.request_id] = hits = len(table)
+        worst = req.num_tokens + max(0, req.params.max_tokens - len(req.output_ids))
+        if not self.reserve(req, min(worst, self.max_model_len) if self.max_model_len else req.num_tokens):
+            self.free(req)
+            return False
+        req.slot = heapq.heappop(self._free_slots)
+        req.num_computed = req.num_computed_draft = hits * bs
+        self.stats.queries += len(req.prompt_ids)
+        self.stats.hits += min(req.num_computed, len(req.prompt_ids))
         return True
 
     def reserve(self, req: Request, num_tokens: int) -> bool:
@@ -131,8 +164,14 @@ class PagedKVManager:
         table.extend(self.blocks.allocate() for _ in range(need))
         return True
 
+    def cache_computed(self, req: Request) -> None:
+        """KVCacheManager's name for commit: make `req`'s computed full blocks findable."""
+        self.commit(req)
+
     def commit(self, req: Request) -> None:
         """Register the blocks `req` has completely computed, so later prompts can share them."""
+        if req.request_id not in self._tables:
+            return
         table, keys, bs = self._tables[req.request_id], self._keys_for(req), self.block_size
         done = min(req.num_computed // bs, len(keys), len(table))
         for i in range(self._registered[req.request_id], done):
@@ -145,6 +184,9 @@ class PagedKVManager:
             self.blocks.release(block)
         self._keys.pop(req.request_id, None)
         self._registered.pop(req.request_id, None)
+        if req.slot is not None:
+            heapq.heappush(self._free_slots, req.slot)
+            req.slot = None
 
     def step_batch(self, reqs: Sequence[Request], num_new: Sequence[int], max_blocks: int | None = None) -> PagedBatch:
         """The paged batch for computing num_new[i] tokens of reqs[i] after its num_computed."""

@@ -64,7 +64,7 @@ class Server:
         e, m = self.engine, self.engine.runner.manifest
         log.info("serving %s (%s, %s, context %d, %d slots%s) on %s grpc=%s http=%s, loaded in %.2f s",
                  self.bridge.model_name, m["model"]["architecture"], m["precision"]["weights"], e.max_model_len,
-                 e.kv.slots.num_slots, f", speculation={e.config.speculation}" if e.speculator else "",
+                 e.kv.num_slots, f", speculation={e.config.speculation}" if e.speculator else "",
                  c.host, self.grpc_port, self.http_port, self.load_s)
 
     async def stop(self) -> None:

@@ -136,3 +136,66 @@ def test_paged_engine_matches_reference_across_chunks_decode_and_shared_prefix(c
 def test_paged_runner_refuses_cpu_engines(engine):
     with pytest.raises(ArtifactError, match="runs --target cuda engines"):
         PagedModelRunner(engine("llama"), num_blocks=4)
+
+
+def _engine(path, **sched):
+    from runtime.config import CacheConfig, EngineConfig, SchedulerConfig
+    from runtime.engine import Engine
+
+    return Engine(path, EngineConfig(SchedulerConfig(**sched), CacheConfig(kv_budget_bytes=1 << 20, block_size=4),
+                                     providers=("CPUExecutionProvider",), custom_ops_library=get_library_path(),
+                                     verify_artifact=False))
+
+
+def _run(engine, prompts, params, join_steps):
+    """Submit prompt k after join_steps[k] steps; return each request's tokens and logprobs."""
+    out = {i: ([], []) for i in range(len(prompts))}
+    ids, pending, step = {}, list(enumerate(prompts)), 0
+    while pending or engine.has_work():
+        for i, p in [e for e in pending if join_steps[e[0]] <= step]:
+            pending.remove((i, p))
+            ids[engine.add_request(p, params).request_id] = i
+        for o in engine.step():
+            out[ids[o.request_id]][0].extend(o.token_ids)
+            out[ids[o.request_id]][1].extend(o.logprobs or [])
+        step += 1
+    return [out[i] for i in range(len(prompts))]
+
+
+def test_engine_serves_a_cuda_engine_batched_chunked_and_prefix_cached_like_alone(cpu_runnable, checkpoint):
+    """The continuous-batching engine on a --target cuda engine: mixed packed steps (decodes + prefill chunks),
+    a prompt that hits another's cached blocks, equal to each prompt served alone and to the reference model."""
+    from runtime.request import SamplingParams
+
+    rng = np.random.default_rng(3)
+    base = rng.integers(3, 500, 30).tolist()
+    prompts = [base, base[:24] + rng.integers(3, 500, 6).tolist(), rng.integers(3, 500, 10).tolist()]
+    params = SamplingParams(max_tokens=12, logprobs=2, ignore_eos=True)
+    eng = _engine(cpu_runnable, max_num_seqs=4, token_budget=64, prefill_chunk=16)
+    together = _run(eng, prompts, params, join_steps=[0, 3, 1])
+    assert eng.kv.stats.hits >= 24 - 4                 # the second prompt reused the first's full blocks
+    assert not eng.has_work() and eng.kv.num_free_slots == eng.kv.num_slots and all(r == 0 for r in eng.kv.blocks.ref)
+
+    ckpt = checkpoint("llama")
+    for prompt, (tokens, logprobs) in zip(prompts, together):
+        alone = _run(_engine(cpu_runnable, max_num_seqs=1), [prompt], params, [0])[0][0]
+        assert tokens == alone
+        ref = ReferenceModel(read_spec(ckpt), CheckpointReader(ckpt))
+        logits, ids = ref.forward(prompt), list(prompt)
+        for i, token in enumerate(tokens):                 # greedy vs float64, up to an fp16-sized near-tie
+            best = int(logits[-1].argmax())
+            if best != token:
+                top = logprobs[i]["top"]
+                assert abs(top[0][1] - top[1][1]) < 0.05, f"token {i} differs from the reference without a near-tie"
+                break
+            ids.append(token)
+            logits = ref.forward([token])
+
+
+def test_engine_refuses_speculation_on_cuda_engines(cpu_runnable, engine):
+    from runtime.config import EngineConfig
+    from runtime.engine import Engine
+
+    with pytest.raises(ValueError, match="not wired for --target cuda"):
+        Engine(cpu_runnable, EngineConfig(speculation="ngram", providers=("CPUExecutionProvider",),
+                                          custom_ops_library=get_library_path(), verify_artifact=False))

@@ -94,9 +94,8 @@ def test_manager_shares_cached_prefix_blocks_without_copies_and_frees_everything
 
     b = _request("b", list(range(100, 108)) + [7, 8, 9])           # shares a's first 2 full blocks
     mgr.allocate(b)
-    assert b.num_computed == 8 and mgr.table(b) == mgr.table(a)[:2]   # same physical blocks, no copy
-    assert mgr.reserve(b, 11)
-    assert mgr.table(b)[2] not in mgr.table(a)                        # its own block for what differs
+    assert b.num_computed == 8 and mgr.table(b)[:2] == mgr.table(a)[:2]   # same physical blocks, no copy
+    assert len(mgr.table(b)) == 3 and mgr.table(b)[2] not in mgr.table(a)  # its own block for what differs
     batch = mgr.step_batch([b], [3])
     assert batch.past_lens.tolist() == [8] and batch.positions.tolist() == [8, 9, 10]
     assert all(s // 4 == mgr.table(b)[2] for s in batch.slot_mapping)  # never writes a shared block
@@ -112,12 +111,13 @@ def test_manager_shares_cached_prefix_blocks_without_copies_and_frees_everything
     assert mgr.num_free_blocks == 8 and all(ref == 0 for ref in mgr.blocks.ref)
 
 
-def test_manager_reserve_fails_without_taking_blocks_when_the_pool_is_short():
-    mgr = PagedKVManager(num_blocks=3, block_size=4)
-    a, b = _request("a", list(range(8))), _request("b", list(range(50, 58)))
-    mgr.allocate(a)
-    assert mgr.reserve(a, 8)
-    mgr.allocate(b)
-    assert not mgr.reserve(b, 8) and mgr.table(b) == [] and mgr.num_free_blocks == 1
+def test_admission_reserves_the_worst_case_and_refuses_without_holding_anything():
+    mgr = PagedKVManager(num_blocks=5, block_size=4, num_slots=4, max_model_len=64)
+    a = _request("a", list(range(8)))                 # 8 prompt + 8 max_tokens → 4 blocks up front
+    assert mgr.allocate(a) and len(mgr.table(a)) == 4 and a.slot is not None
+    b = _request("b", list(range(50, 58)))
+    assert not mgr.allocate(b)                        # needs 4, 1 free: refused, nothing taken
+    assert b.slot is None and mgr.num_free_blocks == 1 and mgr.num_free_slots == 3
     mgr.free(a)
-    assert mgr.reserve(b, 8)                                          # a's uncommitted blocks came back
+    assert mgr.allocate(b) and len(mgr.table(b)) == 4
+    assert mgr.stats.queries == 16 and mgr.stats.hits == 0
