@@ -78,6 +78,8 @@ def inspect(engine_dir: Path, as_json: bool, no_verify: bool) -> None:
         click.echo(json.dumps(manifest, indent=2))
         return
     m, p, kv = manifest["model"], manifest["precision"], manifest["kv_cache"]
+    token_bytes = 2 * kv["num_layers"] * kv["num_kv_heads"] * kv["head_dim"] * (2 if kv["dtype"] == "float16" else 4)
+    unmeasured = "not measured (--no-report)" if manifest["target"] == "cpu" else "not measured (needs the GPU provider)"
     size = sum(f["size"] for f in manifest["files"].values())
     rows = [
         ("engine", f"{engine_dir} (format v{manifest['format_version']}, compiler {manifest['compiler_version']}, "
@@ -94,11 +96,11 @@ def inspect(engine_dir: Path, as_json: bool, no_verify: bool) -> None:
         ("target", manifest["target"]),
         ("context", f"{m['max_seq_len']} tokens"),
         ("kv cache", f"{kv['layout']} {kv['dtype']}, {kv['num_layers']} layers × {kv['num_kv_heads']} heads × "
-                     f"{kv['head_dim']}, {2 * kv['num_layers'] * kv['num_kv_heads'] * kv['head_dim'] * 4} bytes/token"),
+                     f"{kv['head_dim']}, {token_bytes} bytes/token"),
         ("tokenizer", f"{', '.join(manifest['tokenizer']['files'])}; eos {manifest['tokenizer']['eos_token_ids']}"),
         ("source", f"{manifest['source']['path']} (sha256 {manifest['source']['fingerprint'][:16]}…, "
                    f"{'/'.join(manifest['source']['dtypes'])})"),
-        ("accuracy", report.describe(manifest["accuracy"]) if "accuracy" in manifest else "not measured (--no-report)"),
+        ("accuracy", report.describe(manifest["accuracy"]) if "accuracy" in manifest else unmeasured),
         ("files", f"{len(manifest['files'])} files, {size / 2**20:.1f} MiB"
                   + ("" if no_verify else ", sha256 verified")),
     ]
