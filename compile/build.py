@@ -106,6 +106,8 @@ def _precision_record(cfg: CompileConfig) -> dict:
             record["session_config"]["session.disable_quant_qdq"] = "1"
     elif p == "fp16" and gpu:
         record.update(scheme="fp16 weights and activations")
+    if cfg.target == "tensorrt" and p in ("int8", "fp8"):
+        record.update(scheme=f"{p} weights per output channel as weight-only DequantizeLinear → fp16 MatMul (TensorRT fuses)")
     elif p == "fp16":
         record.update(scheme="fp16 storage, widened to fp32 at load")
     return record
@@ -151,13 +153,21 @@ def build(cfg: CompileConfig, log=print) -> dict:
         builder = GraphBuilder(tmp / DATA_FILE)
         try:
             arch = REGISTRY[spec.architecture](spec, reader)
-            ctx = Ctx(builder, spec, cfg.precision, cfg.quant.block_size, cfg.quant.embeddings, cfg.target)
+            ctx = Ctx(builder, spec, cfg.precision, cfg.quant.block_size, cfg.quant.embeddings, cfg.target, max_len)
             with tqdm(total=spec.num_layers, desc="export", unit="layer", leave=False) as bar:
                 arch.emit(ctx, max_len, progress=bar.update)
         finally:
             builder.save(tmp / GRAPH_FILE)
         for f in tok_files:
             shutil.copyfile(f, tmp / f.name)
+        plan = None
+        if cfg.target == "tensorrt":
+            from . import tensorrt_plan
+
+            built = tensorrt_plan.build_plan(tmp / GRAPH_FILE, tmp / tensorrt_plan.PLAN_FILE, cfg.precision, max_len,
+                                             spec.num_kv_heads, spec.head_dim, log)
+            plan = {"plan": tensorrt_plan.PLAN_FILE if built else None, "plugin": "QsPagedAttention v1",
+                    "block_size": tensorrt_plan.BLOCK_SIZE}
         manifest = write_manifest(tmp, {
             "compiler_version": __version__,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -177,6 +187,7 @@ def build(cfg: CompileConfig, log=print) -> dict:
                           "bos_token_id": spec.bos_token_id},
             "source": {"path": str(cfg.model_dir.resolve()), "fingerprint": fingerprint(cfg.model_dir),
                        "dtypes": sorted(reader.dtypes())},
+            **({"tensorrt": plan} if plan is not None else {}),
         })
         if cfg.report and cfg.target != "cpu":
             log(f"accuracy report skipped: a --target {cfg.target} engine runs only on its GPU execution provider")

@@ -31,8 +31,9 @@ def main() -> None:
 @click.option("--precision", type=click.Choice(PRECISIONS), default="fp32", show_default=True,
               help="Weight storage precision (the CPU computes in fp32, the cuda target in fp16).")
 @click.option("--target", type=click.Choice(TARGETS), default="cpu", show_default=True,
-              help="Execution target: cpu (ONNX Runtime CPU), or cuda (fp16 graph with paged attention for "
-                   "onnxruntime-gpu; precisions fp16, int4, fp8).")
+              help="Execution target: cpu (ONNX Runtime CPU); cuda (fp16 graph with paged attention for "
+                   "onnxruntime-gpu; fp16, int4, fp8); tensorrt (standard ops + our QsPagedAttention plugin, "
+                   "for TensorRT; fp16, fp8, int8).")
 @click.option("--max-seq-len", type=int, default=None,
               help="Longest context the engine serves [default: the model's max_position_embeddings].")
 @click.option("--block-size", type=int, default=32, show_default=True, help="int4: weights per scale along the input dimension.")

@@ -6,10 +6,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 PRECISIONS = ("fp32", "fp16", "int8", "int4", "fp8")
-TARGETS = ("cpu", "cuda")
+TARGETS = ("cpu", "cuda", "tensorrt")
 # What each target can compute: the cuda graph runs in fp16 with com.microsoft.PagedAttention (ONNX Runtime's
-# CUDA execution provider); DynamicQuantizeMatMul (int8 weights on CPU) has no CUDA kernel there.
-TARGET_PRECISIONS = {"cpu": PRECISIONS, "cuda": ("fp16", "int4", "fp8")}
+# CUDA execution provider), where DynamicQuantizeMatMul (int8 on CPU) has no kernel; the tensorrt graph uses
+# standard ops + our QsPagedAttention plugin, with int8/fp8 weights as weight-only Q/DQ that TensorRT fuses.
+TARGET_PRECISIONS = {"cpu": PRECISIONS, "cuda": ("fp16", "int4", "fp8"), "tensorrt": ("fp16", "fp8", "int8")}
 EMBEDDINGS = ("quantized", "int8", "fp32")
 
 
@@ -49,7 +50,7 @@ class CompileConfig:
         if self.precision not in TARGET_PRECISIONS[self.target]:
             raise ValueError(f"--target {self.target} supports --precision {', '.join(TARGET_PRECISIONS[self.target])}, "
                              f"not {self.precision}")
-        if self.target != "cpu" and self.quant.embeddings == "int8":
+        if self.target == "cuda" and self.quant.embeddings == "int8":
             raise ValueError(f"--embeddings int8 is a CPU format; --target {self.target} keeps the table in fp16")
         if self.max_seq_len is not None and self.max_seq_len < 16:
             raise ValueError(f"max_seq_len must be at least 16, not {self.max_seq_len}")

@@ -38,6 +38,11 @@ def select_providers(target: str) -> list[str]:
                 "Runtime's CUDAExecutionProvider: install onnxruntime-gpu on a machine with an NVIDIA GPU "
                 f"(this onnxruntime offers {', '.join(available)}), or rebuild the engine with --target cpu")
         return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    if target == "tensorrt":
+        raise BackendUnavailable(
+            "this engine was built with --target tensorrt (standard ops + the QsPagedAttention TensorRT plugin); "
+            "Quicksilver's runtime does not drive TensorRT plans yet: serve a --target cuda engine with "
+            "onnxruntime-gpu, or a --target cpu engine")
     raise BackendUnavailable(f"unknown engine target {target!r}; rebuild the engine with this compiler")
 
 
@@ -49,7 +54,7 @@ class PagedModelRunner:
         self.engine_dir = Path(engine_dir)
         self.manifest = artifact.load(self.engine_dir, verify=verify)
         target = self.manifest.get("target")
-        if target != "cuda":
+        if target not in ("cuda", "tensorrt"):
             raise ArtifactError(f"{engine_dir} targets {target!r}; PagedModelRunner runs --target cuda engines")
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be >= 1")

@@ -16,6 +16,7 @@ from ..quantize import fp8, int8, int4
 from .builder import MS_DOMAIN, GraphBuilder
 
 STORAGE_DTYPES = {"fp32": np.float32, "fp16": np.float16}
+TRT_PLUGIN_DOMAIN = "trt.plugins"
 
 
 @dataclass
@@ -25,7 +26,9 @@ class Ctx:
     precision: str             # fp32 | fp16 (storage; computed in fp32 on CPU) | int8 | int4 | fp8
     block_size: int = 32       # int4 block size along K
     embeddings: str = "quantized"  # embedding table + LM head: "quantized" (as precision), "int8" or "fp32"
-    target: str = "cpu"        # cpu: fp32 compute, GroupQueryAttention | cuda: fp16 compute, PagedAttention
+    target: str = "cpu"        # cpu: fp32, GroupQueryAttention | cuda: fp16, PagedAttention | tensorrt: fp16,
+                               # standard ops + the QsPagedAttention plugin
+    max_seq_len: int = 0       # the engine's context (sizes the TensorRT plugin's workspace)
 
     @property
     def act(self) -> type:
@@ -58,6 +61,12 @@ def linear(ctx: Ctx, x: str, weight: np.ndarray, bias: np.ndarray | None, name: 
     """
     b, w = ctx.b, np.asarray(weight, np.float32).T          # [K, N]
     bias_name = ctx.float_weight(f"{name}.bias", bias) if bias is not None else ""
+    if ctx.precision == "int8" and ctx.target == "tensorrt":      # weight-only Q/DQ: TensorRT fuses it into the GEMM
+        q, scale = int8.quantize(w)
+        wq = b.op("DequantizeLinear", [b.weight(f"{name}.weight_int8", q), ctx.float_weight(f"{name}.weight_scale", scale)],
+                  f"{name}/DequantizeLinear", axis=1)
+        y = b.op("MatMul", [x, wq], f"{name}/MatMul")
+        return b.op("Add", [y, bias_name], f"{name}/Add") if bias_name else y
     if ctx.precision == "int8":
         q, scale = int8.quantize(w)
         ins = [x, b.weight(f"{name}.weight_int8", q), b.weight(f"{name}.weight_scale", scale), "", bias_name]
@@ -77,9 +86,22 @@ def linear(ctx: Ctx, x: str, weight: np.ndarray, bias: np.ndarray | None, name: 
     return b.op("Add", [y, bias_name], f"{name}/Add") if bias_name else y
 
 
+def _rms_norm_standard(ctx: Ctx, x: str, g: str, name: str) -> str:
+    """RMSNorm from standard ONNX ops (TensorRT parses no com.microsoft ops), accumulated in fp32 so the
+    squares cannot overflow fp16:  Cast ─▶ x·x ─▶ ReduceMean ─▶ +eps ─▶ Sqrt ─▶ x / rms ─▶ Cast ─▶ ·gamma"""
+    b = ctx.b
+    x32 = b.op("Cast", [x], f"{name}/CastUp", to=TensorProto.FLOAT)
+    mean = b.op("ReduceMean", [b.op("Mul", [x32, x32], f"{name}/Square"), b.const([-1])], f"{name}/ReduceMean", keepdims=1)
+    rms = b.op("Sqrt", [b.op("Add", [mean, b.const(ctx.spec.rms_norm_eps, np.float32)], f"{name}/AddEps")], f"{name}/Sqrt")
+    normed = b.op("Cast", [b.op("Div", [x32, rms], f"{name}/Div")], f"{name}/CastDown", to=ctx.act_type)
+    return b.op("Mul", [normed, g], f"{name}/Mul")
+
+
 def rms_norm(ctx: Ctx, x: str, gamma: np.ndarray, name: str) -> str:
     """x / rms(x) * gamma   (SimplifiedLayerNormalization)"""
     g = ctx.float_weight(f"{name}.weight", gamma)
+    if ctx.target == "tensorrt":
+        return _rms_norm_standard(ctx, x, g, name)
     return ctx.b.node("SimplifiedLayerNormalization", [x, g], f"{name}/SimplifiedLayerNorm",
                       num_outputs=1, axis=-1, epsilon=ctx.spec.rms_norm_eps, stash_type=1)[0]
 
@@ -92,6 +114,9 @@ def skip_rms_norm(ctx: Ctx, x: str, skip: str, gamma: np.ndarray, name: str) -> 
         skip┘  └──▶ RMSNorm(gamma) ──▶ normed (output 0)
     """
     g = ctx.float_weight(f"{name}.weight", gamma)
+    if ctx.target == "tensorrt":
+        residual = ctx.b.op("Add", [x, skip], f"{name}/SkipAdd")
+        return _rms_norm_standard(ctx, residual, g, name), residual
     outs = ctx.b.node("SkipSimplifiedLayerNormalization", [x, skip, g], f"{name}/SkipLayerNorm",
                       num_outputs=4, domain=MS_DOMAIN, epsilon=ctx.spec.rms_norm_eps)
     return outs[0], outs[3]
@@ -141,10 +166,17 @@ def paged_attention(ctx: Ctx, x: str, w: dict[str, np.ndarray], layer: int, kv: 
                  scale=float(s.head_dim ** -0.5))
     if s.sliding_window:
         attrs["local_window_size"] = int(s.sliding_window)
-    inputs = [qkv, "", "", kv["key_cache"], kv["value_cache"], "cumulative_sequence_length", "past_seqlens",
-              "block_table", "cos_cache", "sin_cache", "slot_mapping"]
-    out = ctx.b.node("PagedAttention", inputs, f"{name}/PagedAttention", domain=MS_DOMAIN,
-                     outputs=[f"{name}/output", kv["key_cache_out"], kv["value_cache_out"]], **attrs)[0]
+    outputs = [f"{name}/output", kv["key_cache_out"], kv["value_cache_out"]]
+    paged = ["cumulative_sequence_length", "past_seqlens", "block_table", "cos_cache", "sin_cache", "slot_mapping"]
+    if ctx.target == "tensorrt":      # our plugin (plugins/tensorrt), same semantics, no optional inputs
+        out = ctx.b.node("QsPagedAttention", [qkv, kv["key_cache"], kv["value_cache"]] + paged,
+                         f"{name}/QsPagedAttention", domain=TRT_PLUGIN_DOMAIN, outputs=outputs,
+                         num_heads=s.num_heads, kv_num_heads=s.num_kv_heads, head_dim=s.head_dim,
+                         max_seq_len=ctx.max_seq_len, scale=attrs["scale"],
+                         local_window_size=int(s.sliding_window or 0))[0]
+        return linear(ctx, out, w["o_proj.weight"], None, f"{name}/o_proj")
+    inputs = [qkv, "", "", kv["key_cache"], kv["value_cache"]] + paged
+    out = ctx.b.node("PagedAttention", inputs, f"{name}/PagedAttention", domain=MS_DOMAIN, outputs=outputs, **attrs)[0]
     return linear(ctx, out, w["o_proj.weight"], None, f"{name}/o_proj")
 
 
@@ -181,9 +213,10 @@ class Embeddings:
         if self.mode == "float":
             self.table = ctx.stored(f"{name}.weight", table) if ctx.embeddings == "quantized" \
                 else b.weight(f"{name}.weight", table.astype(ctx.act))
-        elif self.mode == "fp8":
-            q, scale = fp8.quantize(table, axis=1)
-            self.table = b.op("DequantizeLinear", [b.weight(f"{name}.weight_fp8", q), ctx.float_weight(f"{name}.weight_scale", scale)],
+        elif self.mode == "fp8" or (self.mode == "int8" and ctx.target == "tensorrt"):
+            # one 8-bit table with per-token scales, dequantized as a whole (fp8 anywhere, int8 for TensorRT)
+            q, scale = (fp8 if self.mode == "fp8" else int8).quantize(table, axis=1)
+            self.table = b.op("DequantizeLinear", [b.weight(f"{name}.weight_{self.mode}", q), ctx.float_weight(f"{name}.weight_scale", scale)],
                               f"/{name}/DequantizeLinear", axis=0)
             self.mode = "float"
         elif self.mode == "int8":

@@ -92,7 +92,8 @@ def register_reference_op(num_heads: int, kv_heads: int) -> str:
 
 
 def use_reference_op(model, num_heads: int, kv_heads: int) -> int:
-    """Point every PagedAttention node of `model` (onnx.ModelProto) at the reference op; returns how many.
+    """Point every PagedAttention (cuda graph) or QsPagedAttention (tensorrt graph) node of `model`
+    (onnx.ModelProto) at the reference op; returns how many.
 
     Python ops take no float16, so the op's float16 inputs and outputs pass through Casts (fp16 → fp32 is
     exact, and the reference rounds its cache writes back to fp16 as the real cache would store them).
@@ -102,7 +103,7 @@ def use_reference_op(model, num_heads: int, kv_heads: int) -> int:
     op_type = register_reference_op(num_heads, kv_heads)
     nodes, count = [], 0
     for node in model.graph.node:
-        if not (node.op_type == "PagedAttention" and node.domain == "com.microsoft"):
+        if not ((node.op_type, node.domain) in (("PagedAttention", "com.microsoft"), ("QsPagedAttention", "trt.plugins"))):
             nodes.append(node)
             continue
         scale = next(a.f for a in node.attribute if a.name == "scale")

@@ -199,3 +199,34 @@ def test_engine_refuses_speculation_on_cuda_engines(cpu_runnable, engine):
     with pytest.raises(ValueError, match="not wired for --target cuda"):
         Engine(cpu_runnable, EngineConfig(speculation="ngram", providers=("CPUExecutionProvider",),
                                           custom_ops_library=get_library_path(), verify_artifact=False))
+
+
+@pytest.mark.parametrize("precision, tolerance", [("fp16", 0.02), ("int8", 0.05), ("fp8", 0.08)])
+def test_tensorrt_graph_is_standard_ops_plus_plugin_and_matches_reference(checkpoint, tmp_path, precision, tolerance):
+    """--target tensorrt: everything TensorRT's ONNX parser must read is a standard op, attention is the
+    QsPagedAttention plugin node; run on the CPU with the plugin swapped for the reference it must match."""
+    out, logs = tmp_path / f"trt-{precision}", []
+    build(CompileConfig(checkpoint("llama"), out, precision, target="tensorrt"), log=logs.append)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["tensorrt"]["plan"] is None and any("TensorRT is not installed" in m for m in logs)
+    model = onnx.load(str(out / "model.onnx"), load_external_data=False)
+    domains = {n.domain for n in model.graph.node}
+    assert domains <= {"", "trt.plugins"}, domains                     # no com.microsoft op left
+    plugin = [n for n in model.graph.node if n.domain == "trt.plugins"]
+    assert len(plugin) == 2 and {n.op_type for n in plugin} == {"QsPagedAttention"}
+    with pytest.raises(BackendUnavailable, match="does not drive TensorRT plans"):
+        ModelRunner(out)
+
+    assert use_reference_op(model, 4, 2) == 2
+    onnx.save_model(model, str(out / "model.onnx"))
+    runner = PagedModelRunner(out, num_blocks=8, block_size=4, providers=["CPUExecutionProvider"],
+                              custom_ops_library=get_library_path(), verify=False)
+    prompt = np.random.default_rng(1).integers(0, 512, 13)
+    mgr = PagedKVManager(runner.num_blocks, runner.block_size)
+    req = Request(prompt.tolist(), SamplingParams(max_tokens=1), request_id="t")
+    mgr.allocate(req)
+    logits = runner.step(prompt, mgr.step_batch([req], [13]), np.arange(13))
+    ckpt = checkpoint("llama")
+    ref = ReferenceModel(read_spec(ckpt), CheckpointReader(ckpt)).forward(prompt.tolist())
+    assert np.abs(logits - ref).max() <= tolerance * np.abs(ref).max()
+    assert (logits.argmax(-1) == ref.argmax(-1)).mean() >= 0.8
