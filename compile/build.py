@@ -38,6 +38,7 @@ def _graph_io(spec: ModelSpec, target: str) -> dict:
                 "past_seqlens": {"dtype": "int32", "shape": ["batch"]},
                 "block_table": {"dtype": "int32", "shape": ["batch", "max_blocks"]},
                 "slot_mapping": {"dtype": "int32", "shape": ["num_tokens"]},
+                **({"attention_metadata": {"dtype": "int32", "shape": [2]}} if target == "cuda" else {}),
                 "logits_indices": {"dtype": "int64", "shape": ["num_logits"]},
                 "key_cache.{layer}": {"dtype": "float16", "shape": cache},
                 "value_cache.{layer}": {"dtype": "float16", "shape": cache},

@@ -73,6 +73,7 @@ class PagedModelRunner:
         self.num_layers, self.vocab_size, self.max_seq_len = m["num_layers"], m["vocab_size"], m["max_seq_len"]
         self.num_blocks, self.block_size = num_blocks, block_size
         self.device = "cuda" if self.session.get_providers()[0] == "CUDAExecutionProvider" else "cpu"
+        self._metadata = any(i.name == "attention_metadata" for i in self.session.get_inputs())
         shape = [num_blocks, block_size, m["num_kv_heads"], m["head_dim"]]
         self.key_cache = [self._zeros(shape) for _ in range(self.num_layers)]
         self.value_cache = [self._zeros(shape) for _ in range(self.num_layers)]
@@ -96,6 +97,8 @@ class PagedModelRunner:
         io.bind_cpu_input("past_seqlens", batch.past_lens)
         io.bind_cpu_input("block_table", batch.block_tables)
         io.bind_cpu_input("slot_mapping", batch.slot_mapping.astype(np.int32))
+        if self._metadata:
+            io.bind_cpu_input("attention_metadata", np.array([batch.max_query_len, batch.max_seq_len], np.int32))
         io.bind_cpu_input("logits_indices", np.ascontiguousarray(logits_indices, np.int64))
         io.bind_output("logits", "cpu")                                    # first: outputs come back in bind order
         for i in range(self.num_layers):

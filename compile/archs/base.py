@@ -17,6 +17,7 @@ The GPU target (--target cuda) computes in fp16 on packed tokens over a paged ca
     past_seqlens                 int32   [batch]             tokens already in each sequence's blocks
     block_table                  int32   [batch, max_blocks] physical block of each logical block
     slot_mapping                 int32   [num_tokens]        cache slot of each new token (-1: do not write)
+    attention_metadata           int32   [2]                 (cuda) bounds: max query length, max KV length
     logits_indices               int64   [num_logits]        rows of the packed tokens to project
     key_cache.{i}/value_cache.{i} float16 [num_blocks, block_size, kv_heads, head_dim]
     → logits                     float32 [num_logits, vocab]
@@ -78,13 +79,15 @@ class LlamaArch:
             b.output(names["present_key"], TensorProto.FLOAT, shape)
             b.output(names["present_value"], TensorProto.FLOAT, shape)
 
-    def declare_paged_io(self, b: GraphBuilder) -> None:
+    def declare_paged_io(self, b: GraphBuilder, target: str) -> None:
         s = self.spec
         b.input("input_ids", TensorProto.INT64, ["num_tokens"])
         b.input("cumulative_sequence_length", TensorProto.INT32, ["batch_plus_1"])
         b.input("past_seqlens", TensorProto.INT32, ["batch"])
         b.input("block_table", TensorProto.INT32, ["batch", "max_blocks"])
         b.input("slot_mapping", TensorProto.INT32, ["num_tokens"])
+        if target == "cuda":
+            b.input("attention_metadata", TensorProto.INT32, [2])
         b.input("logits_indices", TensorProto.INT64, ["num_logits"])
         shape = ["num_blocks", "block_size", s.num_kv_heads, s.head_dim]
         for i in range(s.num_layers):
@@ -100,7 +103,7 @@ class LlamaArch:
     def emit(self, ctx: layers.Ctx, max_seq_len: int, progress: Callable[[], None] = lambda: None) -> None:
         s, b, r = self.spec, ctx.b, self.reader
         paged = ctx.target != "cpu"
-        self.declare_paged_io(b) if paged else self.declare_io(b)
+        self.declare_paged_io(b, ctx.target) if paged else self.declare_io(b)
         attention = layers.paged_attention if paged else layers.attention
         cos, sin = cos_sin_cache(s.head_dim, s.rope_theta, s.rope_scaling, max_seq_len)
         b.weight("cos_cache", cos.astype(ctx.act))

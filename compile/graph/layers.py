@@ -175,7 +175,9 @@ def paged_attention(ctx: Ctx, x: str, w: dict[str, np.ndarray], layer: int, kv: 
                          max_seq_len=ctx.max_seq_len, scale=attrs["scale"],
                          local_window_size=int(s.sliding_window or 0))[0]
         return linear(ctx, out, w["o_proj.weight"], None, f"{name}/o_proj")
-    inputs = [qkv, "", "", kv["key_cache"], kv["value_cache"]] + paged
+    # attention_metadata (host memory): this step's bounds on query and KV lengths, so the op sizes its launch
+    # without copying the lengths back from the device (a stream sync per layer) and can be graph-captured.
+    inputs = [qkv, "", "", kv["key_cache"], kv["value_cache"]] + paged + ["", "", "", "", "", "attention_metadata"]
     out = ctx.b.node("PagedAttention", inputs, f"{name}/PagedAttention", domain=MS_DOMAIN, outputs=outputs, **attrs)[0]
     return linear(ctx, out, w["o_proj.weight"], None, f"{name}/o_proj")
 

@@ -71,22 +71,27 @@ def ort_paged_attention(qkv, key_cache, value_cache, cu, past, block_table, cos,
 _REGISTERED: set[tuple] = set()
 
 
-def register_reference_op(num_heads: int, kv_heads: int) -> str:
-    """Register the reference as op `QsRefPagedAttention_{H}_{KVH}` (Python ops take attributes, but a
-    per-shape name keeps the registration explicit); returns the op type."""
+def register_reference_op(num_heads: int, kv_heads: int, metadata: bool) -> str:
+    """Register the reference as op `QsRefPagedAttention_{H}_{KVH}[_meta]` (one per shape; with `metadata` it
+    also takes attention_metadata and checks that the bounds hold, as the real op trusts them); returns the
+    op type."""
     from onnxruntime_extensions import PyCustomOpDef, onnx_op
 
-    op_type = f"QsRefPagedAttention_{num_heads}_{kv_heads}"
+    op_type = f"QsRefPagedAttention_{num_heads}_{kv_heads}" + ("_meta" if metadata else "")
     if op_type in _REGISTERED:
         return op_type
     f32, i32 = PyCustomOpDef.dt_float, PyCustomOpDef.dt_int32
 
-    @onnx_op(op_type=op_type, inputs=[f32, f32, f32, i32, i32, i32, f32, f32, i32], outputs=[f32, f32, f32],
-             attrs={"scale": PyCustomOpDef.dt_float})
-    def _op(qkv, key_cache, value_cache, cu, past, block_table, cos, sin, slot_mapping, **attrs):
-        return ort_paged_attention(qkv, key_cache, value_cache, cu, past, block_table, cos, sin, slot_mapping,
-                                   num_heads, kv_heads, attrs["scale"])
+    def run(qkv, key_cache, value_cache, cu, past, block_table, cos, sin, slot_mapping, *meta, **attrs):
+        out, k, v = ort_paged_attention(qkv, key_cache, value_cache, cu, past, block_table, cos, sin, slot_mapping,
+                                        num_heads, kv_heads, attrs["scale"])
+        lens = np.diff(cu)
+        if meta and (meta[0][0] < lens.max(initial=0) or meta[0][1] < (past + lens).max(initial=0)):
+            out[:] = np.nan        # bounds the real op would trust are wrong: poison the result (raising aborts ORT)
+        return out, k, v
 
+    inputs = [f32, f32, f32, i32, i32, i32, f32, f32, i32] + ([i32] if metadata else [])
+    onnx_op(op_type=op_type, inputs=inputs, outputs=[f32, f32, f32], attrs={"scale": PyCustomOpDef.dt_float})(run)
     _REGISTERED.add(op_type)
     return op_type
 
@@ -100,14 +105,14 @@ def use_reference_op(model, num_heads: int, kv_heads: int) -> int:
     """
     from onnx import TensorProto, helper
 
-    op_type = register_reference_op(num_heads, kv_heads)
     nodes, count = [], 0
     for node in model.graph.node:
         if not ((node.op_type, node.domain) in (("PagedAttention", "com.microsoft"), ("QsPagedAttention", "trt.plugins"))):
             nodes.append(node)
             continue
         scale = next(a.f for a in node.attribute if a.name == "scale")
-        inputs = [name for name in node.input if name]                      # drop the absent key / value
+        inputs = [name for name in node.input if name]                      # drop absent optional inputs
+        op_type = register_reference_op(num_heads, kv_heads, metadata=len(inputs) == 10)
         wide = {0, 1, 2, 6, 7}                                              # qkv, caches, cos, sin
         for i in wide:
             nodes.append(helper.make_node("Cast", [inputs[i]], [f"{node.name}/in{i}_f32"], to=TensorProto.FLOAT))

@@ -63,7 +63,9 @@ def test_cuda_graph_is_fp16_paged_attention_with_float_logits(cuda_engine):
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
     assert attrs["do_rotary"] == 1 and attrs["num_heads"] == 4 and attrs["kv_num_heads"] == 2
     assert list(node.input)[3:] == ["key_cache.0", "value_cache.0", "cumulative_sequence_length", "past_seqlens",
-                                    "block_table", "cos_cache", "sin_cache", "slot_mapping"]
+                                    "block_table", "cos_cache", "sin_cache", "slot_mapping", "", "", "", "", "",
+                                    "attention_metadata"]
+    assert inputs["attention_metadata"] == onnx.TensorProto.INT32
 
 
 def test_backend_selection_says_what_is_missing(cuda_engine):
