@@ -97,10 +97,14 @@ class Engine:
     def _warm_up(self) -> None:
         """ONNX Runtime's first runs pay for allocation and weight prepacking: pay it here, not in a user's TTFT.
         With speculation, also measure the step costs its decisions are based on."""
-        if self.paged:          # one packed step of 8 tokens over block 0 that writes no KV (slot -1)
-            warm = build_paged_batch([([0] * -(-8 // self.kv.block_size), 0, 8)], self.kv.block_size)
-            warm = replace(warm, slot_mapping=np.full(8, -1, np.int64))
-            self.runner.step(np.zeros(8, np.int64), warm, np.array([7]))
+        if self.paged:          # packed steps over block 0 that write no KV (slot -1); their costs feed speculation
+            for n in (8, 1, 2, 4, 16, 32) if self.speculator else (8,):
+                warm = build_paged_batch([([0] * -(-n // self.kv.block_size), 0, n)], self.kv.block_size)
+                warm = replace(warm, slot_mapping=np.full(n, -1, np.int64))
+                t0 = time.perf_counter()
+                self.runner.step(np.zeros(n, np.int64), warm, np.arange(n))
+                if self.speculator:
+                    self.speculator.cost.record("step", n, time.perf_counter() - t0)
             return
         models = [(self.runner, self.kv.slots)] + ([(self.draft, self.kv.pools[1])] if self.draft else [])
         for runner, pool in models:
@@ -130,9 +134,9 @@ class Engine:
     @staticmethod
     def _paged_runner(engine_dir: Path, config: EngineConfig) -> PagedModelRunner:
         """A --target cuda engine: one fp16 block pool sized by the KV budget; prefix caching is the pool itself."""
-        if config.draft is not None or config.speculation is not None:
-            raise ValueError("speculative decoding is not wired for --target cuda engines yet; serve without "
-                             "--draft / --speculation")
+        if config.draft is not None:
+            raise ValueError("draft-model speculation is not wired for --target cuda engines yet; use "
+                             "--speculation ngram (prompt lookup) or none")
         m = artifact.load(engine_dir, verify=False)["model"]
         c = config.cache
         block_bytes = 2 * m["num_layers"] * m["num_kv_heads"] * m["head_dim"] * 2 * c.block_size
@@ -226,7 +230,7 @@ class Engine:
         """Run the plan. Returns (logits [vocab] for every request that catches up without speculating,
         {request id: (emitted tokens, target KV length)} for the ones that speculated)."""
         if self.paged:
-            return self._execute_paged(plan), {}
+            return self._execute_paged(plan)
         pool, logits = self.kv.slots, {}
         running = {r.slot for r in self.scheduler.running}
         gammas = self.speculator.plan(plan.decodes, self.max_model_len) if self.speculator else {}
@@ -253,20 +257,43 @@ class Engine:
             speculated = self.speculator.run(spec, [gammas[r.request_id] for r in spec], busy, pool)
         return logits, speculated
 
-    def _execute_paged(self, plan: SchedulePlan) -> dict[str, np.ndarray]:
-        """All decodes and prefill chunks of the plan in one packed step over the block tables."""
-        reqs = list(plan.decodes) + [r for r, _ in plan.chunks]
-        counts = [1] * len(plan.decodes) + [n for _, n in plan.chunks]
-        ids, wanted, end = [], [], 0
-        for req, n in zip(reqs, counts):
-            assert self.kv.reserve(req, req.num_computed + n), "admission reserved every request's worst case"
-            ids.extend(req.all_ids[req.num_computed:req.num_computed + n])
-            end += n
-            if req.num_computed + n == req.num_tokens:      # caught up: its next token is sampled
-                wanted.append((req, end - 1))
+    def _execute_paged(self, plan: SchedulePlan) -> tuple[dict[str, np.ndarray], dict[str, tuple]]:
+        """All decodes, prefill chunks and speculative verifications of the plan in one packed step."""
+        chunk_tokens = sum(n for _, n in plan.chunks)
+        gammas = (self.speculator.plan_packed(plan.decodes, self.max_model_len, len(plan.decodes) + chunk_tokens)
+                  if self.speculator else {})
+        spec = [r for r in plan.decodes if r.request_id in gammas]
+        proposals = dict(zip((r.request_id for r in spec),
+                             self.speculator.proposer.propose(spec, [gammas[r.request_id] for r in spec], set())
+                             if spec else []))
+        reqs, counts, ids, rows, end = [], [], [], {}, 0
+        for req, n in [(r, 1) for r in plan.decodes] + plan.chunks:
+            tokens = req.all_ids[req.num_computed:req.num_computed + n]
+            if req.request_id in proposals:
+                tokens = tokens + proposals[req.request_id].tokens
+            assert self.kv.reserve(req, req.num_computed + len(tokens)), "admission reserved every worst case"
+            reqs.append(req)
+            counts.append(len(tokens))
+            ids.extend(tokens)
+            end += len(tokens)
+            if req.request_id in proposals:                 # every position verifies a guess
+                rows[req.request_id] = range(end - len(tokens), end)
+            elif req.num_computed + n == req.num_tokens:    # caught up: its next token is sampled
+                rows[req.request_id] = range(end - 1, end)
         batch = self.kv.step_batch(reqs, counts, self.runner.max_blocks_per_seq)
-        out = self.runner.step(np.asarray(ids, np.int64), batch, np.asarray([i for _, i in wanted], np.int64))
-        return {req.request_id: row for (req, _), row in zip(wanted, out)}
+        wanted = np.asarray([i for r in rows.values() for i in r], np.int64)
+        t0 = time.perf_counter()
+        out = self.runner.step(np.asarray(ids, np.int64), batch, wanted)
+        if self.speculator:
+            self.speculator.cost.record("step", end, time.perf_counter() - t0)
+        logits, speculated, at = {}, {}, 0
+        for rid, r in rows.items():
+            block, at = out[at:at + len(r)], at + len(r)
+            if rid in proposals:
+                speculated[rid] = self.speculator.verify_packed(self.requests[rid], proposals[rid], block)
+            else:
+                logits[rid] = block[0]
+        return logits, speculated
 
     def _update(self, plan: SchedulePlan, results: tuple[dict[str, np.ndarray], dict[str, tuple]]) -> list[RequestOutput]:
         logits, speculated = results

@@ -39,7 +39,7 @@ class CostModel:
     """Measured step costs keyed by batch size or token count; linear interpolation between measured keys."""
 
     def __init__(self):
-        self.table: dict[str, dict[int, float]] = {"dec": {}, "ver": {}, "draft": {}}
+        self.table: dict[str, dict[int, float]] = {"dec": {}, "ver": {}, "draft": {}, "step": {}}
 
     def record(self, kind: str, n: int, seconds: float) -> None:
         """Moving average; a sample far above the current estimate (a page fault, a GC pause, another process)
@@ -113,6 +113,40 @@ class Speculator:
             chosen[r.request_id] = g
             tokens, seconds = tokens + gain, seconds + extra
         return chosen
+
+    def plan_packed(self, decodes: list[Request], capacity: int, step_tokens: int) -> dict[str, int]:
+        """γ per request id for paged engines, whose verification rides in the step's one packed call: a guess
+        costs the step's marginal time per token ('step'(T): measured time of a step computing T tokens).
+        Sequences join best acceptance first while the step's expected tokens per second rises."""
+        cands = [(r, self.max_gamma(r, capacity)) for r in decodes if self.eligible(r)]
+        cands = [(r, g) for r, g in cands if g > 0]
+        if not self.config.adaptive:
+            return {r.request_id: g for r, g in cands}
+        seconds = self.cost("step", step_tokens)
+        if seconds <= 0:
+            return {}
+        alpha = {r.request_id: self.stats.acceptance.get(r.request_id, self.config.prior_acceptance) for r, _ in cands}
+        tokens, chosen = float(len(decodes)), {}
+        for r, gmax in sorted(cands, key=lambda c: alpha[c[0].request_id], reverse=True):
+            best, rate = 0, tokens / seconds
+            for g in range(1, gmax + 1):
+                gain = expected_tokens(alpha[r.request_id], g) - 1
+                if gain > 0.05 and (tokens + gain) / self.cost("step", step_tokens + g) > rate:
+                    best, rate = g, (tokens + gain) / self.cost("step", step_tokens + g)
+            if best:
+                chosen[r.request_id] = best
+                tokens += expected_tokens(alpha[r.request_id], best) - 1
+                step_tokens += best
+                seconds = self.cost("step", step_tokens)
+        return chosen
+
+    def verify_packed(self, req: Request, proposal, logits: np.ndarray) -> tuple[list[SampleResult], int]:
+        """Verify `req`'s guesses from its rows of a packed step; returns (tokens, target KV length)."""
+        n = req.num_tokens
+        emitted, accepted = rejection_sampler.verify(logits, proposal, req, self.sampler)
+        self.proposer.rollback(req, n + accepted)
+        self._account(req, len(proposal.tokens), accepted)
+        return emitted, n + accepted
 
     def run(self, reqs: list[Request], gammas: list[int], busy: set[int], pool) -> dict[str, tuple[list[SampleResult], int]]:
         """Propose, verify (one target run per sequence) and roll back; returns id → (tokens, target KV length)."""

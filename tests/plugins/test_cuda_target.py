@@ -140,11 +140,13 @@ def test_paged_runner_refuses_cpu_engines(engine):
         PagedModelRunner(engine("llama"), num_blocks=4)
 
 
-def _engine(path, **sched):
+def _engine(path, speculation=None, spec=None, **sched):
     from runtime.config import CacheConfig, EngineConfig, SchedulerConfig
     from runtime.engine import Engine
+    from runtime.spec_decode.speculator import SpecConfig
 
     return Engine(path, EngineConfig(SchedulerConfig(**sched), CacheConfig(kv_budget_bytes=1 << 20, block_size=4),
+                                     spec=spec or SpecConfig(), speculation=speculation,
                                      providers=("CPUExecutionProvider",), custom_ops_library=get_library_path(),
                                      verify_artifact=False))
 
@@ -194,12 +196,32 @@ def test_engine_serves_a_cuda_engine_batched_chunked_and_prefix_cached_like_alon
             logits = ref.forward([token])
 
 
-def test_engine_refuses_speculation_on_cuda_engines(cpu_runnable, engine):
+def test_prompt_lookup_speculation_verifies_in_the_packed_step_and_changes_nothing(cpu_runnable):
+    """Speculation on a cuda engine: guesses of several sequences are verified inside the one packed step
+    (what the CPU path cannot batch); greedy output must equal plain greedy output token for token."""
+    from runtime.request import SamplingParams
+    from runtime.spec_decode.speculator import SpecConfig
+
+    rng = np.random.default_rng(5)
+    motif = rng.integers(3, 500, 7).tolist()
+    prompts = [motif * 4, rng.integers(3, 500, 9).tolist() + motif * 3, motif * 2 + motif[:3]]
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    plain = _run(_engine(cpu_runnable, max_num_seqs=4, token_budget=64, prefill_chunk=16), prompts, params, [0, 0, 1])
+    for spec in (SpecConfig(max_gamma=4, adaptive=False), SpecConfig(max_gamma=4)):
+        eng = _engine(cpu_runnable, speculation="ngram", spec=spec, max_num_seqs=4, token_budget=64, prefill_chunk=16)
+        fast = _run(eng, prompts, params, [0, 0, 1])
+        assert [t for t, _ in fast] == [t for t, _ in plain]
+        assert all(r == 0 for r in eng.kv.blocks.ref) and eng.kv.num_free_slots == eng.kv.num_slots
+        if not spec.adaptive:
+            assert eng.speculator.stats.accepted > 0 and eng.speculator.stats.rounds > 0
+
+
+def test_engine_refuses_draft_speculation_on_cuda_engines(cpu_runnable, engine):
     from runtime.config import EngineConfig
     from runtime.engine import Engine
 
     with pytest.raises(ValueError, match="not wired for --target cuda"):
-        Engine(cpu_runnable, EngineConfig(speculation="ngram", providers=("CPUExecutionProvider",),
+        Engine(cpu_runnable, EngineConfig(speculation="draft", draft=engine("llama"), providers=("CPUExecutionProvider",),
                                           custom_ops_library=get_library_path(), verify_artifact=False))
 
 
