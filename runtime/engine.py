@@ -28,6 +28,7 @@ from .sampler import Sampler
 from .scheduler import Scheduler
 from .spec_decode.draft_model import DraftModelProposer
 from .spec_decode.ngram import NgramProposer
+from .spec_decode.paged_draft import PagedDraftProposer
 from .spec_decode.speculator import Speculator
 
 
@@ -60,33 +61,37 @@ class Engine:
     def __init__(self, engine_dir: str | Path, config: EngineConfig | None = None):
         self.config = config = config or EngineConfig()
         self.paged = artifact.load(Path(engine_dir), verify=False).get("target") == "cuda"
-        self.draft = None
         if self.paged:
-            self.runner = self._paged_runner(Path(engine_dir), config)
+            self.runner, self.draft = self._paged_runners(Path(engine_dir), config)
         else:
             self.runner = ModelRunner(engine_dir, threads=config.threads, verify=config.verify_artifact, spin=config.spin)
+            self.draft = (ModelRunner(config.draft, threads=config.threads, verify=config.verify_artifact, spin=config.spin)
+                          if config.draft else None)
         manifest = self.runner.manifest
         self.tokenizer = Tokenizer.from_file(str(Path(engine_dir) / "tokenizer.json"))
         self.eos_ids = frozenset(manifest["tokenizer"]["eos_token_ids"])
         self.max_model_len = min(config.cache.max_model_len or self.runner.max_seq_len, self.runner.max_seq_len)
-        if not self.paged:
-            self.draft = (ModelRunner(config.draft, threads=config.threads, verify=config.verify_artifact, spin=config.spin)
-                          if config.draft else None)
+        if self.draft is not None:
+            check_same_tokenizer(self.runner, self.draft)
+            self.max_model_len = min(self.max_model_len, self.draft.max_seq_len)
+        if self.paged:
+            self.kv = PagedKVManager(self.runner.num_blocks, self.runner.block_size, config.scheduler.max_num_seqs,
+                                     self.max_model_len, with_draft=self.draft is not None)
+        else:
             layouts = [KVLayout(self.runner.num_layers, self.runner.kv_heads, self.runner.head_dim)]
             if self.draft is not None:
-                check_same_tokenizer(self.runner, self.draft)
-                self.max_model_len = min(self.max_model_len, self.draft.max_seq_len)
                 layouts.append(KVLayout(self.draft.num_layers, self.draft.kv_heads, self.draft.head_dim))
             self.kv = self._make_kv(config, layouts)
-        else:
-            self.kv = PagedKVManager(self.runner.num_blocks, self.runner.block_size, config.scheduler.max_num_seqs,
-                                     self.max_model_len)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.sampler = Sampler()
         self.speculator = None
         if config.speculation is not None:
-            proposer = (DraftModelProposer(self.draft, self.kv.pools[1], self.sampler) if config.speculation == "draft"
-                        else NgramProposer())
+            if config.speculation == "ngram":
+                proposer = NgramProposer()
+            elif self.paged:
+                proposer = PagedDraftProposer(self.draft, self.kv, self.sampler)
+            else:
+                proposer = DraftModelProposer(self.draft, self.kv.pools[1], self.sampler)
             self.speculator = Speculator(config.spec, proposer, self.runner, self.sampler)
         self.requests: dict[str, Request] = {}
         self._streams: dict[str, _Stream] = {}
@@ -101,10 +106,13 @@ class Engine:
             for n in (8, 1, 2, 4, 16, 32) if self.speculator else (8,):
                 warm = build_paged_batch([([0] * -(-n // self.kv.block_size), 0, n)], self.kv.block_size)
                 warm = replace(warm, slot_mapping=np.full(n, -1, np.int64))
-                t0 = time.perf_counter()
-                self.runner.step(np.zeros(n, np.int64), warm, np.arange(n))
-                if self.speculator:
-                    self.speculator.cost.record("step", n, time.perf_counter() - t0)
+                for runner, kind in ((self.runner, "step"), (self.draft, "draft")):
+                    if runner is None:
+                        continue
+                    t0 = time.perf_counter()
+                    runner.step(np.zeros(n, np.int64), warm, np.arange(n))
+                    if self.speculator:
+                        self.speculator.cost.record(kind, n, time.perf_counter() - t0)
             return
         models = [(self.runner, self.kv.slots)] + ([(self.draft, self.kv.pools[1])] if self.draft else [])
         for runner, pool in models:
@@ -132,20 +140,24 @@ class Engine:
             cost.record("ver", g + 1, timed(lambda: self.runner.prefill(self.kv.slots, 0, [0] * (g + 1), 16, True)))
 
     @staticmethod
-    def _paged_runner(engine_dir: Path, config: EngineConfig) -> PagedModelRunner:
-        """A --target cuda engine: one fp16 block pool sized by the KV budget; prefix caching is the pool itself."""
-        if config.draft is not None:
-            raise ValueError("draft-model speculation is not wired for --target cuda engines yet; use "
-                             "--speculation ngram (prompt lookup) or none")
-        m = artifact.load(engine_dir, verify=False)["model"]
+    def _paged_runners(engine_dir: Path, config: EngineConfig) -> tuple[PagedModelRunner, PagedModelRunner | None]:
+        """--target cuda engines (and their draft): fp16 block pools sized by the KV budget, the same block ids
+        in each model's caches; prefix caching is the pool itself."""
+        dirs = [engine_dir] + ([Path(config.draft)] if config.draft is not None else [])
+        models = [artifact.load(d, verify=False) for d in dirs]
+        for d, m in zip(dirs, models):
+            if m.get("target") != "cuda":
+                raise ValueError(f"the draft {d} targets {m.get('target')!r}; a cuda engine needs a cuda draft")
         c = config.cache
-        block_bytes = 2 * m["num_layers"] * m["num_kv_heads"] * m["head_dim"] * 2 * c.block_size
+        block_bytes = sum(2 * m["model"]["num_layers"] * m["model"]["num_kv_heads"] * m["model"]["head_dim"] * 2
+                          for m in models) * c.block_size
         num_blocks = int(c.budget() // block_bytes)
         if num_blocks < 1:
             raise ValueError(f"KV budget {c.budget() / 2**20:.0f} MiB holds no {c.block_size}-token block")
-        return PagedModelRunner(engine_dir, num_blocks, c.block_size, verify=config.verify_artifact,
-                                providers=list(config.providers) if config.providers else None,
-                                custom_ops_library=config.custom_ops_library)
+        runners = [PagedModelRunner(d, num_blocks, c.block_size, verify=config.verify_artifact,
+                                    providers=list(config.providers) if config.providers else None,
+                                    custom_ops_library=config.custom_ops_library) for d in dirs]
+        return runners[0], (runners[1] if len(runners) > 1 else None)
 
     def _make_kv(self, config: EngineConfig, layouts: list[KVLayout]) -> KVCacheManager:
         c = config.cache
@@ -263,9 +275,13 @@ class Engine:
         gammas = (self.speculator.plan_packed(plan.decodes, self.max_model_len, len(plan.decodes) + chunk_tokens)
                   if self.speculator else {})
         spec = [r for r in plan.decodes if r.request_id in gammas]
-        proposals = dict(zip((r.request_id for r in spec),
-                             self.speculator.proposer.propose(spec, [gammas[r.request_id] for r in spec], set())
-                             if spec else []))
+        proposals = {}
+        if spec:
+            t0 = time.perf_counter()
+            guesses = self.speculator.proposer.propose(spec, [gammas[r.request_id] for r in spec], set())
+            proposals = {r.request_id: g for r, g in zip(spec, guesses)}
+            if self.draft is not None:
+                self.speculator.cost.record("draft", len(spec), (time.perf_counter() - t0) / max(gammas.values()))
         reqs, counts, ids, rows, end = [], [], [], {}, 0
         for req, n in [(r, 1) for r in plan.decodes] + plan.chunks:
             tokens = req.all_ids[req.num_computed:req.num_computed + n]
@@ -286,6 +302,8 @@ class Engine:
         out = self.runner.step(np.asarray(ids, np.int64), batch, wanted)
         if self.speculator:
             self.speculator.cost.record("step", end, time.perf_counter() - t0)
+        if self.draft is not None:
+            self._draft_prefill(plan.chunks)
         logits, speculated, at = {}, {}, 0
         for rid, r in rows.items():
             block, at = out[at:at + len(r)], at + len(r)
@@ -294,6 +312,19 @@ class Engine:
             else:
                 logits[rid] = block[0]
         return logits, speculated
+
+    def _draft_prefill(self, chunks: list[tuple[Request, int]]) -> None:
+        """The draft reads prompt chunks alongside the target (one packed call), so its first guesses need no
+        catch-up and the blocks can go to the prefix cache for both models."""
+        chunks = [(r, n) for r, n in chunks if r.num_computed_draft == r.num_computed]
+        if not chunks:
+            return
+        batch = build_paged_batch([(self.kv.table(r), r.num_computed, n) for r, n in chunks], self.kv.block_size,
+                                  self.draft.max_blocks_per_seq)
+        ids = [t for r, n in chunks for t in r.all_ids[r.num_computed:r.num_computed + n]]
+        self.draft.step(np.asarray(ids, np.int64), batch, np.array([len(ids) - 1]))
+        for r, n in chunks:
+            r.num_computed_draft = r.num_computed + n
 
     def _update(self, plan: SchedulePlan, results: tuple[dict[str, np.ndarray], dict[str, tuple]]) -> list[RequestOutput]:
         logits, speculated = results

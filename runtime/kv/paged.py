@@ -88,7 +88,10 @@ class PagedKVManager:
     holder), so the scheduler drives both.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, num_slots: int | None = None, max_model_len: int | None = None):
+    def __init__(self, num_blocks: int, block_size: int, num_slots: int | None = None, max_model_len: int | None = None,
+                 with_draft: bool = False):
+        """with_draft: a draft model keeps its KV under the same tables; a block is cached only once both
+        models have computed it."""
         self.blocks = BlockPool([], num_blocks, block_size)
         self.block_size = block_size
         self.num_slots = num_slots or num_blocks
@@ -98,6 +101,7 @@ class PagedKVManager:
         self._keys: dict[str, list[int]] = {}       # request id → chained keys of its full blocks
         self._registered: dict[str, int] = {}       # request id → leading blocks that are findable
         self.stats = CacheStats()
+        self.with_draft = with_draft
 
     @property
     def usage(self) -> float:
@@ -173,7 +177,8 @@ class PagedKVManager:
         if req.request_id not in self._tables:
             return
         table, keys, bs = self._tables[req.request_id], self._keys_for(req), self.block_size
-        done = min(req.num_computed // bs, len(keys), len(table))
+        computed = min(req.num_computed, req.num_computed_draft) if self.with_draft else req.num_computed
+        done = min(computed // bs, len(keys), len(table))
         for i in range(self._registered[req.request_id], done):
             self.blocks.register(table[i], keys[i], keys[i - 1] if i else 0, tuple(req.all_ids[i * bs:(i + 1) * bs]))
         self._registered[req.request_id] = max(done, self._registered[req.request_id])

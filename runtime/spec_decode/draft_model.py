@@ -18,6 +18,14 @@ from ..sampler import Sampler, filtered_probs
 from .proposer import Proposal
 
 
+def choose(logits: np.ndarray, req: Request, sampler: Sampler) -> tuple[int, np.ndarray | None]:
+    """A draft guess: the argmax (greedy), or a sample with the distribution it came from (for verification)."""
+    if req.params.greedy:
+        return int(logits.argmax()), None
+    q = filtered_probs(logits, req)
+    return int(sampler.rng(req).choice(q.size, p=q)), q
+
+
 class DraftModelProposer:
     name = "draft"
 
@@ -26,10 +34,7 @@ class DraftModelProposer:
         self.step_cost_s = 0.0          # set by the engine's warm-up measurement
 
     def _choose(self, logits: np.ndarray, req: Request) -> tuple[int, np.ndarray | None]:
-        if req.params.greedy:
-            return int(logits.argmax()), None
-        q = filtered_probs(logits, req)
-        return int(self.sampler.rng(req).choice(q.size, p=q)), q
+        return choose(logits, req, self.sampler)
 
     def catch_up(self, req: Request, upto: int) -> np.ndarray:
         """Feed tokens [num_computed_draft, upto) as one chunk; returns the last position's logits."""

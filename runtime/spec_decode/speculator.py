@@ -122,22 +122,26 @@ class Speculator:
         cands = [(r, g) for r, g in cands if g > 0]
         if not self.config.adaptive:
             return {r.request_id: g for r, g in cands}
-        seconds = self.cost("step", step_tokens)
-        if seconds <= 0:
+        def seconds(tokens: int, spec: dict[str, int]) -> float:
+            """The packed step plus the draft's guess steps (one per guess, all speculating sequences batched)."""
+            draft = max(spec.values(), default=0) * self.cost("draft", max(1, len(spec)))
+            return self.cost("step", tokens) + draft
+
+        if seconds(step_tokens, {}) <= 0:
             return {}
         alpha = {r.request_id: self.stats.acceptance.get(r.request_id, self.config.prior_acceptance) for r, _ in cands}
         tokens, chosen = float(len(decodes)), {}
         for r, gmax in sorted(cands, key=lambda c: alpha[c[0].request_id], reverse=True):
-            best, rate = 0, tokens / seconds
+            best, rate = 0, tokens / seconds(step_tokens, chosen)
             for g in range(1, gmax + 1):
                 gain = expected_tokens(alpha[r.request_id], g) - 1
-                if gain > 0.05 and (tokens + gain) / self.cost("step", step_tokens + g) > rate:
-                    best, rate = g, (tokens + gain) / self.cost("step", step_tokens + g)
+                trial = (tokens + gain) / seconds(step_tokens + g, {**chosen, r.request_id: g})
+                if gain > 0.05 and trial > rate:
+                    best, rate = g, trial
             if best:
                 chosen[r.request_id] = best
                 tokens += expected_tokens(alpha[r.request_id], best) - 1
                 step_tokens += best
-                seconds = self.cost("step", step_tokens)
         return chosen
 
     def verify_packed(self, req: Request, proposal, logits: np.ndarray) -> tuple[list[SampleResult], int]:

@@ -216,11 +216,44 @@ def test_prompt_lookup_speculation_verifies_in_the_packed_step_and_changes_nothi
             assert eng.speculator.stats.accepted > 0 and eng.speculator.stats.rounds > 0
 
 
-def test_engine_refuses_draft_speculation_on_cuda_engines(cpu_runnable, engine):
+def test_draft_model_speculation_on_cuda_engines_matches_plain_greedy(cpu_runnable, checkpoint, tmp_path_factory):
+    """A cuda draft keeps its KV under the target's block tables: guesses are packed steps over all speculating
+    sequences, verification rides in the target's packed step, a prefix hit serves both models' KV."""
+    from runtime.request import SamplingParams
+    from runtime.spec_decode.speculator import SpecConfig
+
+    draft_dir = tmp_path_factory.mktemp("draft") / "engine"
+    build(CompileConfig(checkpoint("llama"), draft_dir, "fp16", target="cuda"), log=lambda _: None)
+    model = onnx.load(str(draft_dir / "model.onnx"), load_external_data=False)
+    use_reference_op(model, 4, 2)
+    onnx.save_model(model, str(draft_dir / "model.onnx"))
+
+    rng = np.random.default_rng(9)
+    base = rng.integers(3, 500, 22).tolist()
+    prompts = [base, base[:16] + rng.integers(3, 500, 5).tolist(), rng.integers(3, 500, 7).tolist()]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    plain = _run(_engine(cpu_runnable, max_num_seqs=4, token_budget=64, prefill_chunk=16), prompts, params, [0, 4, 1])
+    from runtime.config import CacheConfig, EngineConfig, SchedulerConfig
+    from runtime.engine import Engine
+
+    eng = Engine(cpu_runnable, EngineConfig(SchedulerConfig(max_num_seqs=4, token_budget=64, prefill_chunk=16),
+                                            CacheConfig(kv_budget_bytes=1 << 20, block_size=4),
+                                            spec=SpecConfig(max_gamma=3, adaptive=False), draft=draft_dir,
+                                            speculation="draft", providers=("CPUExecutionProvider",),
+                                            custom_ops_library=get_library_path(), verify_artifact=False))
+    fast = _run(eng, prompts, params, [0, 4, 1])
+    assert [t for t, _ in fast] == [t for t, _ in plain]
+    s = eng.speculator.stats
+    assert s.rounds > 0 and s.accepted / s.proposed > 0.9       # the draft is the target itself: guesses hold
+    assert eng.kv.stats.hits >= 12
+    assert all(r == 0 for r in eng.kv.blocks.ref) and eng.kv.num_free_slots == eng.kv.num_slots
+
+
+def test_cuda_engine_refuses_a_cpu_draft(cpu_runnable, engine):
     from runtime.config import EngineConfig
     from runtime.engine import Engine
 
-    with pytest.raises(ValueError, match="not wired for --target cuda"):
+    with pytest.raises(ValueError, match="a cuda engine needs a cuda draft"):
         Engine(cpu_runnable, EngineConfig(speculation="draft", draft=engine("llama"), providers=("CPUExecutionProvider",),
                                           custom_ops_library=get_library_path(), verify_artifact=False))
 

@@ -1,0 +1,51 @@
+"""Draft-model proposer for paged (cuda) engines.
+
+The draft keeps its KV in its own caches under the target's block tables (same block ids: the target's
+reservation covers both), tracking progress in `req.num_computed_draft`. Each guess step is one packed call
+over every speculating sequence — the first step also carries whatever prompt or accepted tokens the draft
+has not seen yet. Rejected guesses need no undo: the next round writes from the shorter length.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from ..kv.paged import PagedKVManager, build_paged_batch
+from ..paged_runner import PagedModelRunner
+from ..request import Request
+from ..sampler import Sampler
+from .draft_model import choose
+from .proposer import Proposal
+
+
+class PagedDraftProposer:
+    name = "draft"
+
+    def __init__(self, runner: PagedModelRunner, kv: PagedKVManager, sampler: Sampler):
+        self.runner, self.kv, self.sampler = runner, kv, sampler
+        self.step_cost_s = 0.0
+
+    def propose(self, reqs: list[Request], gammas: list[int], busy: set[int]) -> list[Proposal]:
+        tokens: list[list[int]] = [[] for _ in reqs]
+        probs: list[list[np.ndarray]] = [[] for _ in reqs]
+        feeds = [r.all_ids[r.num_computed_draft:r.num_tokens] for r in reqs]
+        for k in range(max(gammas, default=0)):
+            active = [i for i, g in enumerate(gammas) if g > k]
+            batch = build_paged_batch([(self.kv.table(reqs[i]), reqs[i].num_computed_draft, len(feeds[i])) for i in active],
+                                      self.kv.block_size, self.runner.max_blocks_per_seq)
+            last = np.cumsum([len(feeds[i]) for i in active]) - 1
+            t0 = time.perf_counter()
+            logits = self.runner.step(np.asarray([t for i in active for t in feeds[i]], np.int64), batch, last)
+            self.step_cost_s = time.perf_counter() - t0
+            for i, row in zip(active, logits):
+                reqs[i].num_computed_draft += len(feeds[i])
+                t, q = choose(row, reqs[i], self.sampler)
+                tokens[i].append(t)
+                probs[i].append(q)
+                feeds[i] = [t]
+        return [Proposal(t, None if r.params.greedy else np.stack(p)) for t, p, r in zip(tokens, probs, reqs)]
+
+    def rollback(self, req: Request, num_valid: int) -> None:
+        req.num_computed_draft = min(req.num_computed_draft, num_valid)
