@@ -40,6 +40,7 @@ class CacheConfig:
     max_model_len: int | None = None  # slot capacity in tokens; None: the engine's context length
     block_size: int = 16              # prefix-cache granularity in tokens
     kv_budget_bytes: int | None = None  # slots + prefix cache; None: 25 % of available RAM, at most 8 GiB
+                                      # (cuda engines: 85 % of free device memory less the weights, via libqs_cuda)
     prefix_cache_fraction: float = 0.3  # of the budget, for cached blocks
     enable_prefix_cache: bool = True
 

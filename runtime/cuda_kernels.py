@@ -95,6 +95,8 @@ class CudaKernels:
             raise KernelsUnavailable(f"cannot load {path}: {e}") from e
         L, vp, i, f, sz = self.lib, ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_size_t
         L.qs_last_error.restype = ctypes.c_char_p
+        L.qs_device_memory.argtypes = [ctypes.POINTER(sz), ctypes.POINTER(sz)]
+        L.qs_device_memory.restype = ctypes.c_int
         L.qs_paged_attention_workspace_size.restype = sz
         L.qs_paged_attention_workspace_size.argtypes = [i, i, i, i]
         L.qs_paged_attention_decode.argtypes = [vp, vp, vp, vp, vp, vp, i, i, i, i, i, i, i, i, f, vp, vp, i, i, vp, sz, vp]
@@ -113,6 +115,12 @@ class CudaKernels:
         if status != 0:
             message = self.lib.qs_last_error().decode(errors="replace")
             raise KernelError(f"{what}: {STATUS.get(status, status)}: {message}")
+
+    def device_memory(self) -> tuple[int, int]:
+        """(free, total) bytes of the current CUDA device."""
+        free, total = ctypes.c_size_t(), ctypes.c_size_t()
+        self._check(self.lib.qs_device_memory(ctypes.byref(free), ctypes.byref(total)), "device memory")
+        return free.value, total.value
 
     # -- paged attention --------------------------------------------------------------------------
     def workspace_size(self, num_rows: int, num_heads: int, head_dim: int, max_seq_len: int) -> int:

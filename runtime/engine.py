@@ -57,6 +57,19 @@ class EngineStats:
     last_step_prefill: bool = False
 
 
+def _gpu_kv_budget(models: list[dict]) -> int | None:
+    """Paged KV pool for GPU engines: 85 % of the device's free memory less the weights about to load; None
+    when libqs_cuda (which can ask the device) is not installed or there is no device."""
+    from .cuda_kernels import CudaKernels, KernelError
+
+    try:
+        free, _ = CudaKernels().device_memory()
+    except KernelError:
+        return None
+    weights = sum(f["size"] for m in models for f in m["files"].values())
+    return max(0, int(free * 0.85) - weights) or None
+
+
 class Engine:
     def __init__(self, engine_dir: str | Path, config: EngineConfig | None = None):
         self.config = config = config or EngineConfig()
@@ -151,9 +164,10 @@ class Engine:
         c = config.cache
         block_bytes = sum(2 * m["model"]["num_layers"] * m["model"]["num_kv_heads"] * m["model"]["head_dim"] * 2
                           for m in models) * c.block_size
-        num_blocks = int(c.budget() // block_bytes)
+        budget = c.kv_budget_bytes or _gpu_kv_budget(models) or c.budget()
+        num_blocks = int(budget // block_bytes)
         if num_blocks < 1:
-            raise ValueError(f"KV budget {c.budget() / 2**20:.0f} MiB holds no {c.block_size}-token block")
+            raise ValueError(f"KV budget {budget / 2**20:.0f} MiB holds no {c.block_size}-token block")
         runners = [PagedModelRunner(d, num_blocks, c.block_size, verify=config.verify_artifact,
                                     providers=list(config.providers) if config.providers else None,
                                     custom_ops_library=config.custom_ops_library) for d in dirs]

@@ -29,3 +29,9 @@ int from_cuda(cudaError_t err, const char* what) {
 }  // namespace qs
 
 extern "C" const char* qs_last_error(void) { return g_message; }
+
+extern "C" int qs_device_memory(size_t* free_bytes, size_t* total_bytes) {
+  if (free_bytes == nullptr || total_bytes == nullptr)
+    return qs::fail(QS_ERR_INVALID_ARGUMENT, "free_bytes and total_bytes must not be NULL");
+  return qs::from_cuda(cudaMemGetInfo(free_bytes, total_bytes), "cudaMemGetInfo");
+}

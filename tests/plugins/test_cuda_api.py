@@ -78,6 +78,8 @@ def test_valid_call_without_a_device_fails_with_the_cuda_message(cuda_kernels):
         pass
     with pytest.raises(KernelError, match="CUDA error: paged attention launch"):
         cuda_kernels.paged_attention(**decode_args())
+    with pytest.raises(KernelError, match="CUDA error: cudaMemGetInfo"):
+        cuda_kernels.device_memory()
 
 
 @pytest.mark.parametrize("call, message", [

@@ -7,8 +7,9 @@ import subprocess
 
 from conftest import requires_nvcc
 
-API = ["qs_last_error", "qs_paged_attention_workspace_size", "qs_paged_attention_decode", "qs_paged_attention_prefill",
-       "qs_kv_append", "qs_rmsnorm_residual", "qs_rotary"]
+API = ["qs_last_error", "qs_device_memory", "qs_paged_attention_workspace_size", "qs_paged_attention_decode",
+       "qs_paged_attention_prefill", "qs_packed_attention_workspace_size", "qs_packed_paged_attention", "qs_kv_append",
+       "qs_rmsnorm_residual", "qs_rotary"]
 
 
 @requires_nvcc

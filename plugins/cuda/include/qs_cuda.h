@@ -34,6 +34,9 @@ typedef enum {
 // Message of the last failed call on this thread ("" after a success).
 QS_API const char* qs_last_error(void);
 
+// Free and total memory of the current device, in bytes (sizes the paged KV pool).
+QS_API int qs_device_memory(size_t* free_bytes, size_t* total_bytes);
+
 // Bytes of workspace qs_paged_attention_* needs for `num_rows` query rows (tokens) whose KV length is at
 // most `max_seq_len`; 0 when one pass suffices (max_seq_len <= QS_PARTITION_TOKENS).
 #define QS_PARTITION_TOKENS 256
