@@ -3,6 +3,7 @@ check, the C API checks on CPU and the GPU tests."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -31,7 +32,9 @@ requires_gpu = pytest.mark.skipif(not (HAVE_NVCC and _has_gpu()),
 
 @pytest.fixture(scope="session")
 def cuda_build(tmp_path_factory) -> Path:
-    """The CMake build folder holding libqs_cuda.so."""
+    """The CMake build folder holding libqs_cuda.so (QS_CUDA_BUILD: one already built, e.g. by tools/gpu_check.sh)."""
+    if os.environ.get("QS_CUDA_BUILD"):
+        return Path(os.environ["QS_CUDA_BUILD"]).resolve()
     if not HAVE_NVCC:
         pytest.skip("nvcc/cmake not installed")
     build = tmp_path_factory.mktemp("qs-cuda")
