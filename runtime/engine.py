@@ -301,7 +301,8 @@ class Engine:
             tokens = req.all_ids[req.num_computed:req.num_computed + n]
             if req.request_id in proposals:
                 tokens = tokens + proposals[req.request_id].tokens
-            assert self.kv.reserve(req, req.num_computed + len(tokens)), "admission reserved every worst case"
+            if not self.kv.reserve(req, req.num_computed + len(tokens)):    # admission reserved the worst case
+                raise RuntimeError(f"request {req.request_id} outgrew its reserved KV blocks")
             reqs.append(req)
             counts.append(len(tokens))
             ids.extend(tokens)
