@@ -25,6 +25,8 @@ class SchedulerConfig:
     token_budget: int = 512           # tokens computed per step (decodes + prefill chunks)
     prefill_chunk: int = 128          # most tokens one sequence prefills per step: bounds stalls of decodes
     max_waiting: int = 256            # queued requests beyond which submit refuses (backpressure)
+    mixed_step_ratio: float = 4.0     # a step carrying a long prompt's chunk beside decodes may cost this many
+                                      # decode-only steps (its chunk shrinks to fit, ≥ 16 tokens); inf: fixed chunks
 
     def __post_init__(self):
         if self.max_num_seqs < 1 or self.token_budget < self.max_num_seqs + 1:
@@ -33,6 +35,8 @@ class SchedulerConfig:
             raise ValueError("prefill_chunk must be in [1, token_budget]")
         if self.max_waiting < 0:
             raise ValueError("max_waiting must be ≥ 0")
+        if not self.mixed_step_ratio >= 1.0:
+            raise ValueError("mixed_step_ratio must be ≥ 1 (inf: fixed chunks)")
 
 
 @dataclass(frozen=True)

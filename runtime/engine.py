@@ -240,6 +240,7 @@ class Engine:
         outputs = self._update(plan, logits)
         self.stats.steps += 1
         self.stats.last_step_s, self.stats.last_batch = time.perf_counter() - t0, len(plan.decodes) + len(plan.chunks)
+        self.scheduler.observe(plan, self.stats.last_step_s)
         self.stats.last_step_prefill = bool(plan.chunks)
         return outputs
 

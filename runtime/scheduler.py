@@ -8,6 +8,11 @@ first, and in a step where a short prompt (at most one chunk) is prefilling, lon
 request arriving behind a 4k-token prompt waits for at most the step in progress, then gets its first
 token from a step without the long prompt's chunk.
 
+A long prompt's chunk is also sized by time: while others are decoding, a step that carries a long chunk
+should cost at most `mixed_step_ratio` plain decode steps (attention makes the same chunk slower as the prompt's context
+grows), so after each such step the chunk is scaled by target / measured time (at most doubling) — keeping
+the TPOT of running requests bounded while a 4k prompt prefills beside them.
+
 Order: lower `priority` first, then arrival (FCFS). A waiting request that finds no free slot may take the
 slot of the running request of the lowest priority (strictly lower than its own); the victim is
 preempted — its computed blocks go to the prefix cache, its slot is freed, and it is recomputed (mostly
@@ -26,10 +31,24 @@ from .request import Request, RequestStatus
 
 
 class Scheduler:
+    MIN_CHUNK = 16
+
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
         self.config, self.kv = config, kv
         self.waiting: list[tuple[int, int, Request]] = []     # heap of (priority, seq_no, request)
         self.running: list[Request] = []
+        self.long_chunk = config.prefill_chunk                # adapted by observe()
+        self._decode_step_s: float | None = None              # moving average of decode-only steps
+
+    def observe(self, plan: SchedulePlan, seconds: float) -> None:
+        """Feed back a step's measured time: tracks decode-only steps and adapts the long-prompt chunk."""
+        if plan.decodes and not plan.chunks:
+            old = self._decode_step_s
+            self._decode_step_s = seconds if old is None else 0.8 * old + 0.2 * seconds
+        elif plan.decodes and self._decode_step_s and any(n == self.long_chunk for _, n in plan.chunks):
+            # Proportional: the chunk's cost is close to linear in its length at a given context.
+            scale = min(2.0, self.config.mixed_step_ratio * self._decode_step_s / seconds)
+            self.long_chunk = max(self.MIN_CHUNK, min(self.config.prefill_chunk, int(self.long_chunk * scale)))
 
     @property
     def num_waiting(self) -> int:
@@ -97,7 +116,9 @@ class Scheduler:
                 break
             if short_waiting and req.num_pending > chunk:
                 continue
-            n = min(req.num_pending, chunk, budget)
+            # A long prompt beside running decodes gets the time-bounded chunk.
+            n = min(req.num_pending, chunk if req.num_pending <= chunk or not plan.decodes else
+                    min(chunk, self.long_chunk), budget)
             plan.chunks.append((req, n))
             budget -= n
         return plan

@@ -99,7 +99,8 @@ def main() -> None:
             del eng
     results["prefix_ttft_ratio"] = round(results["prefix_cache_on"]["ttft_ms"] / results["prefix_cache_off"]["ttft_ms"], 3)
 
-    # 5. short requests while 10 % carry 4k-token prompts (Poisson arrivals, 2 req/s, 40 requests)
+    # 5. short requests while 10 % carry 4k-token prompts (Poisson arrivals, 2 req/s, 40 requests), with the
+    #    time-bounded long-prompt chunk (the default) and with fixed chunks, on the same arrivals
     short_alone = [run(engine, [(0, toks(64), greedy(16))])[0][0].ttft_s for _ in range(3)]
     t, arrivals, kinds = 0.0, [], []
     for i in range(40):
@@ -107,12 +108,17 @@ def main() -> None:
         long = i % 10 == 5
         arrivals.append((t, toks(4096 if long else 64), greedy(16)))
         kinds.append(long)
-    usages, wall = run(engine, arrivals)
-    short = [u.ttft_s for u, k in zip(usages, kinds) if not k]
-    results["mixed_4k"] = {"short_ttft_unloaded_ms": round(1e3 * float(np.median(short_alone)), 1),
-                           "short_ttft_p50_ms": round(1e3 * pct(short, 50), 1),
-                           "short_ttft_p99_ms": round(1e3 * pct(short, 99), 1),
-                           "long_ttft_p50_ms": round(1e3 * pct([u.ttft_s for u, k in zip(usages, kinds) if k], 50), 1)}
+    for label, ratio in (("mixed_4k", SchedulerConfig.mixed_step_ratio), ("mixed_4k_fixed_chunks", float("inf"))):
+        eng = Engine(args.engine, EngineConfig(SchedulerConfig(max_num_seqs=16, mixed_step_ratio=ratio), cache(False),
+                                               threads=args.threads))
+        usages, wall = run(eng, arrivals)
+        del eng
+        short = [u for u, k in zip(usages, kinds) if not k]
+        results[label] = {"short_ttft_unloaded_ms": round(1e3 * float(np.median(short_alone)), 1),
+                          "short_ttft_p50_ms": round(1e3 * pct([u.ttft_s for u in short], 50), 1),
+                          "short_ttft_p99_ms": round(1e3 * pct([u.ttft_s for u in short], 99), 1),
+                          "short_tpot_p50_ms": round(1e3 * pct([u.tpot_s for u in short if u.tpot_s], 50), 1),
+                          "long_ttft_p50_ms": round(1e3 * pct([u.ttft_s for u, k in zip(usages, kinds) if k], 50), 1)}
     s = results
     print(f"engine {s['engine']} ({s['precision']})")
     print(f"  single stream, 512-token prompt: TTFT {s['single']['ttft_ms']} ms, TPOT {s['single']['tpot_ms']} ms "
@@ -126,9 +132,11 @@ def main() -> None:
           f"TPOT p50/p95/p99 {ln['tpot_ms'][50]}/{ln['tpot_ms'][95]}/{ln['tpot_ms'][99]} ms, {ln['output_tok_s']} tok/s")
     print(f"  1,024 shared + 32 new: TTFT {s['prefix_cache_on']['ttft_ms']} ms cached vs "
           f"{s['prefix_cache_off']['ttft_ms']} ms cold ({s['prefix_ttft_ratio']}x)")
-    m = s["mixed_4k"]
-    print(f"  short requests with 10 % 4k prompts: TTFT p50 {m['short_ttft_p50_ms']} ms, p99 {m['short_ttft_p99_ms']} ms "
-          f"(unloaded {m['short_ttft_unloaded_ms']} ms); 4k TTFT p50 {m['long_ttft_p50_ms']} ms")
+    for label, name in (("mixed_4k", "time-bounded chunks"), ("mixed_4k_fixed_chunks", "fixed chunks")):
+        m = s[label]
+        print(f"  short requests with 10 % 4k prompts, {name}: TTFT p50 {m['short_ttft_p50_ms']} ms, p99 "
+              f"{m['short_ttft_p99_ms']} ms (unloaded {m['short_ttft_unloaded_ms']} ms), TPOT p50 {m['short_tpot_p50_ms']} ms; "
+              f"4k TTFT p50 {m['long_ttft_p50_ms']} ms")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
 

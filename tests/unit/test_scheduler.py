@@ -1,0 +1,47 @@
+"""Scheduler decisions on a bookkeeping-only KV manager (no model): the time-bounded long-prompt chunk."""
+
+from runtime.config import SchedulerConfig
+from runtime.kv.paged import PagedKVManager
+from runtime.outputs import SchedulePlan
+from runtime.request import Request, SamplingParams
+from runtime.scheduler import Scheduler
+
+
+def _setup(ratio=4.0):
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, prefill_chunk=128, mixed_step_ratio=ratio),
+                      PagedKVManager(num_blocks=512, block_size=16, num_slots=4, max_model_len=4096))
+    short = Request(list(range(8)), SamplingParams(max_tokens=64), request_id="short")
+    sched.add(short)
+    sched.schedule()                                   # short prefills alone
+    short.num_computed = short.num_tokens - 1          # ... and is now decoding
+    long = Request(list(range(2000)), SamplingParams(max_tokens=4), request_id="long")
+    sched.add(long)
+    return sched, long
+
+
+def test_long_chunk_shrinks_to_the_step_time_target_and_grows_back():
+    sched, long = _setup()
+    sched.observe(SchedulePlan(decodes=[None]), 0.010)          # decode-only steps take 10 ms
+    plan = sched.schedule()
+    assert plan.chunks == [(long, 128)] and len(plan.decodes) == 1
+    sched.observe(plan, 0.160)                                  # 4 × 10 ms target: 160 ms is 4× over
+    assert sched.schedule().chunks == [(long, 32)]
+    sched.observe(SchedulePlan(decodes=[None], chunks=[(long, 32)]), 0.005)   # far under: at most doubles
+    assert sched.long_chunk == 64
+    for _ in range(4):
+        sched.observe(SchedulePlan(decodes=[None], chunks=[(long, sched.long_chunk)]), 0.001)
+    assert sched.long_chunk == 128                              # never above prefill_chunk
+    for _ in range(8):
+        sched.observe(SchedulePlan(decodes=[None], chunks=[(long, sched.long_chunk)]), 10.0)
+    assert sched.long_chunk == Scheduler.MIN_CHUNK
+
+
+def test_fixed_chunks_when_the_ratio_is_infinite_or_nobody_decodes():
+    sched, long = _setup(ratio=float("inf"))
+    sched.observe(SchedulePlan(decodes=[None]), 0.010)
+    plan = sched.schedule()
+    sched.observe(plan, 5.0)
+    assert sched.schedule().chunks == [(long, 128)]
+    sched, long = _setup()
+    sched.running.remove(next(r for r in sched.running if r.request_id == "short"))
+    assert sched.schedule().chunks == [(long, 512)]             # alone: the whole token budget
