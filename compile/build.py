@@ -28,45 +28,6 @@ GRAPH_FILE, DATA_FILE = "model.onnx", "model.onnx.data"
 CALIB_TOKENS = 512
 
 
-def _graph_io(spec: ModelSpec, target: str) -> dict:
-    if target != "cpu":
-        cache = ["num_blocks", "block_size", spec.num_kv_heads, spec.head_dim]
-        return {
-            "inputs": {
-                "input_ids": {"dtype": "int64", "shape": ["num_tokens"]},
-                "cumulative_sequence_length": {"dtype": "int32", "shape": ["batch_plus_1"]},
-                "past_seqlens": {"dtype": "int32", "shape": ["batch"]},
-                "block_table": {"dtype": "int32", "shape": ["batch", "max_blocks"]},
-                "slot_mapping": {"dtype": "int32", "shape": ["num_tokens"]},
-                **({"attention_metadata": {"dtype": "int32", "shape": [2]}} if target == "cuda" else {}),
-                "logits_indices": {"dtype": "int64", "shape": ["num_logits"]},
-                "key_cache.{layer}": {"dtype": "float16", "shape": cache},
-                "value_cache.{layer}": {"dtype": "float16", "shape": cache},
-            },
-            "outputs": {
-                "logits": {"dtype": "float32", "shape": ["num_logits", spec.vocab_size]},
-                "key_cache_out.{layer}": {"dtype": "float16", "shape": cache},
-                "value_cache_out.{layer}": {"dtype": "float16", "shape": cache},
-            },
-        }
-    kv_shape = ["batch", spec.num_kv_heads, "kv_capacity", spec.head_dim]
-    return {
-        "inputs": {
-            "input_ids": {"dtype": "int64", "shape": ["batch", "sequence"]},
-            "seqlens_k": {"dtype": "int32", "shape": ["batch"]},
-            "total_sequence_length": {"dtype": "int32", "shape": []},
-            "logits_indices": {"dtype": "int64", "shape": ["num_logits"]},
-            "past_key_values.{layer}.key": {"dtype": "float32", "shape": kv_shape},
-            "past_key_values.{layer}.value": {"dtype": "float32", "shape": kv_shape},
-        },
-        "outputs": {
-            "logits": {"dtype": "float32", "shape": ["num_logits", spec.vocab_size]},
-            "present.{layer}.key": {"dtype": "float32", "shape": kv_shape},
-            "present.{layer}.value": {"dtype": "float32", "shape": kv_shape},
-        },
-    }
-
-
 def _paged_kv_record(spec: ModelSpec, max_len: int) -> dict:
     return {
         "layout": "paged [num_blocks, block_size, kv_heads, head_dim]", "dtype": "float16",
@@ -176,7 +137,7 @@ def build(cfg: CompileConfig, log=print) -> dict:
             "precision": _precision_record(cfg),
             "model": {**spec.to_dict(), "max_seq_len": max_len,
                       "num_parameters": reader.num_parameters()},
-            "graph": {"file": GRAPH_FILE, "data": DATA_FILE, "opset": OPSET, **_graph_io(spec, cfg.target)},
+            "graph": {"file": GRAPH_FILE, "data": DATA_FILE, "opset": OPSET, **builder.interface()},
             "kv_cache": _paged_kv_record(spec, max_len) if cfg.target != "cpu" else {
                 "layout": "BNSH", "dtype": "float32", "num_layers": spec.num_layers,
                 "num_kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim, "max_seq_len": max_len,

@@ -160,7 +160,7 @@ class CudaKernels:
         scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
         ws_bytes = 0 if ws is None else math.prod(ws.shape) * ITEMSIZE[ws.dtype]
         common = (heads, kv_heads, head_dim, block_size, bt.shape[1], max_seq_len, window, scale, _ptr(ks), _ptr(vs),
-                  DTYPES[q.dtype] if q.dtype in DTYPES else -1, DTYPES.get(kc.dtype, -1), _ptr(ws), ws_bytes,
+                  DTYPES.get(q.dtype, -1), DTYPES.get(kc.dtype, -1), _ptr(ws), ws_bytes,
                   ctypes.c_void_p(stream or None))
         if cu is None:
             status = self.lib.qs_paged_attention_decode(_ptr(o), _ptr(q), _ptr(kc), _ptr(vc), _ptr(bt), _ptr(sl), seqs, *common)

@@ -128,11 +128,6 @@ class PagedExecutor:
         """The draft reads prompt chunks alongside the target (one packed call), so its first guesses need no
         catch-up and the blocks can go to the prefix cache for both models."""
         chunks = [(r, n) for r, n in chunks if r.num_computed_draft == r.num_computed]
-        if not chunks:
-            return
-        batch = build_paged_batch([(self.kv.table(r), r.num_computed, n) for r, n in chunks], self.kv.block_size,
-                                  self.draft.max_blocks_per_seq)
-        ids = [t for r, n in chunks for t in r.all_ids[r.num_computed:r.num_computed + n]]
-        self.draft.step(np.asarray(ids, np.int64), batch, np.array([len(ids) - 1]))
-        for r, n in chunks:
-            r.num_computed_draft = r.num_computed + n
+        if chunks:
+            self.speculator.proposer.feed([r for r, _ in chunks],
+                                          [r.all_ids[r.num_computed:r.num_computed + n] for r, n in chunks])

@@ -77,6 +77,13 @@ class PagedModelRunner:
         shape = [num_blocks, block_size, m["num_kv_heads"], m["head_dim"]]
         self.key_cache = [self._zeros(shape) for _ in range(self.num_layers)]
         self.value_cache = [self._zeros(shape) for _ in range(self.num_layers)]
+        # The caches never move: bound once, as inputs and as the aliased outputs; steps rebind the rest.
+        self._io = self.session.io_binding()
+        for i in range(self.num_layers):
+            for kind, caches in (("key", self.key_cache), ("value", self.value_cache)):
+                self._io.bind_ortvalue_input(f"{kind}_cache.{i}", caches[i])
+                self._io.bind_ortvalue_output(f"{kind}_cache_out.{i}", caches[i])
+        self._logits = np.empty((0, self.vocab_size), np.float32)
 
     def _zeros(self, shape: list[int]) -> ort.OrtValue:
         return ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, np.float16), self.device, 0)
@@ -86,12 +93,16 @@ class PagedModelRunner:
         return -(-self.max_seq_len // self.block_size)
 
     def step(self, input_ids: np.ndarray, batch: PagedBatch, logits_indices: np.ndarray) -> np.ndarray:
-        """Run the packed tokens `input_ids` [num_tokens] of `batch`; return logits [len(logits_indices), vocab]."""
+        """Run the packed tokens `input_ids` [num_tokens] of `batch`; return logits [len(logits_indices), vocab]
+        (a view of the runner's buffer, valid until its next step)."""
         if input_ids.shape != batch.slot_mapping.shape:
             raise ValueError(f"{input_ids.shape[0]} tokens for a batch of {batch.slot_mapping.shape[0]}")
         if batch.max_seq_len > self.max_seq_len:
             raise ValueError(f"a sequence reaches {batch.max_seq_len} tokens; the engine serves {self.max_seq_len}")
-        io = self.session.io_binding()
+        n = len(logits_indices)
+        if self._logits.shape[0] < n:
+            self._logits = np.empty((max(n, 2 * self._logits.shape[0]), self.vocab_size), np.float32)
+        io = self._io
         io.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, np.int64))
         io.bind_cpu_input("cumulative_sequence_length", batch.cu_seqlens_q)
         io.bind_cpu_input("past_seqlens", batch.past_lens)
@@ -100,11 +111,6 @@ class PagedModelRunner:
         if self._metadata:
             io.bind_cpu_input("attention_metadata", np.array([batch.max_query_len, batch.max_seq_len], np.int32))
         io.bind_cpu_input("logits_indices", np.ascontiguousarray(logits_indices, np.int64))
-        io.bind_output("logits", "cpu")                                    # first: outputs come back in bind order
-        for i in range(self.num_layers):
-            for name, value in ((f"key_cache.{i}", self.key_cache[i]), (f"value_cache.{i}", self.value_cache[i])):
-                io.bind_ortvalue_input(name, value)
-            io.bind_ortvalue_output(f"key_cache_out.{i}", self.key_cache[i])
-            io.bind_ortvalue_output(f"value_cache_out.{i}", self.value_cache[i])
+        io.bind_output("logits", "cpu", 0, np.float32, [n, self.vocab_size], self._logits.ctypes.data)
         self.session.run_with_iobinding(io)
-        return io.get_outputs()[0].numpy()
+        return self._logits[:n]

@@ -62,49 +62,34 @@ class LlamaArch:
     def layer_weights(self, i: int, prefix: str, keys) -> dict[str, np.ndarray]:
         return {k: self.reader.get(f"model.layers.{i}.{prefix}.{k}") for k in keys}
 
-    def declare_io(self, b: GraphBuilder) -> None:
-        s = self.spec
-        b.input("input_ids", TensorProto.INT64, ["batch", "sequence"])
-        b.input("seqlens_k", TensorProto.INT32, ["batch"])
-        b.input("total_sequence_length", TensorProto.INT32, [])
-        b.input("logits_indices", TensorProto.INT64, ["num_logits"])
-        shape = ["batch", s.num_kv_heads, "kv_capacity", s.head_dim]
+    def declare_io(self, b: GraphBuilder, target: str) -> None:
+        """The graph interface of the module docstring: step inputs, then the per-layer KV caches."""
+        s, I64, I32 = self.spec, TensorProto.INT64, TensorProto.INT32
+        if target == "cpu":
+            steps = [("input_ids", I64, ["batch", "sequence"]), ("seqlens_k", I32, ["batch"]),
+                     ("total_sequence_length", I32, [])]
+            caches = ("past_key", "past_value"), ("present_key", "present_value")
+            kv_type, kv_shape = TensorProto.FLOAT, ["batch", s.num_kv_heads, "kv_capacity", s.head_dim]
+        else:
+            steps = [("input_ids", I64, ["num_tokens"]), ("cumulative_sequence_length", I32, ["batch_plus_1"]),
+                     ("past_seqlens", I32, ["batch"]), ("block_table", I32, ["batch", "max_blocks"]),
+                     ("slot_mapping", I32, ["num_tokens"])]
+            steps += [("attention_metadata", I32, [2])] if target == "cuda" else []
+            caches = ("key_cache", "value_cache"), ("key_cache_out", "value_cache_out")
+            kv_type, kv_shape = TensorProto.FLOAT16, ["num_blocks", "block_size", s.num_kv_heads, s.head_dim]
+        for name, dtype, shape in steps + [("logits_indices", I64, ["num_logits"])]:
+            b.input(name, dtype, shape)
         for i in range(s.num_layers):
-            names = kv_names(i)
-            b.input(names["past_key"], TensorProto.FLOAT, shape)
-            b.input(names["past_value"], TensorProto.FLOAT, shape)
+            for key in caches[0]:
+                b.input(kv_names(i)[key], kv_type, kv_shape)
         b.output("logits", TensorProto.FLOAT, ["num_logits", s.vocab_size])
         for i in range(s.num_layers):
-            names = kv_names(i)
-            b.output(names["present_key"], TensorProto.FLOAT, shape)
-            b.output(names["present_value"], TensorProto.FLOAT, shape)
-
-    def declare_paged_io(self, b: GraphBuilder, target: str) -> None:
-        s = self.spec
-        b.input("input_ids", TensorProto.INT64, ["num_tokens"])
-        b.input("cumulative_sequence_length", TensorProto.INT32, ["batch_plus_1"])
-        b.input("past_seqlens", TensorProto.INT32, ["batch"])
-        b.input("block_table", TensorProto.INT32, ["batch", "max_blocks"])
-        b.input("slot_mapping", TensorProto.INT32, ["num_tokens"])
-        if target == "cuda":
-            b.input("attention_metadata", TensorProto.INT32, [2])
-        b.input("logits_indices", TensorProto.INT64, ["num_logits"])
-        shape = ["num_blocks", "block_size", s.num_kv_heads, s.head_dim]
-        for i in range(s.num_layers):
-            names = kv_names(i)
-            b.input(names["key_cache"], TensorProto.FLOAT16, shape)
-            b.input(names["value_cache"], TensorProto.FLOAT16, shape)
-        b.output("logits", TensorProto.FLOAT, ["num_logits", s.vocab_size])
-        for i in range(s.num_layers):
-            names = kv_names(i)
-            b.output(names["key_cache_out"], TensorProto.FLOAT16, shape)
-            b.output(names["value_cache_out"], TensorProto.FLOAT16, shape)
+            for key in caches[1]:
+                b.output(kv_names(i)[key], kv_type, kv_shape)
 
     def emit(self, ctx: layers.Ctx, max_seq_len: int, progress: Callable[[], None] = lambda: None) -> None:
         s, b, r = self.spec, ctx.b, self.reader
-        paged = ctx.target != "cpu"
-        self.declare_paged_io(b, ctx.target) if paged else self.declare_io(b)
-        attention = layers.paged_attention if paged else layers.attention
+        self.declare_io(b, ctx.target)
         cos, sin = cos_sin_cache(s.head_dim, s.rope_theta, s.rope_scaling, max_seq_len)
         b.weight("cos_cache", cos.astype(ctx.act))
         b.weight("sin_cache", sin.astype(ctx.act))
@@ -119,7 +104,7 @@ class LlamaArch:
             else:
                 h, residual = layers.skip_rms_norm(ctx, h, residual, norm_w, f"/model/layers.{i}/input_layernorm")
             keys = self.attn_keys + (self.bias_keys if s.attention_bias else ())
-            h = attention(ctx, h, self.layer_weights(i, "self_attn", keys), i, kv_names(i))
+            h = layers.attention(ctx, h, self.layer_weights(i, "self_attn", keys), i, kv_names(i))
             h, residual = layers.skip_rms_norm(ctx, h, residual, r.get(f"model.layers.{i}.post_attention_layernorm.weight"),
                                                f"/model/layers.{i}/post_attention_layernorm")
             h = layers.mlp(ctx, h, self.layer_weights(i, "mlp", self.mlp_keys), i)

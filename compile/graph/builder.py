@@ -7,6 +7,7 @@ special case. Small constants (shapes, axes) are deduplicated and stored inline.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -82,6 +83,20 @@ class GraphBuilder:
     def op(self, op: str, inputs: list[str], name: str, domain: str = "", **attrs) -> str:
         """Emit a single-output node and return its output name."""
         return self.node(op, inputs, name, domain=domain, **attrs)[0]
+
+    def interface(self) -> dict:
+        """The declared inputs and outputs as the manifest records them: dtype and shape (names of symbolic
+        dims), per-layer names collapsed into one `{layer}` entry."""
+        def describe(values: list[onnx.ValueInfoProto]) -> dict:
+            out: dict[str, dict] = {}
+            for v in values:
+                t = v.type.tensor_type
+                out.setdefault(re.sub(r"\.\d+(?=\.|$)", ".{layer}", v.name),
+                               {"dtype": np.dtype(helper.tensor_dtype_to_np_dtype(t.elem_type)).name,
+                                "shape": [d.dim_param or d.dim_value for d in t.shape.dim]})
+            return out
+
+        return {"inputs": describe(self.inputs), "outputs": describe(self.outputs)}
 
     # -- finish -------------------------------------------------------------------------------
     def save(self, graph_path: Path) -> None:

@@ -123,62 +123,44 @@ def skip_rms_norm(ctx: Ctx, x: str, skip: str, gamma: np.ndarray, name: str) -> 
 
 
 def attention(ctx: Ctx, x: str, w: dict[str, np.ndarray], layer: int, kv: dict[str, str]) -> str:
-    """Self-attention over the shared static KV buffers:
+    """Self-attention over the KV cache:
 
-        x ─▶ MatMul(Wq|Wk|Wv) (+bias) ─▶ GroupQueryAttention(rotary inside, past ≡ present) ─▶ MatMul(Wo)
+        x ─▶ MatMul(Wq|Wk|Wv) (+bias) ─▶ attention (rotary inside, cache updated in place) ─▶ MatMul(Wo)
 
-    One fused QKV projection feeds GQA packed; GQA rotates q/k with the cos/sin tables, writes the new
-    K/V at each row's `seqlens_k` position of its buffer and attends causally.
+    One fused QKV projection feeds the attention op packed. cpu: GroupQueryAttention over the shared static
+    buffers (past ≡ present), writing the new K/V at each row's `seqlens_k` position. cuda: PagedAttention on
+    packed tokens, rotating at past_seqlens + index, writing K/V at `slot_mapping` (-1 skips: prefix-cache
+    hits), reading each sequence's blocks through `block_table`. tensorrt: our QsPagedAttention plugin, the
+    same semantics with no optional inputs.
     """
-    s, name = ctx.spec, f"/model/layers.{layer}/attn"
+    s, name, b = ctx.spec, f"/model/layers.{layer}/attn", ctx.b
     qkv_w = np.concatenate([w["q_proj.weight"], w["k_proj.weight"], w["v_proj.weight"]], axis=0)
     qkv_b = None
     if s.attention_bias:
         qkv_b = np.concatenate([w["q_proj.bias"], w["k_proj.bias"], w["v_proj.bias"]])
     qkv = linear(ctx, x, qkv_w, qkv_b, f"{name}/qkv_proj")
-    attrs = dict(num_heads=s.num_heads, kv_num_heads=s.num_kv_heads, do_rotary=1, rotary_interleaved=0,
-                 scale=float(s.head_dim ** -0.5))
+    scale = float(s.head_dim ** -0.5)
+    attrs = dict(num_heads=s.num_heads, kv_num_heads=s.num_kv_heads, do_rotary=1, rotary_interleaved=0, scale=scale)
     if s.sliding_window:
         attrs["local_window_size"] = int(s.sliding_window)
-    inputs = [qkv, "", "", kv["past_key"], kv["past_value"], "seqlens_k", "total_sequence_length",
-              "cos_cache", "sin_cache"]
-    out = ctx.b.node("GroupQueryAttention", inputs, f"{name}/GroupQueryAttention", domain=MS_DOMAIN,
-                     outputs=[f"{name}/output", kv["present_key"], kv["present_value"]], **attrs)[0]
-    return linear(ctx, out, w["o_proj.weight"], None, f"{name}/o_proj")
-
-
-def paged_attention(ctx: Ctx, x: str, w: dict[str, np.ndarray], layer: int, kv: dict[str, str]) -> str:
-    """Self-attention over the paged KV cache (the GPU targets), on packed tokens [num_tokens, hidden]:
-
-        x ─▶ MatMul(Wq|Wk|Wv) (+bias) ─▶ PagedAttention(rotary inside, cache updated in place) ─▶ MatMul(Wo)
-
-    com.microsoft.PagedAttention rotates q/k at each token's position (past_seqlens + index in its
-    sequence), writes K/V at `slot_mapping` (-1 skips: prefix-cache hits), and attends causally over the
-    sequence's blocks through `block_table`.
-    """
-    s, name = ctx.spec, f"/model/layers.{layer}/attn"
-    qkv_w = np.concatenate([w["q_proj.weight"], w["k_proj.weight"], w["v_proj.weight"]], axis=0)
-    qkv_b = None
-    if s.attention_bias:
-        qkv_b = np.concatenate([w["q_proj.bias"], w["k_proj.bias"], w["v_proj.bias"]])
-    qkv = linear(ctx, x, qkv_w, qkv_b, f"{name}/qkv_proj")
-    attrs = dict(num_heads=s.num_heads, kv_num_heads=s.num_kv_heads, do_rotary=1, rotary_interleaved=0,
-                 scale=float(s.head_dim ** -0.5))
-    if s.sliding_window:
-        attrs["local_window_size"] = int(s.sliding_window)
-    outputs = [f"{name}/output", kv["key_cache_out"], kv["value_cache_out"]]
     paged = ["cumulative_sequence_length", "past_seqlens", "block_table", "cos_cache", "sin_cache", "slot_mapping"]
-    if ctx.target == "tensorrt":      # our plugin (plugins/tensorrt), same semantics, no optional inputs
-        out = ctx.b.node("QsPagedAttention", [qkv, kv["key_cache"], kv["value_cache"]] + paged,
-                         f"{name}/QsPagedAttention", domain=TRT_PLUGIN_DOMAIN, outputs=outputs,
-                         num_heads=s.num_heads, kv_num_heads=s.num_kv_heads, head_dim=s.head_dim,
-                         max_seq_len=ctx.max_seq_len, scale=attrs["scale"],
-                         local_window_size=int(s.sliding_window or 0))[0]
-        return linear(ctx, out, w["o_proj.weight"], None, f"{name}/o_proj")
-    # attention_metadata (host memory): this step's bounds on query and KV lengths, so the op sizes its launch
-    # without copying the lengths back from the device (a stream sync per layer) and can be graph-captured.
-    inputs = [qkv, "", "", kv["key_cache"], kv["value_cache"]] + paged + ["", "", "", "", "", "attention_metadata"]
-    out = ctx.b.node("PagedAttention", inputs, f"{name}/PagedAttention", domain=MS_DOMAIN, outputs=outputs, **attrs)[0]
+    if ctx.target == "cpu":
+        inputs = [qkv, "", "", kv["past_key"], kv["past_value"], "seqlens_k", "total_sequence_length",
+                  "cos_cache", "sin_cache"]
+        out = b.node("GroupQueryAttention", inputs, f"{name}/GroupQueryAttention", domain=MS_DOMAIN,
+                     outputs=[f"{name}/output", kv["present_key"], kv["present_value"]], **attrs)[0]
+    elif ctx.target == "tensorrt":
+        out = b.node("QsPagedAttention", [qkv, kv["key_cache"], kv["value_cache"]] + paged,
+                     f"{name}/QsPagedAttention", domain=TRT_PLUGIN_DOMAIN,
+                     outputs=[f"{name}/output", kv["key_cache_out"], kv["value_cache_out"]],
+                     num_heads=s.num_heads, kv_num_heads=s.num_kv_heads, head_dim=s.head_dim,
+                     max_seq_len=ctx.max_seq_len, scale=scale, local_window_size=int(s.sliding_window or 0))[0]
+    else:
+        # attention_metadata (host memory): this step's bounds on query and KV lengths, so the op sizes its launch
+        # without copying the lengths back from the device (a stream sync per layer) and can be graph-captured.
+        inputs = [qkv, "", "", kv["key_cache"], kv["value_cache"]] + paged + ["", "", "", "", "", "attention_metadata"]
+        out = b.node("PagedAttention", inputs, f"{name}/PagedAttention", domain=MS_DOMAIN,
+                     outputs=[f"{name}/output", kv["key_cache_out"], kv["value_cache_out"]], **attrs)[0]
     return linear(ctx, out, w["o_proj.weight"], None, f"{name}/o_proj")
 
 

@@ -8,6 +8,7 @@
 #include <cstdarg>
 #include <cstdint>
 #include <cstdio>
+#include <type_traits>
 
 #include "qs_cuda.h"
 
@@ -66,20 +67,17 @@ __device__ __forceinline__ typename Pack8<T>::type load8(const T* p) {
   return *reinterpret_cast<const typename Pack8<T>::type*>(p);
 }
 
-__device__ __forceinline__ void unpack8(const uint4& r, const __half*, float (&f)[8]) {
-  const __half2* h = reinterpret_cast<const __half2*>(&r);
+__device__ __forceinline__ float2 to_float2(__half2 x) { return __half22float2(x); }
+__device__ __forceinline__ float2 to_float2(__nv_bfloat162 x) { return __bfloat1622float2(x); }
+
+// 16-bit types: four pairs in 16 bytes.
+template <typename T>
+__device__ __forceinline__ void unpack8(const uint4& r, const T*, float (&f)[8]) {
+  using Pair = typename std::conditional<std::is_same<T, __half>::value, __half2, __nv_bfloat162>::type;
+  const Pair* h = reinterpret_cast<const Pair*>(&r);
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    float2 v = __half22float2(h[i]);
-    f[2 * i] = v.x;
-    f[2 * i + 1] = v.y;
-  }
-}
-__device__ __forceinline__ void unpack8(const uint4& r, const __nv_bfloat16*, float (&f)[8]) {
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&r);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    float2 v = __bfloat1622float2(h[i]);
+    const float2 v = to_float2(h[i]);
     f[2 * i] = v.x;
     f[2 * i + 1] = v.y;
   }

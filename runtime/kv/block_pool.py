@@ -10,6 +10,7 @@ block are stored and compared on lookup, so a hash collision can never return th
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -36,6 +37,19 @@ class BlockPool:
         if block is None or self.identity[block] != (parent, tokens):
             return None
         return block
+
+    def acquire_prefix(self, keys: list[int], ids: Sequence[int], limit: int) -> list[int]:
+        """Acquire the cached blocks of the longest prefix of `ids` (chained `keys`, at most `limit` blocks);
+        returns them in order. Callers keep the last token out of `limit`: it must be computed for logits."""
+        bs, blocks, parent = self.block_size, [], 0
+        for i in range(min(len(keys), limit)):
+            block = self.lookup(keys[i], parent, tuple(ids[i * bs:(i + 1) * bs]))
+            if block is None:
+                break
+            self.acquire(block)
+            blocks.append(block)
+            parent = keys[i]
+        return blocks
 
     def acquire(self, block: int) -> None:
         if self.ref[block] == 0:

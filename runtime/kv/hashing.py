@@ -48,3 +48,12 @@ def hash_blocks(tokens: Sequence[int] | np.ndarray, block_size: int, parent: int
     if _native is None:
         return hash_blocks_py(list(tokens), block_size, parent)
     return _native.hash_blocks(np.asarray(tokens, dtype=np.int64), block_size, parent).tolist()
+
+
+def extend_keys(keys: list[int], ids: Sequence[int], block_size: int) -> list[int]:
+    """Append to `keys` (the chained keys of the first len(keys) full blocks of `ids`) the keys of its later
+    full blocks, hashing only what is new; returns `keys`."""
+    full = len(ids) // block_size
+    if len(keys) < full:
+        keys.extend(hash_blocks(ids[len(keys) * block_size:full * block_size], block_size, keys[-1] if keys else 0))
+    return keys

@@ -15,7 +15,7 @@ import numpy as np
 
 from ..request import Request
 from .block_pool import BlockPool
-from .hashing import hash_blocks
+from .hashing import extend_keys
 from .slots import SlotPool
 
 
@@ -64,13 +64,7 @@ class KVCacheManager:
         return 1.0 - len(self._free_slots) / self.slots.num_slots
 
     def _keys_for(self, req: Request) -> list[int]:
-        keys = self._keys.setdefault(req.request_id, [])
-        ids = req.all_ids
-        full = len(ids) // self.block_size
-        if len(keys) < full:
-            start = len(keys) * self.block_size
-            keys.extend(hash_blocks(ids[start:full * self.block_size], self.block_size, keys[-1] if keys else 0))
-        return keys
+        return extend_keys(self._keys.setdefault(req.request_id, []), req.all_ids, self.block_size)
 
     def _tokens(self, req: Request, i: int) -> tuple[int, ...]:
         return tuple(req.all_ids[i * self.block_size:(i + 1) * self.block_size])
@@ -83,17 +77,8 @@ class KVCacheManager:
         req.slot = heapq.heappop(self._free_slots)
         held = self._held.setdefault(req.request_id, [])
         assert not held, "a request is allocated only while it holds nothing"
-        keys = self._keys_for(req)
         # At least one token must be computed to produce logits, so the last token is never served from cache.
-        usable = min(len(keys), (req.num_tokens - 1) // self.block_size)
-        parent = 0
-        for i in range(usable):
-            block = self.blocks.lookup(keys[i], parent, self._tokens(req, i))
-            if block is None:
-                break
-            self.blocks.acquire(block)
-            held.append(block)
-            parent = keys[i]
+        held.extend(self.blocks.acquire_prefix(self._keys_for(req), req.all_ids, (req.num_tokens - 1) // self.block_size))
         self._copy_in(req.slot, held)
         req.num_computed = req.num_computed_draft = len(held) * self.block_size
         self.stats.queries += len(req.prompt_ids)

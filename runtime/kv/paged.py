@@ -8,7 +8,7 @@ them. A sequence never writes into a block it shares: it only writes at position
 the cached prefix stops at least one token short of the prompt.
 
 `build_paged_batch` turns one step's sequences into what the kernels and ORT's PagedAttention read:
-block_tables, seq_lens / past_lens, cu_seqlens_q, positions and the slot of every new token.
+block_tables, past_lens, cu_seqlens_q and the slot of every new token (seq_lens and positions follow).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import heapq
 
 from ..request import Request
 from .block_pool import BlockPool
-from .hashing import hash_blocks
+from .hashing import extend_keys
 from .manager import CacheStats
 
 
@@ -30,10 +30,19 @@ from .manager import CacheStats
 class PagedBatch:
     block_tables: np.ndarray   # int32 [seqs, max_blocks]   physical block of each logical block (pad: 0, never read)
     past_lens: np.ndarray      # int32 [seqs]               tokens already in the cache
-    seq_lens: np.ndarray       # int32 [seqs]               KV length after this step (past + new)
     cu_seqlens_q: np.ndarray   # int32 [seqs + 1]           packed query offsets
-    positions: np.ndarray      # int32 [tokens]             absolute position of each new token
     slot_mapping: np.ndarray   # int64 [tokens]             block * block_size + offset (-1: do not write)
+
+    @property
+    def seq_lens(self) -> np.ndarray:
+        """int32 [seqs]: KV length after this step (past + new)."""
+        return (self.past_lens + np.diff(self.cu_seqlens_q)).astype(np.int32)
+
+    @property
+    def positions(self) -> np.ndarray:
+        """int32 [tokens]: absolute position of each new token."""
+        lens = np.diff(self.cu_seqlens_q)
+        return (np.repeat(self.past_lens - self.cu_seqlens_q[:-1], lens) + np.arange(lens.sum())).astype(np.int32)
 
     @property
     def max_query_len(self) -> int:
@@ -55,7 +64,7 @@ def build_paged_batch(seqs: Sequence[tuple[Sequence[int], int, int]], block_size
     tables = np.zeros((len(seqs), width), np.int32)
     past_lens = np.zeros(len(seqs), np.int32)
     cu = np.zeros(len(seqs) + 1, np.int32)
-    positions, slots = [], []
+    slots = []
     for i, ((blocks, past, new), n) in enumerate(zip(seqs, need)):
         if past < 0 or new < 0:
             raise ValueError(f"sequence {i}: past_len ({past}) and num_new ({new}) must be >= 0")
@@ -70,11 +79,8 @@ def build_paged_batch(seqs: Sequence[tuple[Sequence[int], int, int]], block_size
         past_lens[i] = past
         cu[i + 1] = cu[i] + new
         pos = np.arange(past, past + new, dtype=np.int64)
-        positions.append(pos)
         slots.append(ids[pos // block_size] * block_size + pos % block_size)
-    cat = (lambda parts, dt: np.concatenate(parts).astype(dt)) if seqs else (lambda parts, dt: np.zeros(0, dt))
-    return PagedBatch(tables, past_lens, past_lens + np.diff(cu).astype(np.int32), cu,
-                      cat(positions, np.int32), cat(slots, np.int64))
+    return PagedBatch(tables, past_lens, cu, np.concatenate(slots) if slots else np.zeros(0, np.int64))
 
 
 class PagedKVManager:
@@ -106,8 +112,7 @@ class PagedKVManager:
     @property
     def usage(self) -> float:
         """Fraction of blocks held by running sequences (the KV usage reported in metrics)."""
-        held = sum(1 for r in self.blocks.ref if r > 0)
-        return held / self.blocks.num_blocks
+        return self.blocks.num_in_use / self.blocks.num_blocks
 
     @property
     def num_free_slots(self) -> int:
@@ -121,12 +126,7 @@ class PagedKVManager:
         return self._tables[req.request_id]
 
     def _keys_for(self, req: Request) -> list[int]:
-        keys = self._keys.setdefault(req.request_id, [])
-        ids, bs = req.all_ids, self.block_size
-        full = len(ids) // bs
-        if len(keys) < full:
-            keys.extend(hash_blocks(ids[len(keys) * bs:full * bs], bs, keys[-1] if keys else 0))
-        return keys
+        return extend_keys(self._keys.setdefault(req.request_id, []), req.all_ids, self.block_size)
 
     def allocate(self, req: Request) -> bool:
         """Start `req`: reference its cached prefix blocks, set num_computed after them and reserve blocks for
@@ -134,16 +134,8 @@ class PagedKVManager:
         assert req.request_id not in self._tables, "a request is allocated only while it holds nothing"
         if not self._free_slots:
             return False
-        keys, bs = self._keys_for(req), self.block_size
-        table: list[int] = []
-        parent = 0
-        for i in range(min(len(keys), (req.num_tokens - 1) // bs)):
-            block = self.blocks.lookup(keys[i], parent, tuple(req.all_ids[i * bs:(i + 1) * bs]))
-            if block is None:
-                break
-            self.blocks.acquire(block)
-            table.append(block)
-            parent = keys[i]
+        bs = self.block_size
+        table = self.blocks.acquire_prefix(self._keys_for(req), req.all_ids, (req.num_tokens - 1) // bs)
         self._tables[req.request_id] = table
         self._registered[req.request_id] = hits = len(table)
         worst = req.num_tokens + max(0, req.params.max_tokens - len(req.output_ids))

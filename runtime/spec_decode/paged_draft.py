@@ -27,20 +27,27 @@ class PagedDraftProposer:
         self.runner, self.kv, self.sampler = runner, kv, sampler
         self.step_cost_s = 0.0
 
+    def feed(self, reqs: list[Request], feeds: list[list[int]]) -> np.ndarray:
+        """One packed draft call: feeds[i] continues reqs[i] after its num_computed_draft; returns the logits of
+        each sequence's last fed token."""
+        batch = build_paged_batch([(self.kv.table(r), r.num_computed_draft, len(f)) for r, f in zip(reqs, feeds)],
+                                  self.kv.block_size, self.runner.max_blocks_per_seq)
+        logits = self.runner.step(np.asarray([t for f in feeds for t in f], np.int64), batch,
+                                  np.cumsum([len(f) for f in feeds]) - 1)
+        for r, f in zip(reqs, feeds):
+            r.num_computed_draft += len(f)
+        return logits
+
     def propose(self, reqs: list[Request], gammas: list[int], busy: set[int]) -> list[Proposal]:
         tokens: list[list[int]] = [[] for _ in reqs]
         probs: list[list[np.ndarray]] = [[] for _ in reqs]
         feeds = [r.all_ids[r.num_computed_draft:r.num_tokens] for r in reqs]
         for k in range(max(gammas, default=0)):
             active = [i for i, g in enumerate(gammas) if g > k]
-            batch = build_paged_batch([(self.kv.table(reqs[i]), reqs[i].num_computed_draft, len(feeds[i])) for i in active],
-                                      self.kv.block_size, self.runner.max_blocks_per_seq)
-            last = np.cumsum([len(feeds[i]) for i in active]) - 1
             t0 = time.perf_counter()
-            logits = self.runner.step(np.asarray([t for i in active for t in feeds[i]], np.int64), batch, last)
+            logits = self.feed([reqs[i] for i in active], [feeds[i] for i in active])
             self.step_cost_s = time.perf_counter() - t0
             for i, row in zip(active, logits):
-                reqs[i].num_computed_draft += len(feeds[i])
                 t, q = choose(row, reqs[i], self.sampler)
                 tokens[i].append(t)
                 probs[i].append(q)

@@ -100,7 +100,7 @@ def test_paged_engine_matches_reference_across_chunks_decode_and_shared_prefix(c
             assert mgr.reserve(r, r.num_computed + n)
         batch = mgr.step_batch(reqs, counts)
         ids = np.concatenate([np.asarray(r.all_ids[r.num_computed:r.num_computed + n]) for r, n in zip(reqs, counts)])
-        logits = runner.step(ids, batch, np.arange(len(ids)))
+        logits = runner.step(ids, batch, np.arange(len(ids))).copy()   # the runner reuses its buffer
         for r, n in zip(reqs, counts):
             r.num_computed += n
             mgr.commit(r)
@@ -138,13 +138,14 @@ def test_paged_runner_refuses_cpu_engines(engine):
         PagedModelRunner(engine("llama"), num_blocks=4)
 
 
-def _engine(path, speculation=None, spec=None, **sched):
+def _engine(path, speculation=None, spec=None, draft=None, **sched):
+    """An Engine on a reference-op engine copy, run on the CPU provider."""
     from runtime.config import CacheConfig, EngineConfig, SchedulerConfig
     from runtime.engine import Engine
     from runtime.spec_decode.speculator import SpecConfig
 
     return Engine(path, EngineConfig(SchedulerConfig(**sched), CacheConfig(kv_budget_bytes=1 << 20, block_size=4),
-                                     spec=spec or SpecConfig(), speculation=speculation,
+                                     spec=spec or SpecConfig(), speculation=speculation, draft=draft,
                                      providers=("CPUExecutionProvider",), custom_ops_library=get_library_path(),
                                      verify_artifact=False))
 
@@ -231,14 +232,8 @@ def test_draft_model_speculation_on_cuda_engines_matches_plain_greedy(cpu_runnab
     prompts = [base, base[:16] + rng.integers(3, 500, 5).tolist(), rng.integers(3, 500, 7).tolist()]
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     plain = _run(_engine(cpu_runnable, max_num_seqs=4, token_budget=64, prefill_chunk=16), prompts, params, [0, 4, 1])
-    from runtime.config import CacheConfig, EngineConfig, SchedulerConfig
-    from runtime.engine import Engine
-
-    eng = Engine(cpu_runnable, EngineConfig(SchedulerConfig(max_num_seqs=4, token_budget=64, prefill_chunk=16),
-                                            CacheConfig(kv_budget_bytes=1 << 20, block_size=4),
-                                            spec=SpecConfig(max_gamma=3, adaptive=False), draft=draft_dir,
-                                            speculation="draft", providers=("CPUExecutionProvider",),
-                                            custom_ops_library=get_library_path(), verify_artifact=False))
+    eng = _engine(cpu_runnable, speculation="draft", spec=SpecConfig(max_gamma=3, adaptive=False), draft=draft_dir,
+                  max_num_seqs=4, token_budget=64, prefill_chunk=16)
     fast = _run(eng, prompts, params, [0, 4, 1])
     assert [t for t, _ in fast] == [t for t, _ in plain]
     s = eng.speculator.stats
@@ -248,12 +243,8 @@ def test_draft_model_speculation_on_cuda_engines_matches_plain_greedy(cpu_runnab
 
 
 def test_cuda_engine_refuses_a_cpu_draft(cpu_runnable, engine):
-    from runtime.config import EngineConfig
-    from runtime.engine import Engine
-
     with pytest.raises(ValueError, match="a cuda engine needs a cuda draft"):
-        Engine(cpu_runnable, EngineConfig(speculation="draft", draft=engine("llama"), providers=("CPUExecutionProvider",),
-                                          custom_ops_library=get_library_path(), verify_artifact=False))
+        _engine(cpu_runnable, speculation="draft", draft=engine("llama"))
 
 
 @pytest.mark.parametrize("precision, tolerance", [("fp16", 0.02), ("int8", 0.05), ("fp8", 0.08)])
