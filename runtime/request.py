@@ -81,6 +81,7 @@ class Request:
     spec_proposed: int = 0
     spec_accepted: int = 0
     num_cached: int = 0                        # prompt tokens served from the prefix cache (first admission)
+    steps_sat_out: int = 0                     # consecutive steps a long prompt yielded to short ones (aging)
     slot: int | None = None
     finish_reason: str | None = None
     seq_no: int = field(default_factory=lambda: next(_ids))

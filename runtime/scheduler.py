@@ -6,7 +6,8 @@ preemption) get a chunk of at most `prefill_chunk` tokens, and the step never ex
 Decodes run every step, so a long prompt stalls them by at most one chunk. Prefills go shortest-remaining
 first, and in a step where a short prompt (at most one chunk) is prefilling, long prompts sit out: a short
 request arriving behind a 4k-token prompt waits for at most the step in progress, then gets its first
-token from a step without the long prompt's chunk.
+token from a step without the long prompt's chunk. Sitting out ages a long prompt: after `MAX_SAT_OUT`
+consecutive steps it goes first in the next one, so a steady stream of short requests cannot starve it.
 
 A long prompt's chunk is also sized by time: while others are decoding, a step that carries a long chunk
 should cost at most `mixed_step_ratio` plain decode steps (attention makes the same chunk slower as the prompt's context
@@ -32,6 +33,7 @@ from .request import Request, RequestStatus
 
 class Scheduler:
     MIN_CHUNK = 16
+    MAX_SAT_OUT = 4       # consecutive steps a long prompt yields to short prompts before it goes first
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
         self.config, self.kv = config, kv
@@ -107,15 +109,19 @@ class Scheduler:
         budget -= len(plan.decodes)
         # Prefills shortest-remaining first; while any short prompt (≤ one chunk) waits for its first token,
         # long prompts sit this step out, so a short request's TTFT never includes a long prompt's chunk.
-        prefills = sorted((r for r in self.running if r.num_pending > 1), key=lambda r: (r.priority, r.num_pending))
+        aged = lambda r: r.steps_sat_out >= self.MAX_SAT_OUT  # noqa: E731
+        prefills = sorted((r for r in self.running if r.num_pending > 1),
+                          key=lambda r: (r.priority, not aged(r), r.num_pending))
         if not plan.decodes and len(prefills) == 1:
             chunk = budget            # alone: nobody to stall, so no reason to cut the prompt into chunks
         short_waiting = any(r.num_pending <= chunk for r in prefills)
         for req in prefills:
             if budget <= 0:
                 break
-            if short_waiting and req.num_pending > chunk:
+            if short_waiting and req.num_pending > chunk and not aged(req):
+                req.steps_sat_out += 1
                 continue
+            req.steps_sat_out = 0
             # A long prompt beside running decodes gets the time-bounded chunk.
             n = min(req.num_pending, chunk if req.num_pending <= chunk or not plan.decodes else
                     min(chunk, self.long_chunk), budget)

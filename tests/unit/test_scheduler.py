@@ -45,3 +45,23 @@ def test_fixed_chunks_when_the_ratio_is_infinite_or_nobody_decodes():
     sched, long = _setup()
     sched.running.remove(next(r for r in sched.running if r.request_id == "short"))
     assert sched.schedule().chunks == [(long, 512)]             # alone: the whole token budget
+
+
+def test_a_steady_stream_of_short_prompts_cannot_starve_a_long_one():
+    sched, long = _setup()
+    sched.observe(SchedulePlan(decodes=[None]), 0.010)
+    served = []
+    for step in range(20):
+        sched.add(Request(list(range(40)), SamplingParams(max_tokens=4), request_id=f"s{step}"))
+        plan = sched.schedule()
+        served.append(any(r is long for r, _ in plan.chunks))
+        if served[-1]:
+            assert plan.chunks[0][0] is long                # aged: it goes before the short prompts
+        for req, n in plan.chunks:
+            req.num_computed += n
+            if req is not long:                             # a short one finishes at its first token
+                sched.remove(req)
+    runs = "".join("x" if s else "." for s in served)
+    assert "." * (Scheduler.MAX_SAT_OUT + 1) not in runs, runs  # never more than MAX_SAT_OUT steps in a row
+    assert runs.count("x") >= 20 // (Scheduler.MAX_SAT_OUT + 1)
+    assert long.num_computed > 0
