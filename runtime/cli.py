@@ -135,7 +135,7 @@ def _generate_remote(server: str, api_key: str | None, prompt: str, sampling: di
 @click.option("--token-budget", type=int, default=512, show_default=True, help="Tokens computed per engine step.")
 @click.option("--prefill-chunk", type=int, default=128, show_default=True, help="Most prompt tokens per sequence per step.")
 @click.option("--max-model-len", type=int, default=None, help="Context per sequence [default: the engine's].")
-@click.option("--kv-budget-mib", type=int, default=None, help="KV memory (slots + prefix cache) [default: 25%% of RAM, ≤ 8 GiB].")
+@click.option("--kv-budget-mib", type=int, default=None, help="KV memory (slots + prefix cache) [default: 25% of RAM, ≤ 8 GiB].")
 @click.option("--no-prefix-cache", is_flag=True, help="Disable automatic prefix caching.")
 @click.option("--threads", type=click.IntRange(1), default=None, help="ONNX Runtime intra-op threads.")
 @click.option("--spin/--no-spin", default=False, show_default=True,

@@ -126,6 +126,9 @@ async def main_async(args) -> list[dict]:
     url = urlparse(args.url)
     if url.hostname not in LOOPBACK:
         raise SystemExit("loadgen only targets loopback servers")
+    if args.seed is None:       # fresh prompts per run: a rerun against a warm server must not hit its prefix cache
+        args.seed = int(np.random.SeedSequence().entropy % 2**32)
+    print(f"seed {args.seed} (--seed {args.seed} repeats this workload)", flush=True)
     rng = np.random.default_rng(args.seed)
     if url.scheme == "grpc":
         import grpc
@@ -151,7 +154,7 @@ async def main_async(args) -> list[dict]:
         results, wall = await run_level(call, items, value if kind == "rate" else None,
                                         value if kind == "concurrency" else None, args.duration, rng)
         row = summarize(f"{kind}={value}", results, wall)
-        row[kind] = value
+        row[kind], row["seed"] = value, args.seed
         out.append(row)
         print(f"{row['load']:<16} ok {row['ok']:>4}/{row['requests']:<4} TTFT p50/p95/p99 {row['ttft_ms'][50]}/"
               f"{row['ttft_ms'][95]}/{row['ttft_ms'][99]} ms  TPOT p50/p99 {row['tpot_ms'][50]}/{row['tpot_ms'][99]} ms  "
@@ -189,7 +192,7 @@ def main() -> None:
     ap.add_argument("--output-median", type=int, default=64)
     ap.add_argument("--shared-prefix", type=int, default=0, help="tokens shared by every prompt")
     ap.add_argument("--timeout", type=float, default=120.0)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=None, help="workload seed [default: a fresh one, printed]")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--plot", type=Path, default=None)
     args = ap.parse_args()
