@@ -54,7 +54,7 @@ def _precision_record(cfg: CompileConfig) -> dict:
     """What the precision means on this target, including the session options the graph relies on."""
     p, q = cfg.precision, cfg.quant
     gpu = cfg.target != "cpu"
-    record = {"weights": p, "compute": "fp16" if gpu else "fp32", "kv_cache": "fp16" if gpu else "fp32",
+    record = {"weights": p, "compute": "fp16" if gpu else "fp32", "kv_cache": "fp16" if gpu else cfg.kv_cache,
               "embeddings": q.embeddings, "session_config": {}}
     if p == "int8":
         record.update(scheme="int8 symmetric, per output channel; DynamicQuantizeMatMul (activations uint8 per call)")
@@ -85,14 +85,27 @@ def _check_block_size(spec: ModelSpec, cfg: CompileConfig) -> None:
 
 def _accuracy(engine_dir: Path, cfg: CompileConfig, log) -> dict:
     """Score the staged engine against an fp32 build of the same checkpoint (itself, if it is fp32)."""
-    if cfg.precision == "fp32":
+    if cfg.precision == "fp32" and cfg.kv_cache == "fp32":
         return report.measure(engine_dir, None, cfg.quant.eval_file)
     with tempfile.TemporaryDirectory(prefix="qs-baseline-") as tmp:
         log("building the fp32 baseline for the accuracy report")
         base = replace(cfg, out_dir=Path(tmp) / "fp32", precision="fp32", report=False, overwrite=False,
-                       quant=QuantConfig(eval_file=cfg.quant.eval_file))
+                       quant=QuantConfig(eval_file=cfg.quant.eval_file), kv_cache="fp32")
         build(base, log=lambda _: None)
         return report.measure(engine_dir, base.out_dir, cfg.quant.eval_file)
+
+
+def _kv_scales(spec: ModelSpec, reader: CheckpointReader, cfg: CompileConfig, tokenizer: Path, log) -> list | None:
+    """int8 KV cache: per-channel scales calibrated on the evaluation text past the tokens the report scores."""
+    if cfg.kv_cache != "int8":
+        return None
+    from .quantize import kv_int8
+
+    ids = Tokenizer.from_file(str(tokenizer)).encode(
+        Path(cfg.quant.eval_file or report.DEFAULT_EVAL).read_text(encoding="utf-8", errors="replace")).ids
+    ids = ids[report.MAX_TOKENS:report.MAX_TOKENS + CALIB_TOKENS] if len(ids) >= report.MAX_TOKENS + 64 else ids[:CALIB_TOKENS]
+    log(f"calibrating int8 KV cache scales on {len(ids)} tokens")
+    return kv_int8.calibrate(spec, reader, ids)
 
 
 def build(cfg: CompileConfig, log=print) -> dict:
@@ -115,7 +128,8 @@ def build(cfg: CompileConfig, log=print) -> dict:
         builder = GraphBuilder(tmp / DATA_FILE)
         try:
             arch = REGISTRY[spec.architecture](spec, reader)
-            ctx = Ctx(builder, spec, cfg.precision, cfg.quant.block_size, cfg.quant.embeddings, cfg.target, max_len)
+            ctx = Ctx(builder, spec, cfg.precision, cfg.quant.block_size, cfg.quant.embeddings, cfg.target, max_len,
+                      _kv_scales(spec, reader, cfg, tok_files[0], log))
             with tqdm(total=spec.num_layers, desc="export", unit="layer", leave=False) as bar:
                 arch.emit(ctx, max_len, progress=bar.update)
         finally:
@@ -139,11 +153,14 @@ def build(cfg: CompileConfig, log=print) -> dict:
                       "num_parameters": reader.num_parameters()},
             "graph": {"file": GRAPH_FILE, "data": DATA_FILE, "opset": OPSET, **builder.interface()},
             "kv_cache": _paged_kv_record(spec, max_len) if cfg.target != "cpu" else {
-                "layout": "BNSH", "dtype": "float32", "num_layers": spec.num_layers,
+                "layout": "BNSH", "dtype": "int8" if cfg.kv_cache == "int8" else "float32", "num_layers": spec.num_layers,
                 "num_kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim, "max_seq_len": max_len,
                 "past": "past_key_values.{layer}.{key|value}", "present": "present.{layer}.{key|value}",
                 "shared_buffer": True, "rotary_applied": True,
                 "note": "present must be bound to the same buffer as past; K is stored after rotary",
+                **({"scales": "per (kv head, channel), from the float64 reference's |K|, |V| max on calibration "
+                              "text × 1.25; initializers /model/layers.{layer}/attn/{k|v}_scale"}
+                   if cfg.kv_cache == "int8" else {}),
             },
             "tokenizer": {"files": [f.name for f in tok_files], "eos_token_ids": _eos_ids(spec, cfg.model_dir),
                           "bos_token_id": spec.bos_token_id},

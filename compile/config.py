@@ -12,6 +12,7 @@ TARGETS = ("cpu", "cuda", "tensorrt")
 # standard ops + our QsPagedAttention plugin, with int8/fp8 weights as weight-only Q/DQ that TensorRT fuses.
 TARGET_PRECISIONS = {"cpu": PRECISIONS, "cuda": ("fp16", "int4", "fp8"), "tensorrt": ("fp16", "fp8", "int8")}
 EMBEDDINGS = ("quantized", "int8", "fp32")
+KV_CACHE_DTYPES = ("fp32", "int8")    # cpu: GroupQueryAttention's cache; int8 holds 4× the tokens per byte
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,7 @@ class CompileConfig:
     overwrite: bool = False
     quant: QuantConfig = QuantConfig()
     report: bool = True             # measure the accuracy report (perplexity vs the fp32 build)
+    kv_cache: str = "fp32"          # KV cache storage: fp32, or int8 with calibrated per-channel scales (cpu)
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
@@ -54,5 +56,10 @@ class CompileConfig:
             raise ValueError(f"--embeddings int8 is a CPU format; --target {self.target} keeps the table in fp16")
         if self.max_seq_len is not None and self.max_seq_len < 16:
             raise ValueError(f"max_seq_len must be at least 16, not {self.max_seq_len}")
+        if self.kv_cache not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv cache dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not {self.kv_cache!r}")
+        if self.kv_cache != "fp32" and self.target != "cpu":
+            raise ValueError(f"--kv-cache {self.kv_cache} is a CPU format; --target {self.target} keeps its paged "
+                             "cache in fp16")
         if self.quant.calib is not None and self.precision != "int4":
             raise ValueError("--calib (activation-aware scales) applies to --precision int4 only")

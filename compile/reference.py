@@ -10,9 +10,11 @@ from .rope import inv_frequencies
 
 
 class ReferenceModel:
-    def __init__(self, spec: ModelSpec, reader: CheckpointReader, capture: dict | None = None):
-        """`capture`, when given, receives the inputs of every linear group: (layer, "qkv" | "gate_up" | "down")."""
-        self.spec, self.r, self.capture = spec, reader, capture
+    def __init__(self, spec: ModelSpec, reader: CheckpointReader, capture: dict | None = None,
+                 kv_scales: list[tuple[np.ndarray, np.ndarray]] | None = None):
+        """`capture`, when given, receives the inputs of every linear group: (layer, "qkv" | "gate_up" | "down").
+        `kv_scales`, (k, v) per layer, models an int8 KV cache: attention reads clip(round(x / s), -128, 127) · s."""
+        self.spec, self.r, self.capture, self.kv_scales = spec, reader, capture, kv_scales
         self.inv_freq = inv_frequencies(spec.head_dim, spec.rope_theta, spec.rope_scaling)
         self.k: list[np.ndarray] = [np.zeros((spec.num_kv_heads, 0, spec.head_dim))] * spec.num_layers
         self.v: list[np.ndarray] = list(self.k)
@@ -47,7 +49,10 @@ class ReferenceModel:
         self.k[i] = np.concatenate([self.k[i], self._rope(proj("k", s.num_kv_heads), pos)], 1)
         self.v[i] = np.concatenate([self.v[i], proj("v", s.num_kv_heads)], 1)
         rep = s.num_heads // s.num_kv_heads
-        k, v = np.repeat(self.k[i], rep, 0), np.repeat(self.v[i], rep, 0)
+        k, v = self.k[i], self.v[i]
+        if self.kv_scales is not None:
+            k, v = (np.clip(np.round(x / sc[0]), -128, 127) * sc[0] for x, sc in zip((k, v), self.kv_scales[i]))
+        k, v = np.repeat(k, rep, 0), np.repeat(v, rep, 0)
         scores = q @ k.transpose(0, 2, 1) / np.sqrt(s.head_dim)
         key_pos = np.arange(k.shape[1])
         masked = key_pos[None, :] > pos[:, None]

@@ -2,7 +2,7 @@
 
 The engine runs the prompt as one prefill step and then `decode_steps` single-token steps through its
 KV cache (greedy on the engine's own logits), exactly as the runtime will; the reference sees the same
-tokens. Reported: max |Δlogit| over all compared positions and whether the greedy tokens agree.
+tokens (and, for an int8 KV cache, reads the same quantized K/V). Reported: max |Δlogit| over all compared positions and whether the greedy tokens agree.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from .hf_source import CheckpointReader, read_spec
+from .quantize import kv_int8
 from .reference import ReferenceModel
 
 
@@ -34,7 +35,10 @@ def verify(engine_dir: Path, model_dir: Path, prompt: list[int], decode_steps: i
 
     runner = ModelRunner(engine_dir)
     spec = read_spec(model_dir)
-    ref = ReferenceModel(spec, CheckpointReader(model_dir))
+    # An int8 KV cache is part of the engine's arithmetic: the reference reads the same quantized K/V.
+    scales = (kv_int8.engine_scales(engine_dir / runner.manifest["graph"]["file"], spec.num_layers)
+              if runner.kv_dtype == np.int8 else None)
+    ref = ReferenceModel(spec, CheckpointReader(model_dir), kv_scales=scales)
     pool = runner.new_pool(1, capacity=len(prompt) + decode_steps + 1)
     n = len(prompt)
     got = runner.prefill(pool, 0, prompt, 0, all_logits=True)

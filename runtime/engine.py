@@ -78,9 +78,7 @@ class Engine:
             self.kv = PagedKVManager(self.runner.num_blocks, self.runner.block_size, config.scheduler.max_num_seqs,
                                      self.max_model_len, with_draft=self.draft is not None)
         else:
-            layouts = [KVLayout(self.runner.num_layers, self.runner.kv_heads, self.runner.head_dim)]
-            if self.draft is not None:
-                layouts.append(KVLayout(self.draft.num_layers, self.draft.kv_heads, self.draft.head_dim))
+            layouts = [self.runner.kv_layout] + ([self.draft.kv_layout] if self.draft is not None else [])
             self.kv = self._make_kv(config, layouts)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.sampler = Sampler()
@@ -135,7 +133,7 @@ class Engine:
 
     def _make_kv(self, config: EngineConfig, layouts: list[KVLayout]) -> KVCacheManager:
         c = config.cache
-        token_bytes = sum(2 * m.num_layers * m.kv_heads * m.head_dim * 4 for m in layouts)
+        token_bytes = sum(m.token_bytes for m in layouts)
         budget = c.budget()
         slot_budget = budget * (1 - c.prefix_cache_fraction if c.enable_prefix_cache else 1)
         num_slots = min(config.scheduler.max_num_seqs, int(slot_budget // (token_bytes * self.max_model_len)))

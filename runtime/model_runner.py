@@ -15,6 +15,7 @@ import onnxruntime as ort
 from compile import artifact
 from compile.errors import ArtifactError
 
+from .kv.manager import KVLayout
 from .kv.slots import SlotPool, SlotRange
 
 
@@ -61,10 +62,16 @@ class ModelRunner:
         m = self.manifest["model"]
         self.num_layers, self.vocab_size = m["num_layers"], m["vocab_size"]
         self.kv_heads, self.head_dim, self.max_seq_len = m["num_kv_heads"], m["head_dim"], m["max_seq_len"]
+        self.kv_dtype = np.dtype(self.manifest["kv_cache"]["dtype"])     # float32, or int8 (--kv-cache int8)
         self._logits = np.empty((0, self.vocab_size), np.float32)
 
+    @property
+    def kv_layout(self) -> KVLayout:
+        return KVLayout(self.num_layers, self.kv_heads, self.head_dim, self.kv_dtype.name)
+
     def new_pool(self, num_slots: int, capacity: int | None = None) -> SlotPool:
-        return SlotPool(self.num_layers, num_slots, self.kv_heads, capacity or self.max_seq_len, self.head_dim)
+        return SlotPool(self.num_layers, num_slots, self.kv_heads, capacity or self.max_seq_len, self.head_dim,
+                        self.kv_dtype.name)
 
     def execute(self, input_ids: np.ndarray, seqlens_k: np.ndarray, logits_indices: np.ndarray,
                 pool: SlotPool, slots: SlotRange) -> np.ndarray:
@@ -92,8 +99,8 @@ class ModelRunner:
         for i in range(self.num_layers):
             for kind, arrays in (("key", pool.keys), ("value", pool.values)):
                 ptr = pool.pointer(arrays[i], slots)
-                io.bind_input(f"past_key_values.{i}.{kind}", "cpu", 0, np.float32, shape, ptr)
-                io.bind_output(f"present.{i}.{kind}", "cpu", 0, np.float32, shape, ptr)
+                io.bind_input(f"past_key_values.{i}.{kind}", "cpu", 0, pool.dtype, shape, ptr)
+                io.bind_output(f"present.{i}.{kind}", "cpu", 0, pool.dtype, shape, ptr)
         io.bind_output("logits", "cpu", 0, np.float32, [n, self.vocab_size], self._logits.ctypes.data)
         self.session.run_with_iobinding(io)
         return self._logits[:n]

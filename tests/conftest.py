@@ -46,14 +46,14 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def engine(checkpoint, tmp_path_factory):
-    """engine(name, precision) → path of an engine built from checkpoint(name) (cached for the session)."""
-    cache: dict[tuple[str, str], Path] = {}
+    """engine(name, precision, kv_cache) → path of an engine built from checkpoint(name) (cached for the session)."""
+    cache: dict[tuple[str, str, str], Path] = {}
 
-    def get(name: str, precision: str = "fp32") -> Path:
-        key = (name, precision)
+    def get(name: str, precision: str = "fp32", kv_cache: str = "fp32") -> Path:
+        key = (name, precision, kv_cache)
         if key not in cache:
-            out = tmp_path_factory.mktemp("engine") / f"{name}-{precision}"
-            build(CompileConfig(checkpoint(name), out, precision), log=lambda _: None)
+            out = tmp_path_factory.mktemp("engine") / (f"{name}-{precision}" + ("" if kv_cache == "fp32" else f"-kv{kv_cache}"))
+            build(CompileConfig(checkpoint(name), out, precision, kv_cache=kv_cache), log=lambda _: None)
             cache[key] = out
         return cache[key]
 

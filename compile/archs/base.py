@@ -6,7 +6,7 @@ Graph interface (the contract with the runtime, recorded in the manifest):
     seqlens_k              int32   [batch]              tokens in each row's KV after this step, minus 1
     total_sequence_length  int32   []                   max over rows of (seqlens_k + 1)
     logits_indices         int64   [num_logits]         rows of the flattened batch×sequence to project
-    past_key_values.{i}.key/value  float32 [batch, kv_heads, kv_capacity, head_dim]
+    past_key_values.{i}.key/value  float32 [batch, kv_heads, kv_capacity, head_dim]   (int8: --kv-cache int8)
     → logits               float32 [num_logits, vocab]
     → present.{i}.key/value         same shape; bound to the same buffer as past (updated in place)
 
@@ -62,14 +62,15 @@ class LlamaArch:
     def layer_weights(self, i: int, prefix: str, keys) -> dict[str, np.ndarray]:
         return {k: self.reader.get(f"model.layers.{i}.{prefix}.{k}") for k in keys}
 
-    def declare_io(self, b: GraphBuilder, target: str) -> None:
+    def declare_io(self, b: GraphBuilder, target: str, int8_kv: bool = False) -> None:
         """The graph interface of the module docstring: step inputs, then the per-layer KV caches."""
         s, I64, I32 = self.spec, TensorProto.INT64, TensorProto.INT32
         if target == "cpu":
             steps = [("input_ids", I64, ["batch", "sequence"]), ("seqlens_k", I32, ["batch"]),
                      ("total_sequence_length", I32, [])]
             caches = ("past_key", "past_value"), ("present_key", "present_value")
-            kv_type, kv_shape = TensorProto.FLOAT, ["batch", s.num_kv_heads, "kv_capacity", s.head_dim]
+            kv_type = TensorProto.INT8 if int8_kv else TensorProto.FLOAT
+            kv_shape = ["batch", s.num_kv_heads, "kv_capacity", s.head_dim]
         else:
             steps = [("input_ids", I64, ["num_tokens"]), ("cumulative_sequence_length", I32, ["batch_plus_1"]),
                      ("past_seqlens", I32, ["batch"]), ("block_table", I32, ["batch", "max_blocks"]),
@@ -89,7 +90,7 @@ class LlamaArch:
 
     def emit(self, ctx: layers.Ctx, max_seq_len: int, progress: Callable[[], None] = lambda: None) -> None:
         s, b, r = self.spec, ctx.b, self.reader
-        self.declare_io(b, ctx.target)
+        self.declare_io(b, ctx.target, ctx.kv_scales is not None)
         cos, sin = cos_sin_cache(s.head_dim, s.rope_theta, s.rope_scaling, max_seq_len)
         b.weight("cos_cache", cos.astype(ctx.act))
         b.weight("sin_cache", sin.astype(ctx.act))

@@ -12,7 +12,7 @@ import numpy as np
 from onnx import TensorProto
 
 from ..hf_source import ModelSpec
-from ..quantize import fp8, int8, int4
+from ..quantize import fp8, int8, int4, kv_int8
 from .builder import MS_DOMAIN, GraphBuilder
 
 STORAGE_DTYPES = {"fp32": np.float32, "fp16": np.float16}
@@ -29,6 +29,7 @@ class Ctx:
     target: str = "cpu"        # cpu: fp32, GroupQueryAttention | cuda: fp16, PagedAttention | tensorrt: fp16,
                                # standard ops + the QsPagedAttention plugin
     max_seq_len: int = 0       # the engine's context (sizes the TensorRT plugin's workspace)
+    kv_scales: list[tuple[np.ndarray, np.ndarray]] | None = None  # cpu int8 KV cache: (k, v) scales per layer
 
     @property
     def act(self) -> type:
@@ -147,6 +148,9 @@ def attention(ctx: Ctx, x: str, w: dict[str, np.ndarray], layer: int, kv: dict[s
     if ctx.target == "cpu":
         inputs = [qkv, "", "", kv["past_key"], kv["past_value"], "seqlens_k", "total_sequence_length",
                   "cos_cache", "sin_cache"]
+        if ctx.kv_scales is not None:     # int8 cache: quantized on write, widened on read, one scale per channel
+            inputs += ["", "", ""] + [b.weight(n, a) for n, a in zip(kv_int8.scale_names(layer), ctx.kv_scales[layer])]
+            attrs.update(k_quant_type="PER_CHANNEL", v_quant_type="PER_CHANNEL", kv_cache_bit_width=8)
         out = b.node("GroupQueryAttention", inputs, f"{name}/GroupQueryAttention", domain=MS_DOMAIN,
                      outputs=[f"{name}/output", kv["present_key"], kv["present_value"]], **attrs)[0]
     elif ctx.target == "tensorrt":

@@ -16,10 +16,10 @@ import numpy as np
 
 
 class BlockPool:
-    def __init__(self, layer_shapes: list[tuple[int, int]], num_blocks: int, block_size: int):
-        """layer_shapes: (kv_heads, head_dim) of every layer of every model sharing the cache (target, draft)."""
-        self.keys = [np.zeros((num_blocks, h, block_size, d), np.float32) for h, d in layer_shapes]    # [blocks, kvh, bs, hd]
-        self.values = [np.zeros((num_blocks, h, block_size, d), np.float32) for h, d in layer_shapes]  # [blocks, kvh, bs, hd]
+    def __init__(self, layer_shapes: list[tuple[int, int, str]], num_blocks: int, block_size: int):
+        """layer_shapes: (kv_heads, head_dim, dtype) of every layer of every model sharing the cache (target, draft)."""
+        self.keys = [np.zeros((num_blocks, h, block_size, d), t) for h, d, t in layer_shapes]    # [blocks, kvh, bs, hd]
+        self.values = [np.zeros((num_blocks, h, block_size, d), t) for h, d, t in layer_shapes]  # [blocks, kvh, bs, hd]
         self.num_blocks, self.block_size = num_blocks, block_size
         self.ref = [0] * num_blocks
         self.key: list[int | None] = [None] * num_blocks

@@ -26,6 +26,12 @@ class KVLayout:
     num_layers: int
     kv_heads: int
     head_dim: int
+    dtype: str = "float32"        # int8: an engine built with --kv-cache int8
+
+    @property
+    def token_bytes(self) -> int:
+        """K and V of one token over all layers."""
+        return 2 * self.num_layers * self.kv_heads * self.head_dim * np.dtype(self.dtype).itemsize
 
 
 @dataclass
@@ -37,9 +43,9 @@ class CacheStats:
 class KVCacheManager:
     def __init__(self, layouts: list[KVLayout], num_slots: int, slot_capacity: int, num_blocks: int, block_size: int):
         """layouts[0] is the target; further layouts (the draft) get slots with the same indices."""
-        self.pools = [SlotPool(m.num_layers, num_slots, m.kv_heads, slot_capacity, m.head_dim) for m in layouts]
+        self.pools = [SlotPool(m.num_layers, num_slots, m.kv_heads, slot_capacity, m.head_dim, m.dtype) for m in layouts]
         self.slots = self.pools[0]
-        self.blocks = BlockPool([(m.kv_heads, m.head_dim) for m in layouts for _ in range(m.num_layers)],
+        self.blocks = BlockPool([(m.kv_heads, m.head_dim, m.dtype) for m in layouts for _ in range(m.num_layers)],
                                 num_blocks, block_size)
         # (pool, layer) of every block-pool layer, in the block pool's order
         self._layers = [(pool, layer) for pool in self.pools for layer in range(pool.num_layers)]

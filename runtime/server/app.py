@@ -62,8 +62,9 @@ class Server:
                 await asyncio.sleep(0.01)
             self.http_port = self.http.servers[0].sockets[0].getsockname()[1]
         e, m = self.engine, self.engine.runner.manifest
-        log.info("serving %s (%s, %s, context %d, %d slots%s) on %s grpc=%s http=%s, loaded in %.2f s",
-                 self.bridge.model_name, m["model"]["architecture"], m["precision"]["weights"], e.max_model_len,
+        log.info("serving %s (%s, %s weights, %s KV, context %d, %d slots%s) on %s grpc=%s http=%s, loaded in %.2f s",
+                 self.bridge.model_name, m["model"]["architecture"], m["precision"]["weights"],
+                 m["precision"]["kv_cache"], e.max_model_len,
                  e.kv.num_slots, f", speculation={e.config.speculation}" if e.speculator else "",
                  c.host, self.grpc_port, self.http_port, self.load_s)
 

@@ -65,9 +65,9 @@ def assert_no_leaks(engine):
     assert engine.kv.blocks.num_in_use == 0 and all(r == 0 for r in engine.kv.blocks.ref)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2"])
-def test_batch_invariance(engine, name):
-    eng = make(engine(name), max_num_seqs=8)
+@pytest.mark.parametrize("name,kv_cache", [("llama", "fp32"), ("qwen2", "fp32"), ("llama", "int8")])
+def test_batch_invariance(engine, name, kv_cache):
+    eng = make(engine(name, kv_cache=kv_cache), max_num_seqs=8)
     items = [(p, GREEDY) for p in prompts(8)]
     alone = [run_all(eng, [item])[0] for item in items]
     batched = run_all(eng, items, join_steps=[0, 0, 1, 3, 5, 8, 13, 20])
@@ -76,13 +76,15 @@ def test_batch_invariance(engine, name):
     assert_no_leaks(eng)
 
 
-def test_prefix_cache_hit_equals_miss(engine):
+@pytest.mark.parametrize("kv_cache", ["fp32", "int8"])
+def test_prefix_cache_hit_equals_miss(engine, kv_cache):
     shared = prompts(1, seed=3)[0] * 3            # ≥ 4 full blocks of 16
     items = [(shared + [7, 8, 9], GREEDY), (shared + [11, 12], GREEDY)]
-    warm = make(engine("llama"))
+    warm = make(engine("llama", kv_cache=kv_cache))
     run_all(warm, [(shared + [5], GREEDY)])
     hit = run_all(warm, items)
-    miss = run_all(make(engine("llama"), cache=CacheConfig(kv_budget_bytes=32 << 20, enable_prefix_cache=False)), items)
+    miss = run_all(make(engine("llama", kv_cache=kv_cache),
+                        cache=CacheConfig(kv_budget_bytes=32 << 20, enable_prefix_cache=False)), items)
     for h, m in zip(hit, miss):
         assert h["usage"].cached_tokens >= 48 and m["usage"].cached_tokens == 0
         assert_same_greedy(h, m)
@@ -213,3 +215,16 @@ def test_async_stream_and_cancel(engine):
     asyncio.run(main())
     aeng.shutdown()
     assert_no_leaks(eng)
+
+
+def test_int8_kv_cache_holds_four_times_the_sequences_in_the_same_budget(engine):
+    cache = CacheConfig(kv_budget_bytes=4 << 20, max_model_len=256)
+    engines = {kv: make(engine("llama", kv_cache=kv), max_num_seqs=256, token_budget=512, cache=cache) for kv in ("fp32", "int8")}
+    slots = {kv: e.kv.num_slots for kv, e in engines.items()}
+    assert slots["int8"] >= 4 * slots["fp32"] > 0, slots
+    for e in engines.values():
+        held = sum(a.nbytes for a in e.kv.slots.keys + e.kv.slots.values + e.kv.blocks.keys + e.kv.blocks.values)
+        assert held <= cache.kv_budget_bytes
+    out = run_all(engines["int8"], [(p, GREEDY) for p in prompts(3, seed=9)])
+    assert all(len(r["token_ids"]) == GREEDY.max_tokens for r in out)
+    assert_no_leaks(engines["int8"])

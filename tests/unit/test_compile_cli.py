@@ -83,3 +83,14 @@ def test_help_lists_commands():
     assert result.exit_code == 0
     for cmd in ("build", "inspect", "verify"):
         assert cmd in result.output
+
+
+def test_int8_kv_cache_is_a_cpu_format(checkpoint, tmp_path):
+    out = tmp_path / "out"
+    result = run_build(checkpoint("llama"), out, "--target", "cuda", "--precision", "fp16", "--kv-cache", "int8")
+    assert_clean_failure(result, out, "CPU format")
+    assert run_build(checkpoint("llama"), out, "--kv-cache", "int8", "--no-report").exit_code == 0
+    shown = CliRunner().invoke(main, ["inspect", str(out)]).output
+    assert "KV cache int8" in shown and "BNSH int8" in shown
+    verified = CliRunner().invoke(main, ["verify", str(out), "--model", str(checkpoint("llama"))])
+    assert verified.exit_code == 0 and "PASS" in verified.output
