@@ -7,7 +7,8 @@ Decodes run every step, so a long prompt stalls them by at most one chunk. Prefi
 first, and in a step where a short prompt (at most one chunk) is prefilling, long prompts sit out: a short
 request arriving behind a 4k-token prompt waits for at most the step in progress, then gets its first
 token from a step without the long prompt's chunk. Sitting out ages a long prompt: after `MAX_SAT_OUT`
-consecutive steps it goes first in the next one, so a steady stream of short requests cannot starve it.
+consecutive steps one aged prompt gets a `MIN_CHUNK` beside the short ones (after them, from what budget they
+leave), so a steady stream of short requests slows it down but cannot starve it.
 
 A long prompt's chunk is also sized by time: while others are decoding, a step that carries a long chunk
 should cost at most `mixed_step_ratio` plain decode steps (attention makes the same chunk slower as the prompt's context
@@ -33,7 +34,7 @@ from .request import Request, RequestStatus
 
 class Scheduler:
     MIN_CHUNK = 16
-    MAX_SAT_OUT = 4       # consecutive steps a long prompt yields to short prompts before it goes first
+    MAX_SAT_OUT = 4       # consecutive steps a long prompt yields to short prompts before it gets a MIN_CHUNK
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
         self.config, self.kv = config, kv
@@ -108,23 +109,26 @@ class Scheduler:
         plan.decodes = [r for r in by_priority if r.num_pending == 1]
         budget -= len(plan.decodes)
         # Prefills shortest-remaining first; while any short prompt (≤ one chunk) waits for its first token,
-        # long prompts sit this step out, so a short request's TTFT never includes a long prompt's chunk.
-        aged = lambda r: r.steps_sat_out >= self.MAX_SAT_OUT  # noqa: E731
-        prefills = sorted((r for r in self.running if r.num_pending > 1),
-                          key=lambda r: (r.priority, not aged(r), r.num_pending))
+        # long prompts sit this step out (but one aged one gets MIN_CHUNK tokens), so a short request's TTFT
+        # includes at most a sliver of a long prompt.
+        prefills = sorted((r for r in self.running if r.num_pending > 1), key=lambda r: (r.priority, r.num_pending))
         if not plan.decodes and len(prefills) == 1:
             chunk = budget            # alone: nobody to stall, so no reason to cut the prompt into chunks
         short_waiting = any(r.num_pending <= chunk for r in prefills)
+        aged_served = False
         for req in prefills:
             if budget <= 0:
                 break
-            if short_waiting and req.num_pending > chunk and not aged(req):
-                req.steps_sat_out += 1
-                continue
+            limit = chunk
+            if short_waiting and req.num_pending > chunk:
+                if aged_served or req.steps_sat_out < self.MAX_SAT_OUT:
+                    req.steps_sat_out += 1
+                    continue
+                aged_served, limit = True, self.MIN_CHUNK
             req.steps_sat_out = 0
             # A long prompt beside running decodes gets the time-bounded chunk.
-            n = min(req.num_pending, chunk if req.num_pending <= chunk or not plan.decodes else
-                    min(chunk, self.long_chunk), budget)
+            n = min(req.num_pending, limit if req.num_pending <= chunk or not plan.decodes else
+                    min(limit, self.long_chunk), budget)
             plan.chunks.append((req, n))
             budget -= n
         return plan
