@@ -42,9 +42,9 @@ def main() -> None:
 @click.option("--embeddings", type=click.Choice(EMBEDDINGS), default="quantized", show_default=True,
               help="Embedding table + LM head precision: 'quantized' follows --precision; 'int8'/'fp32' keep them higher.")
 @click.option("--kv-cache", type=click.Choice(KV_CACHE_DTYPES), default="fp32", show_default=True,
-              help="cpu: KV cache storage. int8 holds 4× the tokens in the same memory and decodes faster at long "
-                   "contexts, but prefills about 2-3× slower (ONNX Runtime has no GEMM path for a quantized "
-                   "cache); scales per channel, calibrated on the --eval text.")
+              help="cpu: KV cache storage. int8 holds 4× the tokens in the same memory at about the same decode "
+                   "speed, but prefills 1.6-4× slower (ONNX Runtime has no GEMM path for a quantized cache); "
+                   "scales per channel, calibrated on the --eval text.")
 @click.option("--eval", "eval_file", type=click.Path(path_type=Path), default=None,
               help="Text for the accuracy report [default: held-out Python code shipped with Quicksilver].")
 @click.option("--no-report", is_flag=True, help="Skip the accuracy report (faster builds).")
