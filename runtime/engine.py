@@ -107,6 +107,7 @@ class Engine:
             self.paged_executor.warm_up()
             return
         models = [(self.runner, self.kv.slots)] + ([(self.draft, self.kv.pools[1])] if self.draft else [])
+        self.kv.blocks.prefault()
         for runner, pool in models:
             pool.prefault()
             for n in (8, 1):

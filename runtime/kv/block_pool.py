@@ -28,6 +28,12 @@ class BlockPool:
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self.evictions = 0                 # cached blocks overwritten to make room
 
+    def prefault(self) -> None:
+        """Touch every page now, as SlotPool.prefault does for the slots: otherwise the first copy into each cached
+        block pays its page faults inside a request's step (~8 % of a batch-16 decode step while the cache fills)."""
+        for array in self.keys + self.values:
+            array.fill(0)
+
     @property
     def num_in_use(self) -> int:
         return self.num_blocks - len(self.free)
