@@ -44,7 +44,7 @@ def generate(args: tuple[str, ...], max_tokens: int, temperature: float, top_k: 
     """Stream a completion of PROMPT from a local engine (default: the bundled target, with the bundled draft)."""
     from compile.errors import QuicksilverError
 
-    from .config import EngineConfig, SchedulerConfig
+    from .config import CacheConfig, EngineConfig, SchedulerConfig
     from .defaults import engine_dir
     from .engine import Engine
     from .request import InvalidRequest, SamplingParams
@@ -60,8 +60,9 @@ def generate(args: tuple[str, ...], max_tokens: int, temperature: float, top_k: 
         draft, method = _speculation(draft, speculation, bundled=len(args) == 1)
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                                 repetition_penalty=repetition_penalty, seed=seed, stop=stop)
-        engine = Engine(engine_path, EngineConfig(SchedulerConfig(max_num_seqs=1), threads=threads, draft=draft,
-                                                  speculation=method))
+        # One request per process: a prefix cache could never be hit, so it reserves no memory.
+        engine = Engine(engine_path, EngineConfig(SchedulerConfig(max_num_seqs=1), CacheConfig(enable_prefix_cache=False),
+                                                  threads=threads, draft=draft, speculation=method))
         engine.add_request(args[-1], params)
     except (QuicksilverError, InvalidRequest, FileNotFoundError, ValueError) as e:
         fail(str(e))
