@@ -2,7 +2,8 @@
 
 The engine runs the prompt as one prefill step and then `decode_steps` single-token steps through its
 KV cache (greedy on the engine's own logits), exactly as the runtime will; the reference sees the same
-tokens (and, for an int8 KV cache, reads the same quantized K/V). Reported: max |Δlogit| over all compared positions and whether the greedy tokens agree.
+tokens (and, for an int8 KV cache, reads the same quantized K/V). Reported: max |Δlogit| over all compared
+positions and whether the greedy tokens agree.
 """
 
 from __future__ import annotations
