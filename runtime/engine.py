@@ -154,6 +154,8 @@ class Engine:
             raise InvalidRequest("the prompt is empty")
         if any(not isinstance(t, (int, np.integer)) or not 0 <= t < self.runner.vocab_size for t in ids):
             raise InvalidRequest(f"prompt token ids must be integers in [0, {self.runner.vocab_size})")
+        if any(t >= self.runner.vocab_size for t, _ in params.logit_bias):
+            raise InvalidRequest(f"logit_bias token ids must be below the vocabulary size {self.runner.vocab_size}")
         if len(ids) + params.max_tokens > self.max_model_len:
             raise InvalidRequest(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                                  f"context length of {self.max_model_len} tokens")

@@ -27,10 +27,16 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None       # top-n log-probabilities per generated token (0: only the chosen one)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit) pairs; a dict is accepted
 
     def __post_init__(self):
         object.__setattr__(self, "stop", tuple([self.stop] if isinstance(self.stop, str) else self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        try:
+            bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+            object.__setattr__(self, "logit_bias", tuple((t, b) for t, b in bias))
+        except (TypeError, ValueError):
+            raise InvalidRequest("logit_bias must map token ids to biases") from None
         checks = [
             (isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens must be an integer ≥ 1"),
             (0.0 <= self.temperature <= 100.0, "temperature must be in [0, 100]"),
@@ -45,6 +51,10 @@ class SamplingParams:
             (len(self.stop) <= 16 and all(len(s) <= 256 for s in self.stop), "at most 16 stop strings of ≤ 256 characters"),
             (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be non-negative integers"),
             (self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20), "logprobs must be in [0, 20]"),
+            (len(self.logit_bias) <= 300 and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                 and isinstance(b, (int, float)) and -100.0 <= b <= 100.0
+                                                 for t, b in self.logit_bias),
+             "logit_bias maps at most 300 token ids (integers ≥ 0) to biases in [-100, 100]"),
         ]
         for ok, message in checks:
             if not ok:

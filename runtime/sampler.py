@@ -1,4 +1,5 @@
-"""Logits → next tokens: greedy, temperature, top-k, top-p, min-p, penalties, per-request seeds, logprobs.
+"""Logits → next tokens: greedy, temperature, top-k, top-p, min-p, penalties, logit bias, per-request seeds,
+logprobs.
 
 Each row is processed with its own parameters; greedy rows skip all the work but argmax. Log-probabilities
 are those of the model's distribution (before temperature and filters), as OpenAI reports them.
@@ -25,7 +26,14 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
     return x - (m + np.log(np.exp(x - m).sum()))
 
 
-def apply_penalties(logits: np.ndarray, req: Request) -> np.ndarray:
+def adjusts_logits(req: Request) -> bool:
+    """Whether the request's penalties or logit bias change its logits (else greedy is a plain argmax)."""
+    p = req.params
+    return p.repetition_penalty != 1.0 or bool(p.presence_penalty or p.frequency_penalty or p.logit_bias)
+
+
+def adjust_logits(logits: np.ndarray, req: Request) -> np.ndarray:
+    """Penalties for tokens already seen, then the logit bias (in place on a float64 copy the caller owns)."""
     p = req.params
     if p.repetition_penalty != 1.0:
         seen = np.unique(np.asarray(req.all_ids))
@@ -34,13 +42,15 @@ def apply_penalties(logits: np.ndarray, req: Request) -> np.ndarray:
     if (p.presence_penalty or p.frequency_penalty) and req.output_ids:
         ids, counts = np.unique(np.asarray(req.output_ids), return_counts=True)
         logits[ids] -= p.presence_penalty + p.frequency_penalty * counts
+    for token, bias in p.logit_bias:
+        logits[token] += bias
     return logits
 
 
 def filtered_probs(logits: np.ndarray, req: Request) -> np.ndarray:
     """The distribution sampling draws from: penalties, temperature, then top-k, top-p and min-p filters."""
     p = req.params
-    x = apply_penalties(logits.astype(np.float64, copy=True), req) / p.temperature
+    x = adjust_logits(logits.astype(np.float64, copy=True), req) / p.temperature
     if 0 < p.top_k < x.size:
         kth = np.partition(x, -p.top_k)[-p.top_k]
         x[x < kth] = -np.inf
@@ -71,10 +81,10 @@ class Sampler:
     def sample(self, logits: np.ndarray, req: Request) -> SampleResult:
         """logits [vocab] float32 for one request → its next token."""
         p = req.params
-        if p.greedy and p.repetition_penalty == 1.0 and not (p.presence_penalty or p.frequency_penalty):
+        if p.greedy and not adjusts_logits(req):
             token = int(logits.argmax())
         elif p.greedy:
-            token = int(apply_penalties(logits.astype(np.float64), req).argmax())
+            token = int(adjust_logits(logits.astype(np.float64), req).argmax())
         else:
             probs = filtered_probs(logits, req)
             token = int(self.rng(req).choice(probs.size, p=probs))

@@ -27,7 +27,8 @@ def error(status: int, message: str, kind: str = "invalid_request_error", header
 
 
 def sampling_from_json(body: dict, chat: bool) -> SamplingParams:
-    """OpenAI fields (plus top_k, min_p, repetition_penalty, ignore_eos) → SamplingParams; defaults as OpenAI's."""
+    """OpenAI fields (plus top_k, min_p, repetition_penalty, ignore_eos) → SamplingParams; defaults as OpenAI's.
+    Fields that would change the result but are not supported (n, best_of > 1) are refused, not ignored."""
     def number(key, default):
         v = body.get(key, default)
         if v is None:
@@ -46,6 +47,17 @@ def sampling_from_json(body: dict, chat: bool) -> SamplingParams:
 
     if integer("n", 1) != 1:
         raise InvalidRequest("only n = 1 is supported")
+    if integer("best_of", 1) != 1:
+        raise InvalidRequest("only best_of = 1 is supported")
+    bias = body.get("logit_bias") or {}
+    if not isinstance(bias, dict):
+        raise InvalidRequest("logit_bias must be an object mapping token ids to biases")
+    try:
+        bias = {int(k): v for k, v in bias.items()}
+    except ValueError:
+        raise InvalidRequest("logit_bias keys must be token ids (integers)") from None
+    if any(isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) for v in bias.values()):
+        raise InvalidRequest("logit_bias values must be finite numbers")
     stop = body.get("stop") or ()
     if isinstance(stop, str):
         stop = (stop,)
@@ -62,7 +74,8 @@ def sampling_from_json(body: dict, chat: bool) -> SamplingParams:
                   repetition_penalty=float(number("repetition_penalty", 1.0)),
                   presence_penalty=float(number("presence_penalty", 0.0)),
                   frequency_penalty=float(number("frequency_penalty", 0.0)), seed=integer("seed", None),
-                  stop=tuple(stop), ignore_eos=bool(body.get("ignore_eos", False)), logprobs=logprobs)
+                  stop=tuple(stop), ignore_eos=bool(body.get("ignore_eos", False)), logprobs=logprobs,
+                  logit_bias={k: float(v) for k, v in bias.items()})
     if max_tokens is not None:
         kwargs["max_tokens"] = max_tokens
     return SamplingParams(**kwargs)
@@ -111,6 +124,10 @@ class HttpApi:
             self.bridge.check_model(body.get("model"))
             params = sampling_from_json(body, chat)
             prompt = self.chat_template(body.get("messages")) if chat else _prompt(body.get("prompt"))
+            echo = "" if chat or not body.get("echo") else (prompt if isinstance(prompt, str) else
+                                                             self.bridge.tokenizer.decode(prompt))
+            if echo and params.logprobs is not None:
+                raise InvalidRequest("echo with logprobs is not supported (prompt log-probabilities are not computed)")
             timeout = body.get("timeout")
             if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
                 raise InvalidRequest("timeout must be a positive number of seconds")
@@ -130,16 +147,18 @@ class HttpApi:
         shape = _Shape(first.request_id, self.bridge.model_name, chat)
         if body.get("stream"):
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return StreamingResponse(self._sse(stream, first, shape, include_usage), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
-        return await self._collect(request, stream, first, shape)
+            return StreamingResponse(self._sse(stream, first, shape, include_usage, echo),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return await self._collect(request, stream, first, shape, echo)
 
-    async def _sse(self, stream, first, shape, include_usage: bool):
+    async def _sse(self, stream, first, shape, include_usage: bool, echo: str = ""):
         """Server-sent events; if the client goes away Starlette cancels this generator and the request is aborted."""
         out = first
         try:
             if shape.chat:
                 yield _event(shape.chunk({"role": "assistant", "content": ""}, None))
+            if echo:                        # completions with echo: the prompt comes first
+                yield _event(shape.chunk(echo, None))
             while True:
                 if out.text or out.finished:
                     yield _event(shape.chunk(out.text, out.finish_reason, out.logprobs))
@@ -156,8 +175,8 @@ class HttpApi:
         finally:
             await stream.aclose()
 
-    async def _collect(self, request: Request, stream, first, shape) -> Response:
-        text, logprobs, out = [first.text], list(first.logprobs or []), first
+    async def _collect(self, request: Request, stream, first, shape, echo: str = "") -> Response:
+        text, logprobs, out = [echo, first.text], list(first.logprobs or []), first
         consume = asyncio.ensure_future(_drain(stream, text, logprobs, out))
         while not consume.done():          # a non-streaming client that disconnects also aborts its request
             done, _ = await asyncio.wait({consume}, timeout=0.25)

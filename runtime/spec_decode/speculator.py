@@ -18,7 +18,7 @@ import numpy as np
 
 from ..model_runner import ModelRunner
 from ..request import Request
-from ..sampler import SampleResult, Sampler
+from ..sampler import SampleResult, Sampler, adjusts_logits
 from . import rejection_sampler
 from .proposer import Proposer
 
@@ -77,9 +77,9 @@ class Speculator:
         self.stats = SpecStats()
 
     def eligible(self, req: Request) -> bool:
-        """Penalties make each position's distribution depend on the guesses before it: not speculated."""
-        p = req.params
-        return p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
+        """Penalties make each position's distribution depend on the guesses before it, and verification
+        compares raw target logits: requests that adjust logits (penalties, logit bias) are not speculated."""
+        return not adjusts_logits(req)
 
     def max_gamma(self, req: Request, capacity: int) -> int:
         left = min(req.params.max_tokens - len(req.output_ids), capacity - req.num_tokens) - 1

@@ -67,6 +67,7 @@ BAD_GRPC = [
     (dict(temperature=-1.0), "temperature"), (dict(temperature=math.nan), "NaN"), (dict(top_p=1.5), "top_p"),
     (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=-5), "max_tokens"), (dict(max_tokens=100000), "context"),
     (dict(stop=["s"] * 40), "stop"), (dict(stop=["x" * 1000]), "stop"), (dict(model="gpt-7"), "unknown model"),
+    (dict(logit_bias={5: 500.0}), "logit_bias"), (dict(logit_bias={10**9: 1.0}), "logit_bias"),
 ]
 
 
@@ -102,6 +103,12 @@ BAD_HTTP = [
     (json.dumps({"prompt": PROMPT, "stop": ["x"] * 30}), "stop"),
     (b'{"prompt": "\xff\xfe"}', "malformed JSON"),
     (json.dumps({"prompt": PROMPT, "temperature": "hot"}), "temperature"),
+    (json.dumps({"prompt": PROMPT, "best_of": 2}), "best_of"),
+    (json.dumps({"prompt": PROMPT, "logit_bias": {"5": 500}}), "logit_bias"),
+    (json.dumps({"prompt": PROMPT, "logit_bias": {"five": 1}}), "logit_bias"),
+    (json.dumps({"prompt": PROMPT, "logit_bias": {"999999": 1}}), "logit_bias"),
+    (json.dumps({"prompt": PROMPT, "logit_bias": [5]}), "logit_bias"),
+    (json.dumps({"prompt": PROMPT, "echo": True, "logprobs": 1}), "echo"),
 ]
 
 
@@ -112,6 +119,28 @@ def test_http_bad_input(server, body, needle):
     chat = httpx.post(f"{server.http_url}/v1/chat/completions", json={"messages": "nope"})
     assert chat.status_code == 400
     assert httpx.post(f"{server.http_url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}).status_code == 200
+
+
+def test_logit_bias_and_echo(server):
+    """logit_bias bans or forces tokens (HTTP and gRPC alike); echo puts the prompt before the completion."""
+    url = f"{server.http_url}/v1/completions"
+    base = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "logprobs": 0, "ignore_eos": True}
+    plain = [int(t) for t in httpx.post(url, json=base).json()["choices"][0]["logprobs"]["tokens"]]
+    banned = httpx.post(url, json={**base, "logit_bias": {str(plain[0]): -100}}).json()
+    assert int(banned["choices"][0]["logprobs"]["tokens"][0]) != plain[0]
+    forced = httpx.post(url, json={**base, "logit_bias": {"42": 100}}).json()
+    assert [int(t) for t in forced["choices"][0]["logprobs"]["tokens"]] == [42] * 6
+    with Client(server.grpc_target) as c:
+        msgs = list(c.generate(PROMPT, max_tokens=6, temperature=0.0, ignore_eos=True, logit_bias={42: 100.0}))
+    assert [t for m in msgs for t in m.token_ids] == [42] * 6
+    whole = httpx.post(url, json={"prompt": PROMPT, "max_tokens": 5, "temperature": 0, "echo": True}).json()
+    alone = httpx.post(url, json={"prompt": PROMPT, "max_tokens": 5, "temperature": 0}).json()
+    assert whole["choices"][0]["text"] == PROMPT + alone["choices"][0]["text"]
+    with httpx.stream("POST", url, json={"prompt": PROMPT, "max_tokens": 5, "temperature": 0, "echo": True,
+                                         "stream": True}) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert events[0]["choices"][0]["text"] == PROMPT
+    assert "".join(e["choices"][0]["text"] for e in events) == whole["choices"][0]["text"]
 
 
 def test_oversized_body(server):

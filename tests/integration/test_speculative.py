@@ -139,3 +139,16 @@ def test_adaptive_turns_off_when_it_cannot_pay(engine):
     s = eng.speculator.stats
     assert s.rounds < 40, "speculation should stop once acceptance is known to be low"
     assert expected_tokens(0.0, 4) == 1.0 and expected_tokens(0.9, 4) > 4
+
+
+def test_logit_bias_requests_decode_plainly_beside_speculating_ones(engine):
+    """Verification compares raw target logits, so a biased request is not speculated; it still gets its bias."""
+    target, draft = engine("llama"), engine("llama")
+    biased = SamplingParams(max_tokens=12, ignore_eos=True, logit_bias={7: 100.0})
+    items = [(prompts(1, seed=40)[0], biased), (prompts(1, seed=41)[0], GREEDY)]
+    eng = spec_engine(target, draft, max_num_seqs=2)
+    out = run_all(eng, items)
+    assert out[0]["token_ids"] == [7] * 12 and out[0]["usage"].spec_proposed == 0
+    assert out[1]["usage"].spec_accepted > 0
+    assert_same_greedy(out[1], run_all(Engine(target, EngineConfig(SchedulerConfig(), CACHE)), items[1:])[0])
+    assert_no_leaks(eng)

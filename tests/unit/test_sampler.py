@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from runtime.detokenizer import StopStringFilter
-from runtime.request import Request, SamplingParams
+from runtime.request import InvalidRequest, Request, SamplingParams
 from runtime.sampler import Sampler, filtered_probs, log_softmax
 
 LOGITS = np.array([2.0, 1.0, 0.5, 0.0, -1.0, -3.0], np.float32)
@@ -44,6 +44,26 @@ def test_penalties_and_greedy():
     r = req(frequency_penalty=2.0)
     r.output_ids = [0, 0]
     assert s.sample(LOGITS, r).token == 1
+
+
+def test_logit_bias():
+    s = Sampler()
+    assert s.sample(LOGITS, req(logit_bias={0: -100})).token == 1            # the argmax banned
+    assert s.sample(LOGITS, req(logit_bias={5: 100})).token == 5             # the least likely forced
+    r = req(temperature=1.0, seed=3, logit_bias={0: -100, 1: -100})
+    assert {s.sample(LOGITS, r).token for _ in range(300)} <= {2, 3, 4, 5}
+    p = filtered_probs(LOGITS, req(temperature=1.0, logit_bias={(3): 2.0}))
+    want = np.exp(LOGITS + np.eye(6)[3] * 2.0)
+    assert np.allclose(p, want / want.sum())
+    # Log-probabilities stay those of the model, as OpenAI reports them.
+    out = s.sample(LOGITS, req(logit_bias={5: 100}, logprobs=0))
+    assert np.isclose(out.logprob, log_softmax(LOGITS.astype(np.float64))[5])
+
+
+@pytest.mark.parametrize("bias", [{1: 101.0}, {-1: 1.0}, {True: 1.0}, {1: "x"}, dict(enumerate([0.0] * 301)), [1, 2]])
+def test_invalid_logit_bias(bias):
+    with pytest.raises(InvalidRequest, match="logit_bias"):
+        SamplingParams(logit_bias=bias)
 
 
 def test_logprobs_are_model_logprobs():
