@@ -28,7 +28,8 @@ def error(status: int, message: str, kind: str = "invalid_request_error", header
 
 def sampling_from_json(body: dict, chat: bool) -> SamplingParams:
     """OpenAI fields (plus top_k, min_p, repetition_penalty, ignore_eos) → SamplingParams; defaults as OpenAI's.
-    Fields that would change the result but are not supported (n, best_of > 1) are refused, not ignored."""
+    Fields that would change the result but are not supported (n, best_of > 1, tools, suffix, a JSON
+    response_format) are refused, not ignored."""
     def number(key, default):
         v = body.get(key, default)
         if v is None:
@@ -49,6 +50,13 @@ def sampling_from_json(body: dict, chat: bool) -> SamplingParams:
         raise InvalidRequest("only n = 1 is supported")
     if integer("best_of", 1) != 1:
         raise InvalidRequest("only best_of = 1 is supported")
+    unsupported = [("tools", "tool calling"), ("functions", "function calling"), ("suffix", "suffix (insert) completions")]
+    for key, what in unsupported:
+        if body.get(key):
+            raise InvalidRequest(f"{key}: {what} is not supported")
+    fmt = body.get("response_format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type", "text") != "text"):
+        raise InvalidRequest("response_format: only {\"type\": \"text\"} is supported (no constrained decoding)")
     bias = body.get("logit_bias") or {}
     if not isinstance(bias, dict):
         raise InvalidRequest("logit_bias must be an object mapping token ids to biases")

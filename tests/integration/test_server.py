@@ -109,6 +109,9 @@ BAD_HTTP = [
     (json.dumps({"prompt": PROMPT, "logit_bias": {"999999": 1}}), "logit_bias"),
     (json.dumps({"prompt": PROMPT, "logit_bias": [5]}), "logit_bias"),
     (json.dumps({"prompt": PROMPT, "echo": True, "logprobs": 1}), "echo"),
+    (json.dumps({"prompt": PROMPT, "suffix": "end"}), "suffix"),
+    (json.dumps({"prompt": PROMPT, "response_format": {"type": "json_object"}}), "response_format"),
+    (json.dumps({"prompt": PROMPT, "tools": [{"type": "function", "function": {"name": "f"}}]}), "tool"),
 ]
 
 
