@@ -27,18 +27,43 @@ def load_chat_template(engine_dir: Path, max_messages: int = 256):
     if template:
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        compiled = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(template)
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise   # what Hugging Face templates call to reject a conversation
+        compiled = env.from_string(template)
 
     def render(messages) -> str:
         if not isinstance(messages, list) or not messages:
             raise InvalidRequest("messages must be a non-empty list")
         if len(messages) > max_messages:
             raise InvalidRequest(f"at most {max_messages} messages")
-        for m in messages:
-            if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-                raise InvalidRequest("each message needs a role (system, user, assistant, tool) and string content")
+        messages = [_message(m) for m in messages]
         if compiled is not None:
-            return compiled.render(messages=messages, add_generation_prompt=True, bos_token=bos, eos_token=eos)
+            from jinja2 import TemplateError
+
+            try:
+                return compiled.render(messages=messages, add_generation_prompt=True, bos_token=bos, eos_token=eos)
+            except TemplateError as e:
+                raise InvalidRequest(f"the model's chat template rejects these messages: {e}") from None
         return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
 
     return render
+
+
+def _raise(message: str):
+    from jinja2 import TemplateError
+
+    raise TemplateError(message)
+
+
+def _message(m) -> dict:
+    """One message with string content; OpenAI's list-of-parts content is accepted when every part is text."""
+    if not isinstance(m, dict) or m.get("role") not in ROLES:
+        raise InvalidRequest(f"each message needs a role ({', '.join(ROLES)}) and content")
+    content = m.get("content")
+    if isinstance(content, list):
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            raise InvalidRequest("message content parts must all be text (this model reads text only)")
+        content = "".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise InvalidRequest("message content must be a string or a list of text parts")
+    return {**m, "content": content}
