@@ -8,6 +8,7 @@ import json
 import math
 import time
 import uuid
+from dataclasses import replace
 
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -20,15 +21,16 @@ from .auth import token_ok
 from .bridge import Bridge, Draining, Overloaded
 
 OPEN_PATHS = ("/health", "/metrics")
+MAX_CHOICES = 16          # most completions (n) one request may ask for
 
 
 def error(status: int, message: str, kind: str = "invalid_request_error", headers: dict | None = None) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status, headers=headers)
 
 
-def sampling_from_json(body: dict, chat: bool) -> SamplingParams:
-    """OpenAI fields (plus top_k, min_p, repetition_penalty, ignore_eos) → SamplingParams; defaults as OpenAI's.
-    Fields that would change the result but are not supported (n, best_of > 1, tools, suffix, a JSON
+def sampling_from_json(body: dict, chat: bool) -> tuple[SamplingParams, int]:
+    """OpenAI fields (plus top_k, min_p, repetition_penalty, ignore_eos) → (SamplingParams, n choices); defaults as
+    OpenAI's. Fields that would change the result but are not supported (best_of ≠ n, tools, suffix, a JSON
     response_format) are refused, not ignored."""
     def number(key, default):
         v = body.get(key, default)
@@ -46,10 +48,11 @@ def sampling_from_json(body: dict, chat: bool) -> SamplingParams:
             raise InvalidRequest(f"{key} must be an integer")
         return v
 
-    if integer("n", 1) != 1:
-        raise InvalidRequest("only n = 1 is supported")
-    if integer("best_of", 1) != 1:
-        raise InvalidRequest("only best_of = 1 is supported")
+    n = integer("n", 1)
+    if not 1 <= n <= MAX_CHOICES:
+        raise InvalidRequest(f"n must be in [1, {MAX_CHOICES}]")
+    if integer("best_of", n) != n:
+        raise InvalidRequest("best_of must equal n (choices are not ranked)")
     unsupported = [("tools", "tool calling"), ("functions", "function calling"), ("suffix", "suffix (insert) completions")]
     for key, what in unsupported:
         if body.get(key):
@@ -86,7 +89,7 @@ def sampling_from_json(body: dict, chat: bool) -> SamplingParams:
                   logit_bias={k: float(v) for k, v in bias.items()})
     if max_tokens is not None:
         kwargs["max_tokens"] = max_tokens
-    return SamplingParams(**kwargs)
+    return SamplingParams(**kwargs), n
 
 
 class HttpApi:
@@ -128,9 +131,10 @@ class HttpApi:
             return error(400, f"malformed JSON body: {e}")
         if not isinstance(body, dict):
             return error(400, "the body must be a JSON object")
+        streams = []
         try:
             self.bridge.check_model(body.get("model"))
-            params = sampling_from_json(body, chat)
+            params, n = sampling_from_json(body, chat)
             prompt = self.chat_template(body.get("messages")) if chat else _prompt(body.get("prompt"))
             echo = "" if chat or not body.get("echo") else (prompt if isinstance(prompt, str) else
                                                              self.bridge.tokenizer.decode(prompt))
@@ -139,64 +143,88 @@ class HttpApi:
             timeout = body.get("timeout")
             if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
                 raise InvalidRequest("timeout must be a positive number of seconds")
-            stream = self.bridge.stream(prompt, params, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:16]}",
-                                        timeout_s=timeout)
-            first = await stream.__anext__()       # surfaces validation, shedding and deadline errors as statuses
-        except InvalidRequest as e:
-            return error(400, str(e))
-        except Overloaded as e:
-            return error(429, f"{e}; retry later", "overloaded_error", {"Retry-After": str(max(1, round(e.retry_after_s)))})
-        except Draining as e:
-            return error(503, str(e), "unavailable_error")
-        except asyncio.TimeoutError:
-            return error(504, "request timed out and was aborted", "timeout_error")
-        except StopAsyncIteration:
-            return error(500, "no output", "internal_error")
-        shape = _Shape(first.request_id, self.bridge.model_name, chat)
+            rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:16]}"
+
+            def open_choice(i: int):
+                seeded = replace(params, seed=params.seed + i) if params.seed is not None and i else params
+                streams.append(self.bridge.stream(prompt, seeded, rid if n == 1 else f"{rid}-{i}", timeout_s=timeout))
+                return streams[-1].__anext__()    # surfaces validation, shedding and deadline errors as statuses
+
+            # Choice 0 first: once it has a token its prompt blocks are in the prefix cache, so the other
+            # choices prefill only the last partial block instead of the whole prompt again.
+            firsts = [await open_choice(0)]
+            rest = await asyncio.gather(*(open_choice(i) for i in range(1, n)), return_exceptions=True)
+            for r in rest:                  # all settled first: a stream cannot be closed while it is awaited
+                if isinstance(r, BaseException):
+                    raise r
+            firsts += rest
+        except (InvalidRequest, Overloaded, Draining, asyncio.TimeoutError, StopAsyncIteration) as e:
+            await _close(streams)
+            return _error_for(e)
+        shape = _Shape(rid, self.bridge.model_name, chat)
         if body.get("stream"):
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return StreamingResponse(self._sse(stream, first, shape, include_usage, echo),
+            return StreamingResponse(self._sse(streams, firsts, shape, include_usage, echo),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return await self._collect(request, stream, first, shape, echo)
+        return await self._collect(request, streams, firsts, shape, echo)
 
-    async def _sse(self, stream, first, shape, include_usage: bool, echo: str = ""):
-        """Server-sent events; if the client goes away Starlette cancels this generator and the request is aborted."""
-        out = first
+    async def _sse(self, streams, firsts, shape, include_usage: bool, echo: str = ""):
+        """Server-sent events, the choices' chunks interleaved as they come; if the client goes away Starlette
+        cancels this generator and every choice is aborted."""
+        pending, usages = {}, {}
         try:
-            if shape.chat:
-                yield _event(shape.chunk({"role": "assistant", "content": ""}, None))
-            if echo:                        # completions with echo: the prompt comes first
-                yield _event(shape.chunk(echo, None))
-            while True:
-                if out.text or out.finished:
-                    yield _event(shape.chunk(out.text, out.finish_reason, out.logprobs))
-                if out.finished:
-                    if include_usage:
-                        yield _event(shape.usage_chunk(out.usage))
-                    break
-                try:
-                    out = await stream.__anext__()
-                except asyncio.TimeoutError:
-                    yield _event({"error": {"message": "request timed out and was aborted", "type": "timeout_error", "code": 504}})
-                    break
+            for i, out in enumerate(firsts):
+                if shape.chat:
+                    yield _event(shape.chunk({"role": "assistant", "content": ""}, None, index=i))
+                if echo:                    # completions with echo: the prompt comes first
+                    yield _event(shape.chunk(echo, None, index=i))
+            ready = list(enumerate(firsts))
+            while ready or pending:
+                for i, out in ready:
+                    if out.text or out.finished:
+                        yield _event(shape.chunk(out.text, out.finish_reason, out.logprobs, index=i))
+                    if out.finished:
+                        usages[i] = out.usage
+                    else:
+                        pending[asyncio.ensure_future(streams[i].__anext__())] = i
+                ready = []
+                if pending:
+                    done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                    for task in done:
+                        i = pending.pop(task)
+                        try:
+                            ready.append((i, task.result()))
+                        except StopAsyncIteration:
+                            pass
+                    ready.sort()
+            if include_usage:
+                yield _event(shape.usage_chunk([usages[i] for i in sorted(usages)]))
+            yield "data: [DONE]\n\n"
+        except asyncio.TimeoutError:
+            yield _event({"error": {"message": "request timed out and was aborted", "type": "timeout_error", "code": 504}})
             yield "data: [DONE]\n\n"
         finally:
-            await stream.aclose()
+            await _cancel(pending)
+            await _close(streams)
 
-    async def _collect(self, request: Request, stream, first, shape, echo: str = "") -> Response:
-        text, logprobs, out = [echo, first.text], list(first.logprobs or []), first
-        consume = asyncio.ensure_future(_drain(stream, text, logprobs, out))
-        while not consume.done():          # a non-streaming client that disconnects also aborts its request
-            done, _ = await asyncio.wait({consume}, timeout=0.25)
-            if not done and await request.is_disconnected():
-                consume.cancel()
-                await stream.aclose()
-                return Response(status_code=499)
+    async def _collect(self, request: Request, streams, firsts, shape, echo: str = "") -> Response:
+        texts = [[echo, f.text] for f in firsts]
+        logprobs = [list(f.logprobs or []) for f in firsts]
+        tasks = [asyncio.ensure_future(_drain(s, texts[i], logprobs[i], firsts[i])) for i, s in enumerate(streams)]
+        consume = asyncio.gather(*tasks)
         try:
-            out = consume.result()
+            while not consume.done():      # a non-streaming client that disconnects also aborts its request
+                done, _ = await asyncio.wait({consume}, timeout=0.25)
+                if not done and await request.is_disconnected():
+                    return Response(status_code=499)
+            outs = consume.result()
         except asyncio.TimeoutError:
             return error(504, "request timed out and was aborted", "timeout_error")
-        return JSONResponse(shape.full("".join(text), out.finish_reason, out.usage, logprobs))
+        finally:
+            await _cancel(tasks)
+            await _close(streams)
+        return JSONResponse(shape.full([("".join(t), o.finish_reason, lp) for t, o, lp in zip(texts, outs, logprobs)],
+                                       [o.usage for o in outs]))
 
 
 async def _drain(stream, text: list, logprobs: list, out):
@@ -206,6 +234,31 @@ async def _drain(stream, text: list, logprobs: list, out):
         text.append(out.text)
         logprobs.extend(out.logprobs or [])
     return out
+
+
+async def _cancel(tasks) -> None:
+    """Cancel unfinished tasks and wait for them (a stream must not be closed while a task awaits it)."""
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _close(streams) -> None:
+    """Close every choice's stream: the bridge aborts (and frees the KV of) any request still running."""
+    for s in streams:
+        await s.aclose()
+
+
+def _error_for(e: Exception) -> JSONResponse:
+    if isinstance(e, InvalidRequest):
+        return error(400, str(e))
+    if isinstance(e, Overloaded):
+        return error(429, f"{e}; retry later", "overloaded_error", {"Retry-After": str(max(1, round(e.retry_after_s)))})
+    if isinstance(e, Draining):
+        return error(503, str(e), "unavailable_error")
+    if isinstance(e, asyncio.TimeoutError):
+        return error(504, "request timed out and was aborted", "timeout_error")
+    return error(500, "no output", "internal_error")
 
 
 def _prompt(prompt) -> str | list[int]:
@@ -222,14 +275,17 @@ def _event(obj: dict) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
-def _usage(u) -> dict | None:
-    if u is None:
+def _usage(usages: list) -> dict | None:
+    """One usage for all choices: the prompt counted once (as choice 0 saw it), completions summed."""
+    if not usages or usages[0] is None:
         return None
-    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-            "total_tokens": u.prompt_tokens + u.completion_tokens,
+    u = usages[0]
+    completion = sum(x.completion_tokens for x in usages)
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": completion,
+            "total_tokens": u.prompt_tokens + completion,
             "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
-            "completion_tokens_details": {"speculative_proposed_tokens": u.spec_proposed,
-                                          "speculative_accepted_tokens": u.spec_accepted}}
+            "completion_tokens_details": {"speculative_proposed_tokens": sum(x.spec_proposed for x in usages),
+                                          "speculative_accepted_tokens": sum(x.spec_accepted for x in usages)}}
 
 
 class _Shape:
@@ -251,25 +307,27 @@ class _Shape:
         return {"tokens": [str(lp["token"]) for lp in logprobs], "token_logprobs": [lp["logprob"] for lp in logprobs],
                 "top_logprobs": [{str(t): v for t, v in lp["top"] or []} for lp in logprobs]}
 
-    def chunk(self, delta, finish_reason, logprobs=None) -> dict:
+    def chunk(self, delta, finish_reason, logprobs=None, index: int = 0) -> dict:
         if self.chat:
             d = delta if isinstance(delta, dict) else ({"content": delta} if delta else {})
-            choice = {"index": 0, "delta": d, "logprobs": self._logprobs(logprobs), "finish_reason": finish_reason}
+            choice = {"index": index, "delta": d, "logprobs": self._logprobs(logprobs), "finish_reason": finish_reason}
             return {**self._base("chat.completion.chunk"), "choices": [choice]}
-        choice = {"index": 0, "text": delta, "logprobs": self._logprobs(logprobs), "finish_reason": finish_reason}
+        choice = {"index": index, "text": delta, "logprobs": self._logprobs(logprobs), "finish_reason": finish_reason}
         return {**self._base("text_completion"), "choices": [choice]}
 
-    def usage_chunk(self, usage) -> dict:
+    def usage_chunk(self, usages: list) -> dict:
         return {**self._base("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],
-                "usage": _usage(usage)}
+                "usage": _usage(usages)}
 
-    def full(self, text: str, finish_reason, usage, logprobs) -> dict:
+    def full(self, choices: list[tuple[str, str, list]], usages: list) -> dict:
+        """choices: (text, finish_reason, logprobs) per choice, in index order."""
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": self._logprobs(logprobs), "finish_reason": finish_reason}
-            return {**self._base("chat.completion"), "choices": [choice], "usage": _usage(usage)}
-        choice = {"index": 0, "text": text, "logprobs": self._logprobs(logprobs), "finish_reason": finish_reason}
-        return {**self._base("text_completion"), "choices": [choice], "usage": _usage(usage)}
+            body = [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": self._logprobs(lp),
+                     "finish_reason": finish} for i, (text, finish, lp) in enumerate(choices)]
+            return {**self._base("chat.completion"), "choices": body, "usage": _usage(usages)}
+        body = [{"index": i, "text": text, "logprobs": self._logprobs(lp), "finish_reason": finish}
+                for i, (text, finish, lp) in enumerate(choices)]
+        return {**self._base("text_completion"), "choices": body, "usage": _usage(usages)}
 
 
 class _Guard:

@@ -98,7 +98,8 @@ BAD_HTTP = [
     (json.dumps({"prompt": PROMPT, "temperature": -1}), "temperature"),
     (json.dumps({"prompt": PROMPT, "top_p": 0}), "top_p"), (json.dumps({"prompt": PROMPT, "max_tokens": 0}), "max_tokens"),
     (json.dumps({"prompt": PROMPT, "model": "gpt-7"}), "unknown model"),
-    (json.dumps({"prompt": [1, 2, 10**9]}), "token ids"), (json.dumps({"prompt": PROMPT, "n": 3}), "n = 1"),
+    (json.dumps({"prompt": [1, 2, 10**9]}), "token ids"), (json.dumps({"prompt": PROMPT, "n": 17}), "n must be"),
+    (json.dumps({"prompt": PROMPT, "n": 0}), "n must be"), (json.dumps({"prompt": PROMPT, "n": 2, "best_of": 3}), "best_of"),
     (json.dumps({"prompt": PROMPT, "max_tokens": 10**6}), "context"),
     (json.dumps({"prompt": PROMPT, "stop": ["x"] * 30}), "stop"),
     (b'{"prompt": "\xff\xfe"}', "malformed JSON"),
@@ -144,6 +145,34 @@ def test_logit_bias_and_echo(server):
         events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     assert events[0]["choices"][0]["text"] == PROMPT
     assert "".join(e["choices"][0]["text"] for e in events) == whole["choices"][0]["text"]
+
+
+def test_n_choices(server):
+    """n choices: choice i is the request alone with seed + i; streamed chunks carry their index; the prompt is
+    counted once and completions summed; hanging up mid-stream aborts every choice."""
+    url = f"{server.http_url}/v1/completions"
+    body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 1.0, "seed": 7, "n": 3, "ignore_eos": True}
+    whole = httpx.post(url, json=body).json()
+    texts = [c["text"] for c in whole["choices"]]
+    assert [c["index"] for c in whole["choices"]] == [0, 1, 2] and len(set(texts)) > 1
+    assert whole["usage"]["completion_tokens"] == 24 and whole["usage"]["prompt_tokens"] < 24
+    for i, text in enumerate(texts):
+        assert httpx.post(url, json={**body, "n": 1, "seed": 7 + i}).json()["choices"][0]["text"] == text
+    with httpx.stream("POST", url, json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    streamed = ["".join(e["choices"][0]["text"] for e in events if e["choices"] and e["choices"][0]["index"] == i)
+                for i in range(3)]
+    assert streamed == texts and events[-1]["usage"]["completion_tokens"] == 24
+    hits = server.metric("quicksilver_prefix_cache_hits_tokens_total")
+    httpx.post(url, json={**body, "prompt": list(range(200, 300))})           # 100 tokens: 6 full blocks
+    assert server.metric("quicksilver_prefix_cache_hits_tokens_total") - hits >= 2 * 96    # choices 1, 2 reuse them
+    chat = httpx.post(f"{server.http_url}/v1/chat/completions",
+                      json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "n": 2}).json()
+    assert [c["index"] for c in chat["choices"]] == [0, 1]
+    with httpx.stream("POST", url, json={**body, "n": 4, "max_tokens": 400, "stream": True}) as r:
+        next(r.iter_lines())                                 # one event, then the client hangs up
+    assert wait_until(lambda: server.metric("quicksilver_requests_running") == 0
+                      and server.metric("quicksilver_kv_cache_usage_percent") == 0)
 
 
 def test_oversized_body(server):
