@@ -28,15 +28,23 @@ GRAPH_FILE, DATA_FILE = "model.onnx", "model.onnx.data"
 CALIB_TOKENS = 512
 
 
-def _paged_kv_record(spec: ModelSpec, max_len: int) -> dict:
-    return {
-        "layout": "paged [num_blocks, block_size, kv_heads, head_dim]", "dtype": "float16",
-        "num_layers": spec.num_layers, "num_kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim,
-        "max_seq_len": max_len, "block_size": 16,
-        "cache": "key_cache.{layer}, value_cache.{layer}", "cache_out": "key_cache_out.{layer}, value_cache_out.{layer}",
-        "shared_buffer": True, "rotary_applied": True,
-        "note": "the cache outputs alias the inputs (updated in place); block_size is the runtime's default, any works",
-    }
+def _kv_record(spec: ModelSpec, cfg: CompileConfig, max_len: int) -> dict:
+    """The manifest's KV layout: the cpu target's slot buffers (past ≡ present) or the GPU targets' paged cache."""
+    common = {"num_layers": spec.num_layers, "num_kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim,
+              "max_seq_len": max_len, "shared_buffer": True, "rotary_applied": True}
+    if cfg.target != "cpu":
+        return {"layout": "paged [num_blocks, block_size, kv_heads, head_dim]", "dtype": "float16", **common,
+                "block_size": 16, "cache": "key_cache.{layer}, value_cache.{layer}",
+                "cache_out": "key_cache_out.{layer}, value_cache_out.{layer}",
+                "note": "the cache outputs alias the inputs (updated in place); block_size is the runtime's default, "
+                        "any works"}
+    record = {"layout": "BNSH", "dtype": "int8" if cfg.kv_cache == "int8" else "float32", **common,
+              "past": "past_key_values.{layer}.{key|value}", "present": "present.{layer}.{key|value}",
+              "note": "present must be bound to the same buffer as past; K is stored after rotary"}
+    if cfg.kv_cache == "int8":
+        record["scales"] = ("per (kv head, channel), from the float64 reference's |K|, |V| max on calibration text "
+                            "× 1.25; initializers /model/layers.{layer}/attn/{k|v}_scale")
+    return record
 
 
 def _eos_ids(spec: ModelSpec, model_dir: Path) -> list[int]:
@@ -62,16 +70,14 @@ def _precision_record(cfg: CompileConfig) -> dict:
         record.update(scheme=f"int4 symmetric, block {q.block_size} along K; MatMulNBits accuracy_level 4",
                       block_size=q.block_size, awq=q.calib is not None)
     elif p == "fp8":
-        record.update(scheme="float8 e4m3fn, per output channel scale, 1 byte per weight",
-                      cpu_conversion="fp8 → fp32 once at load (DequantizeLinear constant-folded), exact fp8 numerics")
+        record.update(scheme="float8 e4m3fn, per output channel scale, 1 byte per weight")
         if not gpu:
+            record.update(cpu_conversion="fp8 → fp32 once at load (DequantizeLinear constant-folded), exact fp8 numerics")
             record["session_config"]["session.disable_quant_qdq"] = "1"
-    elif p == "fp16" and gpu:
-        record.update(scheme="fp16 weights and activations")
+    elif p == "fp16":
+        record.update(scheme="fp16 weights and activations" if gpu else "fp16 storage, widened to fp32 at load")
     if cfg.target == "tensorrt" and p in ("int8", "fp8"):
         record.update(scheme=f"{p} weights per output channel as weight-only DequantizeLinear → fp16 MatMul (TensorRT fuses)")
-    elif p == "fp16":
-        record.update(scheme="fp16 storage, widened to fp32 at load")
     return record
 
 
@@ -152,16 +158,7 @@ def build(cfg: CompileConfig, log=print) -> dict:
             "model": {**spec.to_dict(), "max_seq_len": max_len,
                       "num_parameters": reader.num_parameters()},
             "graph": {"file": GRAPH_FILE, "data": DATA_FILE, "opset": OPSET, **builder.interface()},
-            "kv_cache": _paged_kv_record(spec, max_len) if cfg.target != "cpu" else {
-                "layout": "BNSH", "dtype": "int8" if cfg.kv_cache == "int8" else "float32", "num_layers": spec.num_layers,
-                "num_kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim, "max_seq_len": max_len,
-                "past": "past_key_values.{layer}.{key|value}", "present": "present.{layer}.{key|value}",
-                "shared_buffer": True, "rotary_applied": True,
-                "note": "present must be bound to the same buffer as past; K is stored after rotary",
-                **({"scales": "per (kv head, channel), from the float64 reference's |K|, |V| max on calibration "
-                              "text × 1.25; initializers /model/layers.{layer}/attn/{k|v}_scale"}
-                   if cfg.kv_cache == "int8" else {}),
-            },
+            "kv_cache": _kv_record(spec, cfg, max_len),
             "tokenizer": {"files": [f.name for f in tok_files], "eos_token_ids": _eos_ids(spec, cfg.model_dir),
                           "bos_token_id": spec.bos_token_id},
             "source": {"path": str(cfg.model_dir.resolve()), "fingerprint": fingerprint(cfg.model_dir),

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import click
+import numpy as np
 
 from . import __version__
 from .config import EMBEDDINGS, KV_CACHE_DTYPES, PRECISIONS, TARGETS, CompileConfig, QuantConfig
@@ -84,7 +85,7 @@ def inspect(engine_dir: Path, as_json: bool, no_verify: bool) -> None:
         click.echo(json.dumps(manifest, indent=2))
         return
     m, p, kv = manifest["model"], manifest["precision"], manifest["kv_cache"]
-    token_bytes = 2 * kv["num_layers"] * kv["num_kv_heads"] * kv["head_dim"] * {"float16": 2, "int8": 1}.get(kv["dtype"], 4)
+    token_bytes = 2 * kv["num_layers"] * kv["num_kv_heads"] * kv["head_dim"] * np.dtype(kv["dtype"]).itemsize
     unmeasured = "not measured (--no-report)" if manifest["target"] == "cpu" else "not measured (needs the GPU provider)"
     size = sum(f["size"] for f in manifest["files"].values())
     rows = [

@@ -38,7 +38,7 @@ def verify(engine_dir: Path, model_dir: Path, prompt: list[int], decode_steps: i
     spec = read_spec(model_dir)
     # An int8 KV cache is part of the engine's arithmetic: the reference reads the same quantized K/V.
     scales = (kv_int8.engine_scales(engine_dir / runner.manifest["graph"]["file"], spec.num_layers)
-              if runner.kv_dtype == np.int8 else None)
+              if runner.kv_layout.dtype == "int8" else None)
     ref = ReferenceModel(spec, CheckpointReader(model_dir), kv_scales=scales)
     pool = runner.new_pool(1, capacity=len(prompt) + decode_steps + 1)
     n = len(prompt)

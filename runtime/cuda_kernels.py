@@ -67,6 +67,14 @@ class DeviceArray:
             raise KernelError(f"unsupported array typestr {cai['typestr']}")
         return cls(int(cai["data"][0]), tuple(int(d) for d in cai["shape"]), dtype)
 
+    @classmethod
+    def optional(cls, x) -> "DeviceArray | None":
+        return None if x is None else cls.of(x)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * ITEMSIZE[self.dtype]
+
 
 def library_path() -> Path:
     env = os.environ.get("QS_CUDA_LIBRARY")
@@ -75,6 +83,10 @@ def library_path() -> Path:
 
 def _ptr(x: DeviceArray | None) -> ctypes.c_void_p:
     return ctypes.c_void_p(x.ptr if x is not None else None)
+
+
+def _stream(stream: int) -> ctypes.c_void_p:
+    return ctypes.c_void_p(stream or None)       # 0: the default stream
 
 
 def _expect(cond: bool, message: str) -> None:
@@ -137,10 +149,10 @@ class CudaKernels:
         """
         o, q, kc, vc = (DeviceArray.of(a) for a in (out, query, k_cache, v_cache))
         bt, sl = DeviceArray.of(block_tables), DeviceArray.of(seq_lens)
-        cu = DeviceArray.of(cu_seqlens_q) if cu_seqlens_q is not None else None
-        ks = DeviceArray.of(k_scale) if k_scale is not None else None
-        vs = DeviceArray.of(v_scale) if v_scale is not None else None
-        ws = DeviceArray.of(workspace) if workspace is not None else None
+        cu = DeviceArray.optional(cu_seqlens_q)
+        ks = DeviceArray.optional(k_scale)
+        vs = DeviceArray.optional(v_scale)
+        ws = DeviceArray.optional(workspace)
         _expect(len(q.shape) == 3 and q.shape == o.shape and q.dtype == o.dtype,
                 f"query and out must share shape [rows, heads, head_dim] and dtype (got {q.shape} {q.dtype}, {o.shape} {o.dtype})")
         _expect(len(kc.shape) == 4 and kc.shape == vc.shape and kc.dtype == vc.dtype,
@@ -158,10 +170,10 @@ class CudaKernels:
         for name, s in (("k_scale", ks), ("v_scale", vs)):
             _expect(s is None or (s.shape in ((1,), ()) and s.dtype == "f32"), f"{name} must be a device float32 [1]")
         scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
-        ws_bytes = 0 if ws is None else math.prod(ws.shape) * ITEMSIZE[ws.dtype]
+        ws_bytes = 0 if ws is None else ws.nbytes
         common = (heads, kv_heads, head_dim, block_size, bt.shape[1], max_seq_len, window, scale, _ptr(ks), _ptr(vs),
                   DTYPES.get(q.dtype, -1), DTYPES.get(kc.dtype, -1), _ptr(ws), ws_bytes,
-                  ctypes.c_void_p(stream or None))
+                  _stream(stream))
         if cu is None:
             status = self.lib.qs_paged_attention_decode(_ptr(o), _ptr(q), _ptr(kc), _ptr(vc), _ptr(bt), _ptr(sl), seqs, *common)
         else:
@@ -180,7 +192,7 @@ class CudaKernels:
         o, x, kc, vc = (DeviceArray.of(a) for a in (out, qkv, k_cache, v_cache))
         cu, past, bt, sm = (DeviceArray.of(a) for a in (cu_seqlens_q, past_seqlens, block_tables, slot_mapping))
         c, s = DeviceArray.of(cos_cache), DeviceArray.of(sin_cache)
-        ws = DeviceArray.of(workspace) if workspace is not None else None
+        ws = DeviceArray.optional(workspace)
         _expect(len(kc.shape) == 4 and kc.shape == vc.shape and kc.dtype == vc.dtype == x.dtype,
                 "caches must share shape [blocks, block_size, kv_heads, head_dim] and qkv's dtype")
         _, block_size, kv_heads, head_dim = kc.shape
@@ -194,12 +206,12 @@ class CudaKernels:
         _expect(len(bt.shape) == 2 and bt.shape[0] == seqs and bt.dtype == "i32", f"block_tables must be int32 [{seqs}, max_blocks]")
         _expect(c.shape == s.shape and len(c.shape) == 2 and c.shape[1] == head_dim // 2 and c.dtype == x.dtype,
                 f"cos/sin caches must be [max_position, {head_dim // 2}] in qkv's dtype")
-        ws_bytes = 0 if ws is None else math.prod(ws.shape) * ITEMSIZE[ws.dtype]
+        ws_bytes = 0 if ws is None else ws.nbytes
         status = self.lib.qs_packed_paged_attention(
             _ptr(o), _ptr(x), _ptr(kc), _ptr(vc), _ptr(cu), _ptr(past), _ptr(bt), _ptr(sm), _ptr(c), _ptr(s), tokens, seqs,
             num_heads, kv_heads, head_dim, block_size, bt.shape[1], max_seq_len, window,
             scale if scale is not None else 1.0 / math.sqrt(head_dim), DTYPES.get(x.dtype, -1), _ptr(ws), ws_bytes,
-            ctypes.c_void_p(stream or None))
+            _stream(stream))
         self._check(status, "packed paged attention")
 
     # -- small kernels ----------------------------------------------------------------------------
@@ -210,28 +222,28 @@ class CudaKernels:
         _expect(len(kc.shape) == 4 and kc.shape == vc.shape and kc.shape[2:] == k.shape[1:],
                 f"caches [blocks, block_size, kv_heads, head_dim] must match key rows {k.shape[1:]} (got {kc.shape})")
         _expect(sm.shape == (k.shape[0],) and sm.dtype == "i64", f"slot_mapping must be int64 [{k.shape[0]}]")
-        ks = DeviceArray.of(k_scale) if k_scale is not None else None
-        vs = DeviceArray.of(v_scale) if v_scale is not None else None
+        ks = DeviceArray.optional(k_scale)
+        vs = DeviceArray.optional(v_scale)
         status = self.lib.qs_kv_append(_ptr(k), _ptr(v), _ptr(kc), _ptr(vc), _ptr(sm), k.shape[0], k.shape[1], k.shape[2],
                                        DTYPES.get(k.dtype, -1), DTYPES.get(kc.dtype, -1), _ptr(ks), _ptr(vs),
-                                       ctypes.c_void_p(stream or None))
+                                       _stream(stream))
         self._check(status, "kv append")
 
     def rmsnorm_residual(self, out, residual, x, weight, eps: float, *, stream: int = 0) -> None:
         """residual += x (x may be None); out = rmsnorm(residual) * weight.   [rows, hidden]"""
         o, r, w = DeviceArray.of(out), DeviceArray.of(residual), DeviceArray.of(weight)
-        xa = DeviceArray.of(x) if x is not None else None
+        xa = DeviceArray.optional(x)
         _expect(len(r.shape) == 2 and o.shape == r.shape and (xa is None or xa.shape == r.shape), "out, residual and x must share shape [rows, hidden]")
         _expect(w.shape == (r.shape[1],), f"weight must be [{r.shape[1]}]")
         _expect(len({a.dtype for a in (o, r, w) + ((xa,) if xa else ())}) == 1, "all RMSNorm operands must share one dtype")
         status = self.lib.qs_rmsnorm_residual(_ptr(o), _ptr(r), _ptr(xa), _ptr(w), r.shape[0], r.shape[1], eps,
-                                              DTYPES.get(r.dtype, -1), ctypes.c_void_p(stream or None))
+                                              DTYPES.get(r.dtype, -1), _stream(stream))
         self._check(status, "rmsnorm")
 
     def rotary(self, q, k, positions, cos_cache, sin_cache, *, rotary_dim: int | None = None, stream: int = 0) -> None:
         """In place: q [tokens, heads, head_dim], k [tokens, kv_heads, head_dim] or None; cos/sin [max_pos, rot/2]."""
         qa, pos, c, s = DeviceArray.of(q), DeviceArray.of(positions), DeviceArray.of(cos_cache), DeviceArray.of(sin_cache)
-        ka = DeviceArray.of(k) if k is not None else None
+        ka = DeviceArray.optional(k)
         _expect(len(qa.shape) == 3, "q must be [tokens, heads, head_dim]")
         tokens, heads, head_dim = qa.shape
         rot = rotary_dim or head_dim
@@ -242,5 +254,5 @@ class CudaKernels:
                 f"cos/sin caches must be float32 [max_position, {rot // 2}]")
         status = self.lib.qs_rotary(_ptr(qa), _ptr(ka), _ptr(pos), _ptr(c), _ptr(s), tokens, heads,
                                     ka.shape[1] if ka else 0, head_dim, rot, DTYPES.get(qa.dtype, -1),
-                                    ctypes.c_void_p(stream or None))
+                                    _stream(stream))
         self._check(status, "rotary")

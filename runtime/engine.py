@@ -226,13 +226,13 @@ class Engine:
         plain = [r for r in plan.decodes if r.request_id not in gammas]
         if plain:
             t0 = time.perf_counter()
-            rows = [(r.slot, r.all_ids[r.num_computed], r.num_computed) for r in plain]
+            rows = [(r.slot, r.tokens(r.num_computed, r.num_computed + 1)[0], r.num_computed) for r in plain]
             out = self.runner.decode(pool, rows, running - {r.slot for r in plain})
             if self.speculator:
                 self.speculator.cost.record("dec", len(plain), time.perf_counter() - t0)
             logits.update((r.request_id, row) for r, row in zip(plain, out))
         for req, n in plan.chunks:
-            start, tokens = req.num_computed, req.all_ids[req.num_computed:req.num_computed + n]
+            start, tokens = req.num_computed, req.tokens(req.num_computed, req.num_computed + n)
             last = self.runner.prefill(pool, req.slot, tokens, start)
             if self.draft is not None and req.num_computed_draft == start:   # the draft reads the prompt too
                 self.draft.prefill(self.kv.pools[1], req.slot, tokens, start)

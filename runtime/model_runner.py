@@ -62,16 +62,12 @@ class ModelRunner:
         m = self.manifest["model"]
         self.num_layers, self.vocab_size = m["num_layers"], m["vocab_size"]
         self.kv_heads, self.head_dim, self.max_seq_len = m["num_kv_heads"], m["head_dim"], m["max_seq_len"]
-        self.kv_dtype = np.dtype(self.manifest["kv_cache"]["dtype"])     # float32, or int8 (--kv-cache int8)
+        self.kv_layout = KVLayout.from_manifest(self.manifest["kv_cache"])   # float32, or int8 (--kv-cache int8)
         self._logits = np.empty((0, self.vocab_size), np.float32)
-
-    @property
-    def kv_layout(self) -> KVLayout:
-        return KVLayout(self.num_layers, self.kv_heads, self.head_dim, self.kv_dtype.name)
 
     def new_pool(self, num_slots: int, capacity: int | None = None) -> SlotPool:
         return SlotPool(self.num_layers, num_slots, self.kv_heads, capacity or self.max_seq_len, self.head_dim,
-                        self.kv_dtype.name)
+                        self.kv_layout.dtype)
 
     def execute(self, input_ids: np.ndarray, seqlens_k: np.ndarray, logits_indices: np.ndarray,
                 pool: SlotPool, slots: SlotRange) -> np.ndarray:

@@ -18,6 +18,7 @@ import numpy as np
 from compile import artifact
 
 from .config import EngineConfig
+from .kv.manager import KVLayout
 from .kv.paged import PagedKVManager, build_paged_batch
 from .outputs import SchedulePlan
 from .paged_runner import PagedModelRunner
@@ -47,8 +48,7 @@ def load_paged_runners(engine_dir: Path, config: EngineConfig) -> tuple[PagedMod
         if m.get("target") != "cuda":
             raise ValueError(f"the draft {d} targets {m.get('target')!r}; a cuda engine needs a cuda draft")
     c = config.cache
-    block_bytes = sum(2 * m["model"]["num_layers"] * m["model"]["num_kv_heads"] * m["model"]["head_dim"] * 2
-                      for m in models) * c.block_size
+    block_bytes = sum(KVLayout.from_manifest(m["kv_cache"]).token_bytes for m in models) * c.block_size
     budget = c.kv_budget_bytes or gpu_kv_budget(models) or c.budget()
     num_blocks = int(budget // block_bytes)
     if num_blocks < 1:
@@ -94,7 +94,7 @@ class PagedExecutor:
                 self.speculator.cost.record("draft", len(spec), (time.perf_counter() - t0) / max(gammas.values()))
         reqs, counts, ids, rows, end = [], [], [], {}, 0
         for req, n in [(r, 1) for r in plan.decodes] + plan.chunks:
-            tokens = req.all_ids[req.num_computed:req.num_computed + n]
+            tokens = req.tokens(req.num_computed, req.num_computed + n)
             if req.request_id in proposals:
                 tokens = tokens + proposals[req.request_id].tokens
             if not self.kv.reserve(req, req.num_computed + len(tokens)):    # admission reserved the worst case
@@ -119,7 +119,7 @@ class PagedExecutor:
         for rid, r in rows.items():
             block, at = out[at:at + len(r)], at + len(r)
             if rid in proposals:
-                speculated[rid] = self.speculator.verify_packed(self.requests[rid], proposals[rid], block)
+                speculated[rid] = self.speculator.verify(self.requests[rid], proposals[rid], block)
             else:
                 logits[rid] = block[0]
         return logits, speculated
@@ -130,4 +130,4 @@ class PagedExecutor:
         chunks = [(r, n) for r, n in chunks if r.num_computed_draft == r.num_computed]
         if chunks:
             self.speculator.proposer.feed([r for r, _ in chunks],
-                                          [r.all_ids[r.num_computed:r.num_computed + n] for r, n in chunks])
+                                          [r.tokens(r.num_computed, r.num_computed + n) for r, n in chunks])

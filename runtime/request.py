@@ -52,7 +52,8 @@ class SamplingParams:
             (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be non-negative integers"),
             (self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20), "logprobs must be in [0, 20]"),
             (len(self.logit_bias) <= 300 and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                                                 and isinstance(b, (int, float)) and -100.0 <= b <= 100.0
+                                                 and isinstance(b, (int, float)) and not isinstance(b, bool)
+                                                 and -100.0 <= b <= 100.0
                                                  for t, b in self.logit_bias),
              "logit_bias maps at most 300 token ids (integers ≥ 0) to biases in [-100, 100]"),
         ]
@@ -105,7 +106,21 @@ class Request:
 
     @property
     def all_ids(self) -> list[int]:
+        """prompt + output as one new list (O(context)): per-step code uses tokens() instead."""
         return self.prompt_ids + self.output_ids
+
+    @property
+    def last_token(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output, copying only those."""
+        p = len(self.prompt_ids)
+        if end <= p:
+            return self.prompt_ids[start:end]
+        if start >= p:
+            return self.output_ids[start - p:end - p]
+        return self.prompt_ids[start:] + self.output_ids[:end - p]
 
     @property
     def num_tokens(self) -> int:

@@ -42,8 +42,9 @@ def adjust_logits(logits: np.ndarray, req: Request) -> np.ndarray:
     if (p.presence_penalty or p.frequency_penalty) and req.output_ids:
         ids, counts = np.unique(np.asarray(req.output_ids), return_counts=True)
         logits[ids] -= p.presence_penalty + p.frequency_penalty * counts
-    for token, bias in p.logit_bias:
-        logits[token] += bias
+    if p.logit_bias:
+        ids, bias = zip(*p.logit_bias)
+        np.add.at(logits, np.asarray(ids, np.int64), bias)
     return logits
 
 

@@ -126,9 +126,9 @@ class Scheduler:
                     continue
                 aged_served, limit = True, self.MIN_CHUNK
             req.steps_sat_out = 0
-            # A long prompt beside running decodes gets the time-bounded chunk.
-            n = min(req.num_pending, limit if req.num_pending <= chunk or not plan.decodes else
-                    min(limit, self.long_chunk), budget)
+            if req.num_pending > chunk and plan.decodes:     # a long prompt beside decodes: the time-bounded chunk
+                limit = min(limit, self.long_chunk)
+            n = min(req.num_pending, limit, budget)
             plan.chunks.append((req, n))
             budget -= n
         return plan

@@ -53,7 +53,7 @@ def main() -> None:
                     t[batch].append(float(np.median(steps[2:])))
         for name, r in runners.items():
             t = times[name]
-            row = {"engine": name, "kv_cache": r.kv_dtype.name, "context": ctx,
+            row = {"engine": name, "kv_cache": r.kv_layout.dtype, "context": ctx,
                    "kv_bytes_per_token": r.kv_layout.token_bytes,
                    "prefill_ms": round(1e3 * float(np.median(t["prefill"])), 1),
                    "decode_b1_ms": round(1e3 * float(np.median(t[1])), 2),

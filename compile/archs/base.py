@@ -36,12 +36,6 @@ from ..graph.builder import GraphBuilder
 from ..hf_source import CheckpointReader, ModelSpec
 from ..rope import cos_sin_cache
 
-KV_DIMS = ["batch", "kv_heads", "kv_capacity", "head_dim"]
-
-
-PAGED_KV_DIMS = ["num_blocks", "block_size", "kv_heads", "head_dim"]
-
-
 def kv_names(layer: int) -> dict[str, str]:
     return {"past_key": f"past_key_values.{layer}.key", "past_value": f"past_key_values.{layer}.value",
             "present_key": f"present.{layer}.key", "present_value": f"present.{layer}.value",

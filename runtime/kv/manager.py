@@ -28,6 +28,11 @@ class KVLayout:
     head_dim: int
     dtype: str = "float32"        # int8: an engine built with --kv-cache int8
 
+    @classmethod
+    def from_manifest(cls, kv: dict) -> "KVLayout":
+        """The layout an engine's manifest records (its `kv_cache` section)."""
+        return cls(kv["num_layers"], kv["num_kv_heads"], kv["head_dim"], kv["dtype"])
+
     @property
     def token_bytes(self) -> int:
         """K and V of one token over all layers."""
@@ -72,9 +77,6 @@ class KVCacheManager:
     def _keys_for(self, req: Request) -> list[int]:
         return extend_keys(self._keys.setdefault(req.request_id, []), req.all_ids, self.block_size)
 
-    def _tokens(self, req: Request, i: int) -> tuple[int, ...]:
-        return tuple(req.all_ids[i * self.block_size:(i + 1) * self.block_size])
-
     # -- lifecycle --------------------------------------------------------------------------------
     def allocate(self, req: Request) -> bool:
         """Give `req` a slot and copy its cached prefix into it; False if no slot is free."""
@@ -94,13 +96,15 @@ class KVCacheManager:
     def cache_computed(self, req: Request) -> None:
         """Copy newly completed full blocks of `req` — tokens every model (target, draft) has computed — into the
         prefix cache."""
-        held = self._held[req.request_id]
-        keys = self._keys_for(req)
+        held, bs = self._held[req.request_id], self.block_size
         done = req.num_computed if len(self.pools) == 1 else min(req.num_computed, req.num_computed_draft)
-        full = min(done // self.block_size, len(keys))
+        if done // bs <= len(held):
+            return                                  # no newly completed block (most steps): nothing to hash
+        keys = self._keys_for(req)
+        full = min(done // bs, len(keys))
         for i in range(len(held), full):
             parent = keys[i - 1] if i else 0
-            tokens = self._tokens(req, i)
+            tokens = tuple(req.tokens(i * bs, (i + 1) * bs))
             block = self.blocks.lookup(keys[i], parent, tokens)
             if block is not None:
                 self.blocks.acquire(block)          # someone cached the same prefix meanwhile

@@ -13,12 +13,11 @@ block_tables, past_lens, cu_seqlens_q and the slot of every new token (seq_lens 
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-
-import heapq
 
 from ..request import Request
 from .block_pool import BlockPool
@@ -161,18 +160,18 @@ class PagedKVManager:
         return True
 
     def cache_computed(self, req: Request) -> None:
-        """KVCacheManager's name for commit: make `req`'s computed full blocks findable."""
-        self.commit(req)
-
-    def commit(self, req: Request) -> None:
-        """Register the blocks `req` has completely computed, so later prompts can share them."""
+        """Register the blocks `req` has completely computed, so later prompts can share them (no copy: the
+        blocks it holds become findable)."""
         if req.request_id not in self._tables:
             return
-        table, keys, bs = self._tables[req.request_id], self._keys_for(req), self.block_size
+        bs, registered = self.block_size, self._registered[req.request_id]
         computed = min(req.num_computed, req.num_computed_draft) if self.with_draft else req.num_computed
+        if computed // bs <= registered:
+            return                                  # no newly completed block (most steps): nothing to hash
+        table, keys = self._tables[req.request_id], self._keys_for(req)
         done = min(computed // bs, len(keys), len(table))
-        for i in range(self._registered[req.request_id], done):
-            self.blocks.register(table[i], keys[i], keys[i - 1] if i else 0, tuple(req.all_ids[i * bs:(i + 1) * bs]))
+        for i in range(registered, done):
+            self.blocks.register(table[i], keys[i], keys[i - 1] if i else 0, tuple(req.tokens(i * bs, (i + 1) * bs)))
         self._registered[req.request_id] = max(done, self._registered[req.request_id])
 
     def free(self, req: Request) -> None:

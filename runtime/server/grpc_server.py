@@ -27,10 +27,8 @@ def sampling_from_pb(s: pb.SamplingParams) -> SamplingParams:
     for f in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
         if f in kwargs and kwargs[f] != kwargs[f]:   # NaN
             raise InvalidRequest(f"{f} must be a number, not NaN")
-    if any(b != b for b in s.logit_bias.values()):
-        raise InvalidRequest("logit_bias values must be numbers, not NaN")
     return SamplingParams(**kwargs, stop=tuple(s.stop), stop_token_ids=tuple(int(t) for t in s.stop_token_ids),
-                          logit_bias={int(t): float(b) for t, b in s.logit_bias.items()})
+                          logit_bias=dict(s.logit_bias))
 
 
 def response_to_pb(out: RequestOutput) -> pb.GenerateResponse:

@@ -64,11 +64,9 @@ def sampling_from_json(body: dict, chat: bool) -> tuple[SamplingParams, int]:
     if not isinstance(bias, dict):
         raise InvalidRequest("logit_bias must be an object mapping token ids to biases")
     try:
-        bias = {int(k): v for k, v in bias.items()}
+        bias = {int(k): v for k, v in bias.items()}         # JSON keys are strings; values are checked by SamplingParams
     except ValueError:
         raise InvalidRequest("logit_bias keys must be token ids (integers)") from None
-    if any(isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) for v in bias.values()):
-        raise InvalidRequest("logit_bias values must be finite numbers")
     stop = body.get("stop") or ()
     if isinstance(stop, str):
         stop = (stop,)
@@ -86,7 +84,7 @@ def sampling_from_json(body: dict, chat: bool) -> tuple[SamplingParams, int]:
                   presence_penalty=float(number("presence_penalty", 0.0)),
                   frequency_penalty=float(number("frequency_penalty", 0.0)), seed=integer("seed", None),
                   stop=tuple(stop), ignore_eos=bool(body.get("ignore_eos", False)), logprobs=logprobs,
-                  logit_bias={k: float(v) for k, v in bias.items()})
+                  logit_bias=bias)
     if max_tokens is not None:
         kwargs["max_tokens"] = max_tokens
     return SamplingParams(**kwargs), n

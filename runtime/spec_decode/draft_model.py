@@ -33,13 +33,10 @@ class DraftModelProposer:
         self.runner, self.pool, self.sampler = runner, pool, sampler
         self.step_cost_s = 0.0          # set by the engine's warm-up measurement
 
-    def _choose(self, logits: np.ndarray, req: Request) -> tuple[int, np.ndarray | None]:
-        return choose(logits, req, self.sampler)
-
     def catch_up(self, req: Request, upto: int) -> np.ndarray:
         """Feed tokens [num_computed_draft, upto) as one chunk; returns the last position's logits."""
         start = req.num_computed_draft
-        logits = self.runner.prefill(self.pool, req.slot, req.all_ids[start:upto], start)
+        logits = self.runner.prefill(self.pool, req.slot, req.tokens(start, upto), start)
         req.num_computed_draft = upto
         return logits[0]
 
@@ -50,14 +47,14 @@ class DraftModelProposer:
         single = [i for i, r in enumerate(reqs) if r.num_tokens - r.num_computed_draft == 1]
         for i, r in enumerate(reqs):
             if i not in single:
-                t, q = self._choose(self.catch_up(r, r.num_tokens), r)
+                t, q = choose(self.catch_up(r, r.num_tokens), r, self.sampler)
                 tokens[i].append(t)
                 probs[i].append(q)
         if single:
-            rows = [(reqs[i].slot, reqs[i].all_ids[-1], reqs[i].num_tokens - 1) for i in single]
+            rows = [(reqs[i].slot, reqs[i].last_token, reqs[i].num_tokens - 1) for i in single]
             for i, row in zip(single, self.runner.decode(self.pool, rows, busy)):
                 reqs[i].num_computed_draft = reqs[i].num_tokens
-                t, q = self._choose(row, reqs[i])
+                t, q = choose(row, reqs[i], self.sampler)
                 tokens[i].append(t)
                 probs[i].append(q)
         # Further guesses, all sequences that still want more in one batch per step.
@@ -68,7 +65,7 @@ class DraftModelProposer:
             rows = [(reqs[i].slot, tokens[i][-1], reqs[i].num_tokens + k - 1) for i in active]
             for i, row in zip(active, self.runner.decode(self.pool, rows, busy)):
                 reqs[i].num_computed_draft += 1
-                t, q = self._choose(row, reqs[i])
+                t, q = choose(row, reqs[i], self.sampler)
                 tokens[i].append(t)
                 probs[i].append(q)
         return [Proposal(t, None if r.params.greedy else np.stack(p)) for t, p, r in zip(tokens, probs, reqs)]

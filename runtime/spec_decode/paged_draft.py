@@ -41,7 +41,7 @@ class PagedDraftProposer:
     def propose(self, reqs: list[Request], gammas: list[int], busy: set[int]) -> list[Proposal]:
         tokens: list[list[int]] = [[] for _ in reqs]
         probs: list[list[np.ndarray]] = [[] for _ in reqs]
-        feeds = [r.all_ids[r.num_computed_draft:r.num_tokens] for r in reqs]
+        feeds = [r.tokens(r.num_computed_draft, r.num_tokens) for r in reqs]
         for k in range(max(gammas, default=0)):
             active = [i for i, g in enumerate(gammas) if g > k]
             t0 = time.perf_counter()

@@ -85,10 +85,18 @@ class Speculator:
         left = min(req.params.max_tokens - len(req.output_ids), capacity - req.num_tokens) - 1
         return max(0, min(self.config.max_gamma, left))
 
+    def _candidates(self, decodes: list[Request], capacity: int) -> list[tuple[Request, int]]:
+        """(request, largest γ it may take) for the decodes that can speculate at all."""
+        cands = [(r, self.max_gamma(r, capacity)) for r in decodes if self.eligible(r)]
+        return [(r, g) for r, g in cands if g > 0]
+
+    def _alpha(self, req: Request) -> float:
+        """The request's smoothed acceptance rate (the prior until it has speculated)."""
+        return self.stats.acceptance.get(req.request_id, self.config.prior_acceptance)
+
     def plan(self, decodes: list[Request], capacity: int) -> dict[str, int]:
         """γ per request id for the sequences that should speculate this step (others decode plainly)."""
-        cands = [(r, self.max_gamma(r, capacity)) for r in decodes if self.eligible(r)]
-        cands = [(r, g) for r, g in cands if g > 0]
+        cands = self._candidates(decodes, capacity)
         if not self.config.adaptive:
             return {r.request_id: g for r, g in cands}
         n = len(decodes)
@@ -96,7 +104,7 @@ class Speculator:
         round_cost = [0.0] + [self.cost("ver", g + 1) + g * draft_per_seq for g in range(1, self.config.max_gamma + 1)]
         options = []
         for r, gmax in cands:
-            alpha = self.stats.acceptance.get(r.request_id, self.config.prior_acceptance)
+            alpha = self._alpha(r)
             best = max(range(1, gmax + 1), key=lambda g: expected_tokens(alpha, g) / round_cost[g])
             options.append((r, best, expected_tokens(alpha, best), round_cost[best]))
         # Greedy: add the best marginal gains while they raise the step's tokens per second.
@@ -118,10 +126,10 @@ class Speculator:
         """γ per request id for paged engines, whose verification rides in the step's one packed call: a guess
         costs the step's marginal time per token ('step'(T): measured time of a step computing T tokens).
         Sequences join best acceptance first while the step's expected tokens per second rises."""
-        cands = [(r, self.max_gamma(r, capacity)) for r in decodes if self.eligible(r)]
-        cands = [(r, g) for r, g in cands if g > 0]
+        cands = self._candidates(decodes, capacity)
         if not self.config.adaptive:
             return {r.request_id: g for r, g in cands}
+
         def seconds(tokens: int, spec: dict[str, int]) -> float:
             """The packed step plus the draft's guess steps (one per guess, all speculating sequences batched)."""
             draft = max(spec.values(), default=0) * self.cost("draft", max(1, len(spec)))
@@ -129,7 +137,7 @@ class Speculator:
 
         if seconds(step_tokens, {}) <= 0:
             return {}
-        alpha = {r.request_id: self.stats.acceptance.get(r.request_id, self.config.prior_acceptance) for r, _ in cands}
+        alpha = {r.request_id: self._alpha(r) for r, _ in cands}
         tokens, chosen = float(len(decodes)), {}
         for r, gmax in sorted(cands, key=lambda c: alpha[c[0].request_id], reverse=True):
             best, rate = 0, tokens / seconds(step_tokens, chosen)
@@ -144,8 +152,9 @@ class Speculator:
                 step_tokens += best
         return chosen
 
-    def verify_packed(self, req: Request, proposal, logits: np.ndarray) -> tuple[list[SampleResult], int]:
-        """Verify `req`'s guesses from its rows of a packed step; returns (tokens, target KV length)."""
+    def verify(self, req: Request, proposal, logits: np.ndarray) -> tuple[list[SampleResult], int]:
+        """Verify `req`'s guesses from the target's logits at its last token and each guess (its own run, or its
+        rows of a packed step), roll the proposer back and account; returns (tokens, target KV length)."""
         n = req.num_tokens
         emitted, accepted = rejection_sampler.verify(logits, proposal, req, self.sampler)
         self.proposer.rollback(req, n + accepted)
@@ -160,14 +169,11 @@ class Speculator:
             self.cost.record("draft", len(reqs), (time.perf_counter() - t0) / max(1, max(gammas)))
         results = {}
         for req, prop in zip(reqs, proposals):
-            n = req.num_tokens
             t1 = time.perf_counter()
-            logits = self.target.prefill(pool, req.slot, [req.all_ids[-1]] + prop.tokens, n - 1, all_logits=True)
+            logits = self.target.prefill(pool, req.slot, [req.last_token] + prop.tokens, req.num_tokens - 1,
+                                         all_logits=True)
             self.cost.record("ver", len(prop.tokens) + 1, time.perf_counter() - t1)
-            emitted, accepted = rejection_sampler.verify(logits, prop, req, self.sampler)
-            self.proposer.rollback(req, n + accepted)
-            self._account(req, len(prop.tokens), accepted)
-            results[req.request_id] = (emitted, n + accepted)
+            results[req.request_id] = self.verify(req, prop, logits)
         return results
 
     def _account(self, req: Request, proposed: int, accepted: int) -> None:
@@ -175,7 +181,7 @@ class Speculator:
             return
         s = self.stats
         s.proposed, s.accepted, s.rounds = s.proposed + proposed, s.accepted + accepted, s.rounds + 1
-        old = s.acceptance.get(req.request_id, self.config.prior_acceptance)
+        old = self._alpha(req)
         s.acceptance[req.request_id] = (1 - self.config.smoothing) * old + self.config.smoothing * accepted / proposed
         req.spec_proposed += proposed
         req.spec_accepted += accepted

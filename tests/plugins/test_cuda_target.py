@@ -103,7 +103,7 @@ def test_paged_engine_matches_reference_across_chunks_decode_and_shared_prefix(c
         logits = runner.step(ids, batch, np.arange(len(ids))).copy()   # the runner reuses its buffer
         for r, n in zip(reqs, counts):
             r.num_computed += n
-            mgr.commit(r)
+            mgr.cache_computed(r)
         return logits
 
     def close(ours, ref):

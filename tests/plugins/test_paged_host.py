@@ -90,7 +90,7 @@ def test_manager_shares_cached_prefix_blocks_without_copies_and_frees_everything
     batch = mgr.step_batch([a], [10])
     assert batch.slot_mapping.tolist() == [mgr.table(a)[p // 4] * 4 + p % 4 for p in range(10)]
     a.num_computed = 10
-    mgr.commit(a)
+    mgr.cache_computed(a)
 
     b = _request("b", list(range(100, 108)) + [7, 8, 9])           # shares a's first 2 full blocks
     mgr.allocate(b)
