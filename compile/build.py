@@ -65,7 +65,8 @@ def _precision_record(cfg: CompileConfig) -> dict:
     record = {"weights": p, "compute": "fp16" if gpu else "fp32", "kv_cache": "fp16" if gpu else cfg.kv_cache,
               "embeddings": q.embeddings, "session_config": {}}
     if p == "int8":
-        record.update(scheme="int8 symmetric, per output channel; DynamicQuantizeMatMul (activations uint8 per call)")
+        record.update(scheme="int8 symmetric (7-bit magnitude), per output channel; activations uint8 per row "
+                             "(batch-invariant); MatMulIntegerToFloat")
     elif p == "int4":
         record.update(scheme=f"int4 symmetric, block {q.block_size} along K; MatMulNBits accuracy_level 4",
                       block_size=q.block_size, awq=q.calib is not None)

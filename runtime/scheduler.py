@@ -128,7 +128,19 @@ class Scheduler:
             req.steps_sat_out = 0
             if req.num_pending > chunk and plan.decodes:     # a long prompt beside decodes: the time-bounded chunk
                 limit = min(limit, self.long_chunk)
-            n = min(req.num_pending, limit, budget)
-            plan.chunks.append((req, n))
-            budget -= n
+            n = prompt_chunk(req.num_pending, min(limit, budget))
+            if n:
+                plan.chunks.append((req, n))
+                budget -= n
         return plan
+
+
+def prompt_chunk(pending: int, cap: int) -> int:
+    """Tokens to prefill of `pending` (≥ 2) within `cap`: never a single token, and never leaving a single
+    token for later (0 if the cap allows neither). ONNX Runtime's GroupQueryAttention computes one query row
+    with MLAS's M=1 kernel, which rounds differently from its multi-row kernel; keeping every prompt token in a
+    chunk of two or more makes its KV and logits independent of how the step budget split the prompt."""
+    if pending <= cap:
+        return pending
+    n = cap if pending - cap >= 2 else cap - 1
+    return n if n >= 2 else 0

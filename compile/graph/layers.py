@@ -6,7 +6,7 @@ outputs. Weights arrive in Hugging Face layout ([out, in] for linears) and are s
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from onnx import TensorProto
@@ -30,6 +30,7 @@ class Ctx:
                                # standard ops + the QsPagedAttention plugin
     max_seq_len: int = 0       # the engine's context (sizes the TensorRT plugin's workspace)
     kv_scales: list[tuple[np.ndarray, np.ndarray]] | None = None  # cpu int8 KV cache: (k, v) scales per layer
+    shared: dict[str, str] = field(default_factory=dict)  # values built once per graph (per-row shapes)
 
     @property
     def act(self) -> type:
@@ -56,8 +57,8 @@ class Ctx:
 def linear(ctx: Ctx, x: str, weight: np.ndarray, bias: np.ndarray | None, name: str) -> str:
     """x @ weight.T (+ bias).   x: [..., in]   weight: [out, in] (HF layout)   → [..., out]
 
-    fp32/fp16: MatMul.  int8: DynamicQuantizeMatMul (per-channel int8 weight, activations quantized per
-    call; VNNI).  int4: MatMulNBits (block-wise, accuracy_level 4).  fp8: DequantizeLinear(e4m3, per
+    fp32/fp16: MatMul.  int8: `row_quantized_matmul` (per-channel int8 weight, activations quantized per row,
+    so batch-invariant).  int4: MatMulNBits (block-wise, accuracy_level 4).  fp8: DequantizeLinear(e4m3, per
     channel) → MatMul, which the runtime folds to fp32 once at load (`session.disable_quant_qdq`).
     """
     b, w = ctx.b, np.asarray(weight, np.float32).T          # [K, N]
@@ -69,14 +70,13 @@ def linear(ctx: Ctx, x: str, weight: np.ndarray, bias: np.ndarray | None, name: 
         y = b.op("MatMul", [x, wq], f"{name}/MatMul")
         return b.op("Add", [y, bias_name], f"{name}/Add") if bias_name else y
     if ctx.precision == "int8":
-        q, scale = int8.quantize(w)
-        ins = [x, b.weight(f"{name}.weight_int8", q), b.weight(f"{name}.weight_scale", scale), "", bias_name]
-        return b.op("DynamicQuantizeMatMul", ins, f"{name}/DynamicQuantizeMatMul", domain=MS_DOMAIN)
+        q, scale = int8.quantize(w, levels=int8.WEIGHT_LEVELS)
+        return row_quantized_matmul(ctx, x, b.weight(f"{name}.weight_int8", q),
+                                    b.weight(f"{name}.weight_scale", scale), w.shape[0], bias_name, name)
     if ctx.precision == "int4":
         packed, scales = int4.quantize(w, ctx.block_size)
-        ins = [x, b.weight(f"{name}.weight_q4", packed), ctx.float_weight(f"{name}.weight_scales", scales), "", "", bias_name]
-        return b.op("MatMulNBits", ins, f"{name}/MatMulNBits", domain=MS_DOMAIN, K=w.shape[0], N=w.shape[1],
-                    bits=4, block_size=ctx.block_size, accuracy_level=4)
+        ins = [b.weight(f"{name}.weight_q4", packed), ctx.float_weight(f"{name}.weight_scales", scales), "", "", bias_name]
+        return nbits_matmul(ctx, x, ins, w.shape[0], w.shape[1], name)
     if ctx.precision == "fp8":
         q, scale = fp8.quantize(w)
         wq = b.op("DequantizeLinear", [b.weight(f"{name}.weight_fp8", q), ctx.float_weight(f"{name}.weight_scale", scale)],
@@ -85,6 +85,62 @@ def linear(ctx: Ctx, x: str, weight: np.ndarray, bias: np.ndarray | None, name: 
         wq = ctx.stored(f"{name}.weight", w)
     y = b.op("MatMul", [x, wq], f"{name}/MatMul")
     return b.op("Add", [y, bias_name], f"{name}/Add") if bias_name else y
+
+
+def row_quantized_matmul(ctx: Ctx, x: str, weight: str, scale: str, k: int, bias: str, name: str,
+                         rows: str = "tokens", output: str | None = None) -> str:
+    """x @ W for int8 weights with the activations quantized row by row, so a row's result never depends on
+    the other rows of the step (DynamicQuantizeMatMul takes one scale for the whole tensor):
+
+        x ─▶ Abs ─▶ ReduceMax(last axis) ─▶ ·1/127 = s                                    [..., 1]
+        x ─▶ QuantizeLinear(s, zero point 128, block = K) ─▶ u8 ─▶ MatMulIntegerToFloat(a_scale = s) (+bias)
+
+    x: [..., K]   weight: [K, N] int8 in ±int8.WEIGHT_LEVELS   scale: [N] per output channel   → [..., N]
+    The integer product is exact (7-bit weights cannot saturate MLAS's int16 pair sums; a u8·u8 kernel would be
+    exact at 8 bits but measured 15 % slower at batch 1) and the scale is row-local, so every row's result is
+    bit-identical whatever else is in the batch. An all-zero row has s = 0 and gives 0.
+    The zero-point tensor has the shape of s, the same for every linear over the same `rows` ("tokens":
+    [B, S]; "logit_rows": the head's [N]), so it is built once per graph (`ctx.shared`).
+    """
+    b, n = ctx.b, f"{name}/RowQuant"
+    zp = b.const(128, np.uint8)
+    amax = b.op("ReduceMax", [b.op("Abs", [x], f"{n}/Abs"), b.const([-1])], f"{n}/ReduceMax", keepdims=1)
+    s = b.op("Mul", [amax, b.const(1 / 127, np.float32)], f"{n}/Scale")                          # [..., 1]
+    key = f"{rows}/zero_point"
+    if key not in ctx.shared:
+        ctx.shared[key] = b.op("Expand", [zp, b.op("Shape", [s], f"{n}/Shape")], f"{n}/ZeroPoint")
+    xq = b.op("QuantizeLinear", [x, s, ctx.shared[key]], f"{n}/QuantizeLinear", axis=-1, block_size=k)
+    return b.node("MatMulIntegerToFloat", [xq, weight, s, scale, zp, ""] + ([bias] if bias else []),
+                  f"{name}/MatMulIntegerToFloat", domain=MS_DOMAIN, outputs=[output] if output else None)[0]
+
+
+def nbits_matmul(ctx: Ctx, x: str, inputs: list[str], k: int, n: int, name: str, rows: str = "tokens",
+                 output: str | None = None) -> str:
+    """MatMulNBits (4-bit, accuracy_level 4) that never sees a single row, so it is batch-invariant:
+
+        x ─▶ Pad(one zero row if the step has one row) ─▶ MatMulNBits ─▶ Slice(drop it)
+
+    x: [B, S, K] (rows "tokens") or [N, K] ("logit_rows").  MLAS computes one row with a GEMV kernel whose
+    rounding differs from its multi-row kernel (every M ≥ 2 agrees bit for bit with every other), so without
+    the pad a request's logits would change with the number of rows beside it. The pad amount and the row
+    count are built once per graph (`ctx.shared`); with two or more rows the pad adds nothing.
+    """
+    b, axis = ctx.b, 1 if rows == "tokens" else 0
+    attrs = dict(domain=MS_DOMAIN, K=k, N=n, bits=4, block_size=ctx.block_size, accuracy_level=4)
+    if ctx.target != "cpu":             # GPU kernels: no GEMV special case to hide
+        return b.node("MatMulNBits", [x] + inputs, f"{name}/MatMulNBits", outputs=[output] if output else None, **attrs)[0]
+    if f"{rows}/pads" not in ctx.shared:
+        shape = b.op("Shape", [x], f"{name}/PadRows/Shape")
+        m = b.op("ReduceProd", [b.op("Slice", [shape, b.const([0]), b.const([axis + 1])], f"{name}/PadRows/Lead")],
+                 f"{name}/PadRows/Rows", keepdims=1)                                                 # [1]: B·S or N
+        pad = b.op("Max", [b.op("Sub", [b.const([2]), m], f"{name}/PadRows/Missing"), b.const([0])], f"{name}/PadRows/Pad")
+        ends = [b.const([0] * (2 * axis + 2)), pad, b.const([0])]      # [begins..., ends...]: pad the end of `axis`
+        ctx.shared[f"{rows}/pads"] = b.op("Concat", ends, f"{name}/PadRows/Pads", axis=0)
+        ctx.shared[f"{rows}/length"] = b.op("Slice", [shape, b.const([axis]), b.const([axis + 1])], f"{name}/PadRows/Length")
+    padded = b.op("Pad", [x, ctx.shared[f"{rows}/pads"]], f"{name}/PadRows")
+    y = b.op("MatMulNBits", [padded] + inputs, f"{name}/MatMulNBits", **attrs)
+    return b.node("Slice", [y, b.const([0]), ctx.shared[f"{rows}/length"], b.const([axis])], f"{name}/UnpadRows",
+                  outputs=[output] if output else None)[0]
 
 
 def _rms_norm_standard(ctx: Ctx, x: str, g: str, name: str) -> str:
@@ -185,7 +241,7 @@ class Embeddings:
 
     float (fp32/fp16, or --embeddings fp32): one table; Gather rows for lookup, Gemm(transB) for the head.
     fp8:  one e4m3 table with per-token scales, dequantized once at load, then as float.
-    int8: one int8 table stored transposed [H, V] with per-token scales: the head is DynamicQuantizeMatMul,
+    int8: one int8 table stored transposed [H, V] with per-token scales: the head is `row_quantized_matmul`,
           the lookup gathers columns (H strided reads per token: cheap) and transposes back.
     int4: one table in MatMulNBits layout [V, H/bs, bs/2] with block scales: the head is MatMulNBits, the
           lookup gathers packed rows and unpacks nibbles in the graph.
@@ -208,7 +264,7 @@ class Embeddings:
                               f"/{name}/DequantizeLinear", axis=0)
             self.mode = "float"
         elif self.mode == "int8":
-            q, scale = int8.quantize(table, axis=1)               # [V, H], [V]
+            q, scale = int8.quantize(table, axis=1, levels=int8.WEIGHT_LEVELS)  # [V, H], [V]
             self.table = b.weight(f"{name}.weight_int8_t", np.ascontiguousarray(q.T))   # [H, V]
             self.scale = b.weight(f"{name}.weight_scale", scale)
         else:
@@ -249,12 +305,11 @@ class Embeddings:
         if self.mode == "float":
             y = b.node("Gemm", [rows, self.table], "/lm_head/Gemm", outputs=out, transB=1)[0]
         elif self.mode == "int8":
-            y = b.node("DynamicQuantizeMatMul", [rows, self.table, self.scale], "/lm_head/DynamicQuantizeMatMul",
-                       domain=MS_DOMAIN, outputs=out)[0]
+            y = row_quantized_matmul(self.ctx, rows, self.table, self.scale, self.hidden, "", "/lm_head",
+                                     "logit_rows", out[0])
         else:
-            y = b.node("MatMulNBits", [rows, self.table, self.scale], "/lm_head/MatMulNBits", domain=MS_DOMAIN,
-                       outputs=out, K=self.hidden, N=self.vocab, bits=4, block_size=self.ctx.block_size,
-                       accuracy_level=4)[0]
+            y = nbits_matmul(self.ctx, rows, [self.table, self.scale], self.hidden, self.vocab, "/lm_head",
+                             "logit_rows", out[0])
         if y == "logits":
             return y
         return b.node("Cast", [y], "/lm_head/Cast", outputs=["logits"], to=TensorProto.FLOAT)[0]
