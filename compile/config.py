@@ -21,6 +21,7 @@ class QuantConfig:
     calib: Path | None = None       # int4: calibration text for the activation-aware (AWQ) scale search
     embeddings: str = "quantized"   # embedding table + LM head: as the weights, or held at "int8" / "fp32"
     eval_file: Path | None = None   # accuracy report text; None: the held-out code text shipped with Quicksilver
+    batch_invariant: bool = True    # cpu int8/int4: a row's result never depends on the other rows of its step
 
     def __post_init__(self):
         if self.embeddings not in EMBEDDINGS:

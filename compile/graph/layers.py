@@ -30,6 +30,7 @@ class Ctx:
                                # standard ops + the QsPagedAttention plugin
     max_seq_len: int = 0       # the engine's context (sizes the TensorRT plugin's workspace)
     kv_scales: list[tuple[np.ndarray, np.ndarray]] | None = None  # cpu int8 KV cache: (k, v) scales per layer
+    batch_invariant: bool = True  # int8/int4 on cpu: row-local activation quantization, no one-row MatMulNBits
     shared: dict[str, str] = field(default_factory=dict)  # values built once per graph (per-row shapes)
 
     @property
@@ -69,6 +70,10 @@ def linear(ctx: Ctx, x: str, weight: np.ndarray, bias: np.ndarray | None, name: 
                   f"{name}/DequantizeLinear", axis=1)
         y = b.op("MatMul", [x, wq], f"{name}/MatMul")
         return b.op("Add", [y, bias_name], f"{name}/Add") if bias_name else y
+    if ctx.precision == "int8" and not ctx.batch_invariant:   # one activation scale per step: faster, not invariant
+        q, scale = int8.quantize(w)
+        ins = [x, b.weight(f"{name}.weight_int8", q), b.weight(f"{name}.weight_scale", scale), "", bias_name]
+        return b.op("DynamicQuantizeMatMul", ins, f"{name}/DynamicQuantizeMatMul", domain=MS_DOMAIN)
     if ctx.precision == "int8":
         q, scale = int8.quantize(w, levels=int8.WEIGHT_LEVELS)
         return row_quantized_matmul(ctx, x, b.weight(f"{name}.weight_int8", q),
@@ -127,7 +132,7 @@ def nbits_matmul(ctx: Ctx, x: str, inputs: list[str], k: int, n: int, name: str,
     """
     b, axis = ctx.b, 1 if rows == "tokens" else 0
     attrs = dict(domain=MS_DOMAIN, K=k, N=n, bits=4, block_size=ctx.block_size, accuracy_level=4)
-    if ctx.target != "cpu":             # GPU kernels: no GEMV special case to hide
+    if ctx.target != "cpu" or not ctx.batch_invariant:     # GPU kernels: no GEMV special case to hide
         return b.node("MatMulNBits", [x] + inputs, f"{name}/MatMulNBits", outputs=[output] if output else None, **attrs)[0]
     if f"{rows}/pads" not in ctx.shared:
         shape = b.op("Shape", [x], f"{name}/PadRows/Shape")
@@ -264,7 +269,7 @@ class Embeddings:
                               f"/{name}/DequantizeLinear", axis=0)
             self.mode = "float"
         elif self.mode == "int8":
-            q, scale = int8.quantize(table, axis=1, levels=int8.WEIGHT_LEVELS)  # [V, H], [V]
+            q, scale = int8.quantize(table, axis=1, levels=int8.WEIGHT_LEVELS if ctx.batch_invariant else 127)
             self.table = b.weight(f"{name}.weight_int8_t", np.ascontiguousarray(q.T))   # [H, V]
             self.scale = b.weight(f"{name}.weight_scale", scale)
         else:
@@ -305,8 +310,12 @@ class Embeddings:
         if self.mode == "float":
             y = b.node("Gemm", [rows, self.table], "/lm_head/Gemm", outputs=out, transB=1)[0]
         elif self.mode == "int8":
-            y = row_quantized_matmul(self.ctx, rows, self.table, self.scale, self.hidden, "", "/lm_head",
-                                     "logit_rows", out[0])
+            if self.ctx.batch_invariant:
+                y = row_quantized_matmul(self.ctx, rows, self.table, self.scale, self.hidden, "", "/lm_head",
+                                         "logit_rows", out[0])
+            else:
+                y = b.node("DynamicQuantizeMatMul", [rows, self.table, self.scale], "/lm_head/DynamicQuantizeMatMul",
+                           domain=MS_DOMAIN, outputs=out)[0]
         else:
             y = nbits_matmul(self.ctx, rows, [self.table, self.scale], self.hidden, self.vocab, "/lm_head",
                              "logit_rows", out[0])

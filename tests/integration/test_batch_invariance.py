@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from compile.build import build
-from compile.config import CompileConfig
+from compile.config import CompileConfig, QuantConfig
 from runtime.config import CacheConfig, EngineConfig, SchedulerConfig
 from runtime.engine import Engine
 from runtime.request import SamplingParams
@@ -30,12 +30,14 @@ def engines(tmp_path_factory):
     """engines(name, precision) → engine folder of the bundled `target` or `draft` (built once per module)."""
     built: dict[tuple[str, str], Path] = {}
 
-    def get(name: str, precision: str) -> Path:
-        if (name, precision) not in built:
+    def get(name: str, precision: str, batch_invariant: bool = True) -> Path:
+        key = (name, precision, batch_invariant)
+        if key not in built:
             out = tmp_path_factory.mktemp("engines") / f"{name}-{precision}"
-            build(CompileConfig(MODELS / name, out, precision, report=False), log=lambda _: None)
-            built[name, precision] = out
-        return built[name, precision]
+            quant = QuantConfig(batch_invariant=batch_invariant)
+            build(CompileConfig(MODELS / name, out, precision, quant=quant, report=False), log=lambda _: None)
+            built[key] = out
+        return built[key]
 
     return get
 
@@ -152,3 +154,15 @@ def test_prefix_hit_equals_miss_inside_a_batch(engines, precision):
     assert warm.kv.stats.hits >= 4
     cold = engine_for(engines("target", precision), cache=CacheConfig(kv_budget_bytes=96 << 20, enable_prefix_cache=False))
     assert_identical(hit, run(cold, ps, joins), f"{precision} prefix hit vs miss")
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_no_batch_invariant_build_depends_on_the_batch(engines, precision):
+    """`--no-batch-invariant` keeps the faster ops this suite exists to avoid: int8's DynamicQuantizeMatMul takes
+    one activation scale for the whole step and int4's MatMulNBits computes a single row with its own GEMV
+    kernel, so the same requests alone and batched get different logits."""
+    eng = engine_for(engines("target", precision, batch_invariant=False))
+    ps = prompts(6, seed=40, hi=60)
+    alone, batched = [run(eng, [p])[0] for p in ps], run(eng, ps)
+    assert any(not np.array_equal(a[1][i], b[1][i]) for a, b in zip(alone, batched) for i in range(len(a[0]))
+               if a[0][:i + 1] == b[0][:i + 1])

@@ -4,7 +4,7 @@ from runtime.config import SchedulerConfig
 from runtime.kv.paged import PagedKVManager
 from runtime.outputs import SchedulePlan
 from runtime.request import Request, SamplingParams
-from runtime.scheduler import Scheduler
+from runtime.scheduler import Scheduler, prompt_chunk
 
 
 def _setup(ratio=4.0):
@@ -65,3 +65,28 @@ def test_a_steady_stream_of_short_prompts_cannot_starve_a_long_one():
     assert "." * (Scheduler.MAX_SAT_OUT + 1) not in runs, runs  # never more than MAX_SAT_OUT steps in a row
     assert runs.count("x") >= 20 // (Scheduler.MAX_SAT_OUT + 1)
     assert long.num_computed > 0
+
+
+def test_prompt_chunks_are_never_a_single_token():
+    """No prompt token is computed in a one-token step (GroupQueryAttention's one-row kernel rounds differently),
+    and no chunk leaves a single token behind; a cap that allows neither schedules nothing."""
+    assert [prompt_chunk(p, c) for p, c in [(5, 8), (5, 5), (5, 4), (5, 3), (5, 2), (5, 1), (2, 1), (3, 2)]] == \
+        [5, 5, 3, 3, 2, 0, 0, 0]
+    for pending in range(2, 40):
+        for cap in range(1, 40):
+            n = prompt_chunk(pending, cap)
+            assert n <= cap and (n == 0 or (n >= 2 and pending - n != 1)), (pending, cap, n)
+            assert n > 0 or cap < 2 or (cap == 2 and pending == 3)
+
+
+def test_prefix_cache_leaves_at_least_two_prompt_tokens_to_compute():
+    """A prompt fully covered by cached blocks still computes its last two tokens (not one)."""
+    kv = PagedKVManager(num_blocks=64, block_size=16, num_slots=2, max_model_len=256)
+    first = Request(list(range(33)), SamplingParams(max_tokens=1), request_id="first")
+    assert kv.allocate(first)
+    first.num_computed = 33
+    kv.cache_computed(first)
+    kv.free(first)
+    again = Request(list(range(33)), SamplingParams(max_tokens=1), request_id="again")
+    assert kv.allocate(again)
+    assert again.num_computed == 16 and again.num_pending == 17      # (33 - 2) // 16 blocks: one, not two
