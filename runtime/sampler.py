@@ -67,13 +67,26 @@ def filtered_probs(logits: np.ndarray, req: Request) -> np.ndarray:
     return probs / probs.sum()
 
 
+def seeded_choice(probs: np.ndarray, seed: int, position: int) -> int:
+    """A draw from `probs` that depends only on (seed, position): the Gumbel-max trick with noise keyed by the
+    request's seed and the token's index in the sequence. Plain decoding, a draft's guess and the target's check
+    of that guess at the same position all use the same noise, so a seeded request gives the same tokens
+    whatever speculation does (how many guesses, accepted or not) — and each token is still an exact sample."""
+    noise = np.random.default_rng(np.random.SeedSequence([seed, position])).gumbel(size=probs.size)
+    with np.errstate(divide="ignore"):
+        return int(np.argmax(np.log(probs) + noise))
+
+
 class Sampler:
-    def __init__(self):
+    def __init__(self, entropy: int | None = None):
+        """`entropy` seeds the draws of unseeded requests (tests); None: fresh from the OS."""
         self._rngs: dict[str, np.random.Generator] = {}
+        self._entropy = np.random.SeedSequence(entropy)
 
     def rng(self, req: Request) -> np.random.Generator:
+        """The generator of an unseeded request (seeded ones draw by position: `seeded_choice`)."""
         if req.request_id not in self._rngs:
-            self._rngs[req.request_id] = np.random.default_rng(req.params.seed)
+            self._rngs[req.request_id] = np.random.default_rng(self._entropy.spawn(1)[0])
         return self._rngs[req.request_id]
 
     def forget(self, req: Request) -> None:
@@ -86,6 +99,8 @@ class Sampler:
             token = int(logits.argmax())
         elif p.greedy:
             token = int(adjust_logits(logits.astype(np.float64), req).argmax())
+        elif p.seed is not None:
+            token = seeded_choice(filtered_probs(logits, req), p.seed, req.num_tokens)
         else:
             probs = filtered_probs(logits, req)
             token = int(self.rng(req).choice(probs.size, p=probs))

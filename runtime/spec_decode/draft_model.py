@@ -14,15 +14,18 @@ import numpy as np
 from ..kv.slots import SlotPool
 from ..model_runner import ModelRunner
 from ..request import Request
-from ..sampler import Sampler, filtered_probs
+from ..sampler import Sampler, filtered_probs, seeded_choice
 from .proposer import Proposal
 
 
-def choose(logits: np.ndarray, req: Request, sampler: Sampler) -> tuple[int, np.ndarray | None]:
-    """A draft guess: the argmax (greedy), or a sample with the distribution it came from (for verification)."""
+def choose(logits: np.ndarray, req: Request, sampler: Sampler, position: int) -> tuple[int, np.ndarray | None]:
+    """A draft guess for the token at `position`: the argmax (greedy), or a sample with the distribution it came
+    from (for verification); seeded requests draw with the noise the target's check will use there."""
     if req.params.greedy:
         return int(logits.argmax()), None
     q = filtered_probs(logits, req)
+    if req.params.seed is not None:
+        return seeded_choice(q, req.params.seed, position), q
     return int(sampler.rng(req).choice(q.size, p=q)), q
 
 
@@ -47,14 +50,14 @@ class DraftModelProposer:
         single = [i for i, r in enumerate(reqs) if r.num_tokens - r.num_computed_draft == 1]
         for i, r in enumerate(reqs):
             if i not in single:
-                t, q = choose(self.catch_up(r, r.num_tokens), r, self.sampler)
+                t, q = choose(self.catch_up(r, r.num_tokens), r, self.sampler, r.num_tokens)
                 tokens[i].append(t)
                 probs[i].append(q)
         if single:
             rows = [(reqs[i].slot, reqs[i].last_token, reqs[i].num_tokens - 1) for i in single]
             for i, row in zip(single, self.runner.decode(self.pool, rows, busy)):
                 reqs[i].num_computed_draft = reqs[i].num_tokens
-                t, q = choose(row, reqs[i], self.sampler)
+                t, q = choose(row, reqs[i], self.sampler, reqs[i].num_tokens)
                 tokens[i].append(t)
                 probs[i].append(q)
         # Further guesses, all sequences that still want more in one batch per step.
@@ -65,7 +68,7 @@ class DraftModelProposer:
             rows = [(reqs[i].slot, tokens[i][-1], reqs[i].num_tokens + k - 1) for i in active]
             for i, row in zip(active, self.runner.decode(self.pool, rows, busy)):
                 reqs[i].num_computed_draft += 1
-                t, q = choose(row, reqs[i], self.sampler)
+                t, q = choose(row, reqs[i], self.sampler, reqs[i].num_tokens + k)
                 tokens[i].append(t)
                 probs[i].append(q)
         return [Proposal(t, None if r.params.greedy else np.stack(p)) for t, p, r in zip(tokens, probs, reqs)]

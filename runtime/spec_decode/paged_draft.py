@@ -48,7 +48,7 @@ class PagedDraftProposer:
             logits = self.feed([reqs[i] for i in active], [feeds[i] for i in active])
             self.step_cost_s = time.perf_counter() - t0
             for i, row in zip(active, logits):
-                t, q = choose(row, reqs[i], self.sampler)
+                t, q = choose(row, reqs[i], self.sampler, reqs[i].num_tokens + k)
                 tokens[i].append(t)
                 probs[i].append(q)
                 feeds[i] = [t]

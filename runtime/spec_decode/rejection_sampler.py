@@ -8,6 +8,11 @@ Given target logits at the γ+1 positions [last token, x1 … xγ] and the propo
   makes the output distribution exactly the target's.
 - bonus token: when all γ are accepted, one more token sampled from the target's last position for free.
 So every verification yields between 1 and γ+1 tokens, distributed exactly as plain decoding would.
+
+Seeded requests verify by coupling instead: the target's token at each position is `seeded_choice` (noise keyed
+by seed and position, as plain decoding draws it), and a guess is accepted when it equals that token. The output
+is then the very tokens plain seeded decoding gives, whatever γ was; the draft guesses with the same noise, so
+it agrees whenever its distribution is close.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..request import Request
-from ..sampler import SampleResult, Sampler, filtered_probs
+from ..sampler import SampleResult, Sampler, filtered_probs, seeded_choice
 from .proposer import Proposal
 
 
@@ -23,9 +28,11 @@ def verify(target_logits: np.ndarray, proposal: Proposal, req: Request, sampler:
     """target_logits [γ+1, vocab] → (emitted tokens, number of proposed tokens accepted)."""
     gamma = len(proposal.tokens)
     emitted: list[SampleResult] = []
-    if req.params.greedy:
+    if req.params.greedy or req.params.seed is not None:
+        start = req.num_tokens
         for i in range(gamma + 1):
-            token = int(target_logits[i].argmax())
+            token = int(target_logits[i].argmax()) if req.params.greedy else \
+                seeded_choice(filtered_probs(target_logits[i], req), req.params.seed, start + i)
             emitted.append(sampler.result(token, target_logits[i], req))
             if i == gamma or token != proposal.tokens[i]:
                 return emitted, i

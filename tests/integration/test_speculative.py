@@ -10,7 +10,7 @@ from compile.errors import ArtifactError
 from runtime.config import CacheConfig, EngineConfig, SchedulerConfig
 from runtime.engine import Engine
 from runtime.request import Request, SamplingParams
-from runtime.sampler import Sampler
+from runtime.sampler import Sampler, seeded_choice
 from runtime.spec_decode import rejection_sampler
 from runtime.spec_decode.ngram import NgramProposer
 from runtime.spec_decode.proposer import Proposal
@@ -67,7 +67,7 @@ def test_rejection_sampling_preserves_target_distribution():
     """First emitted token over 20,000 trials is distributed as the target's p, whatever the draft's q."""
     p_logits = np.log(np.array([0.5, 0.2, 0.15, 0.1, 0.05]))
     q = np.array([0.1, 0.1, 0.6, 0.1, 0.1])
-    sampler, req = Sampler(), Request([0], SamplingParams(temperature=1.0, seed=3))
+    sampler, req = Sampler(entropy=3), Request([0], SamplingParams(temperature=1.0))
     rng = np.random.default_rng(0)
     counts = np.zeros(5)
     for _ in range(20000):
@@ -79,16 +79,35 @@ def test_rejection_sampling_preserves_target_distribution():
     assert chi2 < 18.5, chi2          # p ≈ 0.001 for 4 degrees of freedom
 
 
+def test_seeded_verification_is_plain_seeded_sampling():
+    """Seeded requests verify by coupling: over 20,000 seeds the emitted first token is distributed as p (it is
+    seeded_choice from p), and it is exactly the token plain seeded sampling draws at that position."""
+    p_logits = np.log(np.array([0.5, 0.2, 0.15, 0.1, 0.05]))
+    q = np.array([0.1, 0.1, 0.6, 0.1, 0.1])
+    sampler, counts, accepted = Sampler(), np.zeros(5), 0
+    for seed in range(20000):
+        req = Request([0], SamplingParams(temperature=1.0, seed=seed))
+        guess = seeded_choice(q, seed, req.num_tokens)
+        emitted, n = rejection_sampler.verify(np.stack([p_logits, p_logits]), Proposal([guess], q[None]), req, sampler)
+        assert emitted[0].token == sampler.sample(p_logits, req).token
+        counts[emitted[0].token] += 1
+        accepted += n
+    expected = np.exp(p_logits) * 20000
+    assert ((counts - expected) ** 2 / expected).sum() < 18.5
+    assert 0.2 < accepted / 20000 < 0.45           # the coupling accepts when both draws agree (Σ min(p, q) = 0.4)
+
+
 def test_sampled_speculation_matches_plain_sampling_statistics(engine):
-    """End to end with temperature: the first generated token's frequencies agree with plain sampling."""
+    """End to end with temperature (unseeded, so verification is rejection sampling): the second generated
+    token's frequencies agree with plain sampling."""
     target, prompt = engine("llama"), prompts(1, seed=30)[0]
     draws = {"plain": [], "spec": []}
     plain = Engine(target, EngineConfig(SchedulerConfig(max_num_seqs=16), CACHE))
     spec = spec_engine(target, engine("qwen2"), max_num_seqs=16, gamma=3)
     for name, eng in (("plain", plain), ("spec", spec)):
         for seed in range(0, 600, 16):
-            outs = eng.generate([prompt] * 16, [SamplingParams(max_tokens=3, temperature=1.0, top_k=4, seed=seed + i,
-                                                               ignore_eos=True) for i in range(16)])
+            outs = eng.generate([prompt] * 16, [SamplingParams(max_tokens=3, temperature=1.0, top_k=4, ignore_eos=True)
+                                                for _ in range(16)])     # unseeded: rejection sampling
             draws[name] += [o["token_ids"][1] for o in outs]
     # Compare the second token's empirical distributions (it goes through verification) by total variation.
     vocab = max(max(draws["plain"]), max(draws["spec"])) + 1
@@ -152,3 +171,20 @@ def test_logit_bias_requests_decode_plainly_beside_speculating_ones(engine):
     assert out[1]["usage"].spec_accepted > 0
     assert_same_greedy(out[1], run_all(Engine(target, EngineConfig(SchedulerConfig(), CACHE)), items[1:])[0])
     assert_no_leaks(eng)
+
+
+def test_seeded_sampling_gives_the_same_tokens_with_or_without_speculation(engine):
+    """A seeded request draws every token from noise keyed by (seed, position), so speculation — any γ, a poor
+    draft, a perfect one, prompt lookup, other requests joining — gives exactly the tokens plain decoding gives."""
+    target = engine("llama")
+    ps = [p * 3 for p in prompts(6, seed=50)]            # repeats give prompt lookup something to find
+    items = [(p, SamplingParams(max_tokens=24, temperature=0.8, top_p=0.95, seed=100 + i, ignore_eos=True))
+             for i, p in enumerate(ps)]
+    plain = [o["token_ids"] for o in run_all(Engine(target, EngineConfig(SchedulerConfig(max_num_seqs=6), CACHE)), items)]
+    assert len({tuple(t) for t in plain}) == len(plain)
+    for draft, method, gamma in ((engine("qwen2"), "draft", 4), (target, "draft", 2), (None, "ngram", 3)):
+        for joins in ([0] * 6, [0, 1, 1, 4, 6, 9]):
+            eng = spec_engine(target, draft, method, gamma=gamma, max_num_seqs=6)
+            assert [o["token_ids"] for o in run_all(eng, items, join_steps=joins)] == plain, (method, gamma, joins)
+            assert eng.speculator.stats.proposed > 0 or method == "ngram"   # sampled text rarely repeats itself
+            assert_no_leaks(eng)

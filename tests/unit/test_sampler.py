@@ -15,15 +15,31 @@ def req(**kw):
 
 
 def test_sampling_distribution_matches_softmax():
-    """Chi-square test of 20,000 draws at temperature 0.7 against softmax(logits / 0.7)."""
-    sampler, r = Sampler(), req(temperature=0.7, seed=0)
-    counts = np.bincount([sampler.sample(LOGITS, r).token for _ in range(20000)], minlength=6)
+    """Chi-square test of 20,000 draws at temperature 0.7 against softmax(logits / 0.7): an unseeded request's
+    successive draws, and seeded requests' draws over 20,000 seeds (one draw per (seed, position))."""
+    sampler, r = Sampler(entropy=0), req(temperature=0.7)
     p = np.exp(LOGITS / 0.7 - (LOGITS / 0.7).max())
     p /= p.sum()
     expected = p * 20000
     mask = expected > 5
-    chi2 = (((counts - expected) ** 2)[mask] / expected[mask]).sum()
-    assert chi2 < 20.5, chi2            # p ≈ 0.001 for 5 degrees of freedom
+    for tokens in ([sampler.sample(LOGITS, r).token for _ in range(20000)],
+                   [sampler.sample(LOGITS, req(temperature=0.7, seed=s)).token for s in range(20000)]):
+        counts = np.bincount(tokens, minlength=6)
+        chi2 = (((counts - expected) ** 2)[mask] / expected[mask]).sum()
+        assert chi2 < 20.5, chi2            # p ≈ 0.001 for 5 degrees of freedom
+
+
+def test_seeded_draws_depend_on_seed_and_position_only():
+    """Same seed and position → same token, in any sampler, after any other draws; the position changes it."""
+    a, b = Sampler(), Sampler()
+    r = req(temperature=1.0, seed=7)
+    first = a.sample(LOGITS, r).token
+    assert all(a.sample(LOGITS, r).token == first for _ in range(20)) and b.sample(LOGITS, r).token == first
+    draws = set()
+    for n in range(1, 40):
+        r.output_ids = [0] * n                    # later positions of the same request
+        draws.add(a.sample(LOGITS, r).token)
+    assert len(draws) > 1
 
 
 def test_filters():
