@@ -14,6 +14,8 @@ from runtime.engine import Engine
 from runtime.request import SamplingParams
 from runtime.spec_decode.speculator import SpecConfig
 
+from test_engine import assert_same_greedy_across_attention_kernels, run_all
+
 MODELS = Path(__file__).resolve().parents[2] / "models"
 pytestmark = pytest.mark.skipif(not (MODELS / "target" / "config.json").is_file(), reason="bundled models not present")
 PROMPTS = ["def fibonacci(n):\n", "class Stack:\n    def __init__(self):\n", "import os\n\n\ndef list_files(path):\n",
@@ -45,13 +47,14 @@ def test_int8_accuracy_report(bundled):
 
 
 def test_bundled_pair_speculation_is_exact_and_accepts(bundled):
-    params = SamplingParams(max_tokens=48, ignore_eos=True)
-    plain = Engine(bundled["target"], EngineConfig(SchedulerConfig(max_num_seqs=5), CACHE)).generate(PROMPTS, params)
+    """Every prompt: speculative greedy tokens equal plain greedy (token for token; where an int8 engine's tokens
+    part it must be a proven near-tie within the one-row attention kernel's bound, see test_batch_invariance)."""
+    items = [(p, SamplingParams(max_tokens=48, ignore_eos=True, logprobs=2)) for p in PROMPTS]
+    plain = run_all(Engine(bundled["target"], EngineConfig(SchedulerConfig(max_num_seqs=5), CACHE)), items)
     eng = Engine(bundled["target"], EngineConfig(SchedulerConfig(max_num_seqs=5), CACHE, SpecConfig(adaptive=False, max_gamma=4),
                                                  draft=bundled["draft"], speculation="draft"))
-    spec = eng.generate(PROMPTS, params)
-    same = sum(a["token_ids"] == b["token_ids"] for a, b in zip(plain, spec))
-    assert same >= len(PROMPTS) - 1          # batched kernels may flip one near-tie; see test_engine
+    for a, b in zip(plain, run_all(eng, items)):
+        assert_same_greedy_across_attention_kernels(a, b, bound=0.5)
     s = eng.speculator.stats
     assert s.accepted / s.proposed > 0.4
 

@@ -26,15 +26,32 @@ def prompts(n, seed=0):
     return [rng.integers(3, 500, int(rng.integers(4, 90))).tolist() for _ in range(n)]
 
 
+# GroupQueryAttention computes one query row (decode) and several (prompt chunks, verification, recompute after
+# preemption) with different MLAS kernels; at fp32 the logits of the two differ by less than this
+# (tests/integration/test_batch_invariance.py names it). Everything else is bit-identical.
+ONE_ROW_ATTENTION_BOUND = 3e-5
+
+
 def assert_same_greedy(a, b):
-    """Identical tokens, or identical up to a near-tie of the top-2 logits (batched kernels may differ in the
-    last bits); after such a tie the continuations legitimately diverge."""
-    for i, (x, y) in enumerate(zip(a["token_ids"], b["token_ids"])):
-        if x != y:
-            top = a["logprobs"][i]["top"]
-            assert abs(top[0][1] - top[1][1]) < 1e-4, f"tokens differ at {i} without a near-tie"
-            return
-    assert len(a["token_ids"]) == len(b["token_ids"])
+    """Bit-identical: the same token ids and the same log-probabilities at every position."""
+    assert a["token_ids"] == b["token_ids"]
+    assert a["logprobs"] == b["logprobs"]
+
+
+def assert_same_greedy_across_attention_kernels(a, b, bound=ONE_ROW_ATTENTION_BOUND):
+    """For runs where some tokens went through one-row attention in one and several-row attention in the other
+    (speculative verification, recompute after preemption): the same tokens with log-probabilities within the
+    kernels' bound. If the tokens part, it must be at a proven near-tie (a's top two within the bound)."""
+    ta, tb = a["token_ids"], b["token_ids"]
+    part = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), None)
+    for i in range(len(ta) if part is None else part + 1):
+        (la, lb) = (a["logprobs"][i]["top"], b["logprobs"][i]["top"])
+        assert abs(la[0][1] - lb[0][1]) <= bound, f"log-probabilities differ beyond the bound at {i}"
+    if part is None:
+        assert len(ta) == len(tb)
+    else:
+        top = a["logprobs"][part]["top"]
+        assert top[0][1] - top[1][1] <= 2 * bound, f"tokens differ at {part} without a near-tie"
 
 
 def run_all(engine, items, join_steps=None):
@@ -67,12 +84,20 @@ def assert_no_leaks(engine):
 
 @pytest.mark.parametrize("name,kv_cache", [("llama", "fp32"), ("qwen2", "fp32"), ("llama", "int8")])
 def test_batch_invariance(engine, name, kv_cache):
-    eng = make(engine(name, kv_cache=kv_cache), max_num_seqs=8)
-    items = [(p, GREEDY) for p in prompts(8)]
-    alone = [run_all(eng, [item])[0] for item in items]
-    batched = run_all(eng, items, join_steps=[0, 0, 1, 3, 5, 8, 13, 20])
-    for a, b in zip(alone, batched):
-        assert_same_greedy(a, b)
+    """Alone vs batched on one engine: bit-identical without a prefix cache. With it, the batched run finds the
+    alone runs' blocks and computes only each prompt's rest; at these test models' head_dim of 16,
+    GroupQueryAttention's GEMMs round differently by chunk shape (head_dim 64 and 128 do not: the bundled target
+    is checked bitwise in test_batch_invariance.py), so there the one-row bound applies."""
+    for cache in (CacheConfig(kv_budget_bytes=32 << 20, enable_prefix_cache=False), BUDGET):
+        eng = make(engine(name, kv_cache=kv_cache), max_num_seqs=8, cache=cache)
+        items = [(p, GREEDY) for p in prompts(8)]
+        alone = [run_all(eng, [item])[0] for item in items]
+        batched = run_all(eng, items, join_steps=[0, 0, 1, 3, 5, 8, 13, 20])
+        for a, b in zip(alone, batched):
+            if cache.enable_prefix_cache:
+                assert_same_greedy_across_attention_kernels(a, b)
+            else:
+                assert_same_greedy(a, b)
     assert_no_leaks(eng)
 
 
@@ -117,8 +142,8 @@ def test_preemption_and_resume(engine):
             results[out.request_id]["token_ids"] += out.token_ids
             results[out.request_id]["logprobs"] += out.logprobs or []
     assert eng.stats.preemptions >= 1
-    for req, a in zip(reqs, alone):
-        assert_same_greedy(a, results[req.request_id])
+    for req, a in zip(reqs, alone):       # the preempted request recomputes its outputs as a prompt chunk
+        assert_same_greedy_across_attention_kernels(a, results[req.request_id])
     assert_no_leaks(eng)
 
 

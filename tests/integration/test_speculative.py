@@ -16,7 +16,8 @@ from runtime.spec_decode.ngram import NgramProposer
 from runtime.spec_decode.proposer import Proposal
 from runtime.spec_decode.speculator import SpecConfig, expected_tokens
 
-from test_engine import GREEDY, assert_no_leaks, assert_same_greedy, prompts, run_all
+from test_engine import GREEDY, assert_no_leaks, assert_same_greedy_across_attention_kernels as assert_same_greedy, \
+    prompts, run_all
 
 CACHE = CacheConfig(kv_budget_bytes=32 << 20)
 
@@ -169,7 +170,7 @@ def test_logit_bias_requests_decode_plainly_beside_speculating_ones(engine):
     out = run_all(eng, items)
     assert out[0]["token_ids"] == [7] * 12 and out[0]["usage"].spec_proposed == 0
     assert out[1]["usage"].spec_accepted > 0
-    assert_same_greedy(out[1], run_all(Engine(target, EngineConfig(SchedulerConfig(), CACHE)), items[1:])[0])
+    assert_same_greedy(run_all(Engine(target, EngineConfig(SchedulerConfig(), CACHE)), items[1:])[0], out[1])
     assert_no_leaks(eng)
 
 
