@@ -30,6 +30,7 @@ class _Submit:
     queue: asyncio.Queue
     loop: asyncio.AbstractEventLoop
     accepted: asyncio.Future
+    engine_id: str | None = None       # set by the loop thread once the engine took it
 
 
 class AsyncEngine:
@@ -51,9 +52,9 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         sub = _Submit(prompt, params or SamplingParams(), request_id, priority, asyncio.Queue(), loop, loop.create_future())
         self._post(sub)
-        rid = await sub.accepted
         finished = False
         try:
+            await sub.accepted
             while True:
                 out = await sub.queue.get()
                 yield out
@@ -61,8 +62,8 @@ class AsyncEngine:
                     finished = True
                     return
         finally:
-            if not finished:
-                self.abort(rid)
+            if not finished:          # also when the caller gave up before the engine took the request
+                self._post(("cancel", sub))
 
     def abort(self, request_id: str) -> None:
         self._post(("abort", request_id))
@@ -101,12 +102,15 @@ class AsyncEngine:
                 except Exception as e:  # InvalidRequest / EngineOverloaded reach the caller as exceptions
                     item.loop.call_soon_threadsafe(_set_exception, item.accepted, e)
                     continue
+                item.engine_id = req.request_id
                 self._queues[req.request_id] = (item.queue, item.loop)
                 item.loop.call_soon_threadsafe(_set_result, item.accepted, req.request_id)
-            else:                      # ("abort", request id)
-                out = self.engine.abort(item[1])
-                if out is not None:
-                    self._deliver(out)
+                continue
+            kind, target = item   # ("abort", request id) | ("cancel", _Submit): the inbox is FIFO, so a cancel
+            rid = target if kind == "abort" else target.engine_id    # always follows its submit's handling
+            out = self.engine.abort(rid) if rid else None
+            if out is not None:
+                self._deliver(out)
 
     def _loop(self) -> None:
         while True:
@@ -124,7 +128,10 @@ class AsyncEngine:
             for out in outputs:
                 self._deliver(out)
             if self.on_step is not None:
-                self.on_step(self.engine)
+                try:
+                    self.on_step(self.engine)
+                except Exception:     # metrics must never stop the engine
+                    log.exception("on_step callback failed")
 
 
 def _set_result(fut: asyncio.Future, value) -> None:

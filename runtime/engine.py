@@ -7,6 +7,7 @@ The Engine is single-threaded by design (AsyncEngine runs it on one loop thread)
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +33,10 @@ from .spec_decode.paged_draft import PagedDraftProposer
 from .spec_decode.speculator import Speculator
 
 
+log = logging.getLogger("quicksilver.engine")
+MIN_PRIORITY, MAX_PRIORITY = -100, 100      # the engine's range; servers cap it further per caller
+
+
 class EngineOverloaded(RuntimeError):
     """The waiting queue is full: retry later."""
 
@@ -55,6 +60,7 @@ class EngineStats:
     last_step_s: float = 0.0
     last_batch: int = 0
     last_step_prefill: bool = False
+    failed_steps: int = 0
 
 
 class Engine:
@@ -161,9 +167,15 @@ class Engine:
                                  f"context length of {self.max_model_len} tokens")
         if request_id and request_id in self.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
+        if not MIN_PRIORITY <= priority <= MAX_PRIORITY:
+            raise InvalidRequest(f"priority must be an integer in [{MIN_PRIORITY}, {MAX_PRIORITY}], not {priority}")
         if self.scheduler.num_waiting >= self.config.scheduler.max_waiting:
             raise EngineOverloaded(f"{self.scheduler.num_waiting} requests are already waiting")
         req = Request([int(t) for t in ids], params, request_id, priority)
+        if self.paged and not self.kv.can_ever_fit(req):
+            raise InvalidRequest(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) needs more KV blocks "
+                                 f"than the cache has ({self.kv.blocks.num_blocks} × {self.kv.block_size} tokens); "
+                                 "lower max_tokens or raise the KV budget")
         self.requests[req.request_id] = req
         self._streams[req.request_id] = _Stream(IncrementalDetokenizer(self.tokenizer, req.prompt_ids),
                                                 StopStringFilter(params.stop))
@@ -178,12 +190,16 @@ class Engine:
         return self._finish(req, "abort")
 
     def fail_all(self, message: str) -> list[RequestOutput]:
-        """End every request with an error (after an internal failure), freeing their KV."""
+        """End every request with an error (after a failure outside a step's execution), freeing their KV."""
+        return self._fail(list(self.requests.values()), message)
+
+    def _fail(self, reqs: list[Request], message: str) -> list[RequestOutput]:
         outs = []
-        for req in list(self.requests.values()):
-            out = self._finish(req, "error")
-            out.error = message
-            outs.append(out)
+        for req in reqs:
+            if req.request_id in self.requests:
+                out = self._finish(req, "error")
+                out.error = message
+                outs.append(out)
         return outs
 
     def has_work(self) -> bool:
@@ -197,8 +213,12 @@ class Engine:
         self.stats.preemptions += len(plan.preempted)
         if not plan:
             return []
-        logits = self._execute(plan)
-        outputs = self._update(plan, logits)
+        try:
+            outputs = self._update(plan, self._execute(plan))
+        except Exception as e:      # a failed run fails the requests it carried; the others keep running
+            log.exception("engine step failed")
+            self.stats.failed_steps += 1
+            return self._fail(plan.decodes + [r for r, _ in plan.chunks], f"internal error: {type(e).__name__}: {e}")
         self.stats.steps += 1
         self.stats.last_step_s, self.stats.last_batch = time.perf_counter() - t0, len(plan.decodes) + len(plan.chunks)
         self.scheduler.observe(plan, self.stats.last_step_s)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import secrets
 import time
 from dataclasses import dataclass, field
 
@@ -101,8 +102,8 @@ class Request:
     finish_time: float | None = None
 
     def __post_init__(self):
-        if not self.request_id:
-            self.request_id = f"req-{self.seq_no}"
+        if not self.request_id:     # unguessable: a client cannot name (or collide with) another client's request
+            self.request_id = f"req-{secrets.token_hex(12)}"
 
     @property
     def all_ids(self) -> list[int]:

@@ -137,8 +137,7 @@ class PagedKVManager:
         table = self.blocks.acquire_prefix(self._keys_for(req), req.all_ids, max(0, req.num_tokens - 2) // bs)
         self._tables[req.request_id] = table
         self._registered[req.request_id] = hits = len(table)
-        worst = req.num_tokens + max(0, req.params.max_tokens - len(req.output_ids))
-        if not self.reserve(req, min(worst, self.max_model_len) if self.max_model_len else req.num_tokens):
+        if not self.reserve(req, self.worst_case_tokens(req)):
             self.free(req)
             return False
         req.slot = heapq.heappop(self._free_slots)
@@ -146,6 +145,15 @@ class PagedKVManager:
         self.stats.queries += len(req.prompt_ids)
         self.stats.hits += min(req.num_computed, len(req.prompt_ids))
         return True
+
+    def worst_case_tokens(self, req: Request) -> int:
+        """Tokens `req` reserves blocks for at admission: prompt + max_tokens, capped by the context."""
+        worst = req.num_tokens + max(0, req.params.max_tokens - len(req.output_ids))
+        return min(worst, self.max_model_len) if self.max_model_len else req.num_tokens
+
+    def can_ever_fit(self, req: Request) -> bool:
+        """Whether the whole pool could hold `req`'s reservation (else it would wait at the head forever)."""
+        return -(-self.worst_case_tokens(req) // self.block_size) <= self.blocks.num_blocks
 
     def reserve(self, req: Request, num_tokens: int) -> bool:
         """Make sure `req` owns blocks for its first `num_tokens` tokens; False (nothing taken) if the pool

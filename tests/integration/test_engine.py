@@ -253,3 +253,83 @@ def test_int8_kv_cache_holds_four_times_the_sequences_in_the_same_budget(engine)
     out = run_all(engines["int8"], [(p, GREEDY) for p in prompts(3, seed=9)])
     assert all(len(r["token_ids"]) == GREEDY.max_tokens for r in out)
     assert_no_leaks(engines["int8"])
+
+
+def test_failed_step_fails_its_requests_and_keeps_the_others(engine):
+    """A run that raises ends the requests it carried with finish_reason "error" and the reason (it used to
+    propagate, and the loop then failed every request, queued ones included); a request that was not in that
+    step runs to its normal end afterwards, and nothing leaks."""
+    eng = make(engine("llama"), max_num_seqs=2)
+    running = eng.add_request(prompts(1, seed=60)[0], SamplingParams(max_tokens=12, ignore_eos=True))
+    eng.step()                                                   # prefills alone, then decodes in every step
+    prefill, poison = eng.runner.prefill, 77
+
+    def failing_prefill(pool, slot, tokens, start, *args, **kwargs):
+        if poison in tokens:
+            raise RuntimeError("simulated ONNX Runtime failure")
+        return prefill(pool, slot, tokens, start, *args, **kwargs)
+
+    eng.runner.prefill = failing_prefill
+    bad = eng.add_request([5, 6, poison, 8], SamplingParams(max_tokens=12))
+    queued = eng.add_request(prompts(1, seed=61)[0], SamplingParams(max_tokens=6, ignore_eos=True))  # no slot yet
+    outs = {o.request_id: o for o in eng.step()}
+    for req in (bad, running):                                   # the step carried both
+        assert outs[req.request_id].finish_reason == "error"
+        assert "simulated ONNX Runtime failure" in outs[req.request_id].error
+    assert queued.request_id not in outs and eng.stats.failed_steps == 1
+    while eng.has_work():
+        for o in eng.step():
+            assert o.request_id == queued.request_id and o.error is None
+    assert queued.finish_reason == "length" and len(queued.output_ids) == 6
+    assert_no_leaks(eng)
+
+
+def test_engine_ids_are_unguessable_and_priorities_bounded(engine):
+    eng = make(engine("llama"))
+    ids = {eng.add_request([5, 6, 7], SamplingParams(max_tokens=1)).request_id for _ in range(50)}
+    assert len(ids) == 50 and all(len(i.removeprefix("req-")) == 24 for i in ids)   # 96 random bits, no counter
+    for bad in (-101, 101):
+        with pytest.raises(InvalidRequest, match="priority"):
+            eng.add_request([5, 6, 7], SamplingParams(max_tokens=1), priority=bad)
+    while eng.has_work():
+        eng.step()
+
+
+def test_async_client_that_gives_up_before_admission_is_aborted(engine):
+    """A client whose deadline ends while a long step holds the engine (its request still in the inbox) used to
+    leave the request admitted and decoding to max_tokens; now it is aborted as soon as the engine takes it."""
+    import time
+
+    eng = make(engine("llama"), max_num_seqs=4)
+    prefill = eng.runner.prefill
+
+    def slow_prefill(*args, **kwargs):
+        time.sleep(0.3)
+        return prefill(*args, **kwargs)
+
+    eng.runner.prefill = slow_prefill
+    steps_seen = []
+    aeng = AsyncEngine(eng, on_step=lambda e: steps_seen.append(1) or (_ for _ in ()).throw(RuntimeError("metrics bug")))
+
+    async def main():
+        async def consume(prompt, max_tokens):
+            out = []
+            async for o in aeng.generate(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True)):
+                out += o.token_ids
+            return out
+
+        slow = asyncio.create_task(consume(prompts(1, seed=61)[0], 4))
+        await asyncio.sleep(0.05)                            # the slow prefill is running
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(consume(prompts(1, seed=62)[0], 200), timeout=0.05)
+        return await slow
+
+    try:
+        assert len(asyncio.run(main())) == 4                 # on_step raised every step: the loop kept serving
+        deadline = time.monotonic() + 10
+        while (eng.has_work() or eng.requests) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert eng.stats.generation_tokens < 4 + 200 and steps_seen
+        assert_no_leaks(eng)
+    finally:
+        aeng.shutdown()

@@ -276,3 +276,22 @@ def test_tensorrt_graph_is_standard_ops_plus_plugin_and_matches_reference(checkp
     ref = ReferenceModel(read_spec(ckpt), CheckpointReader(ckpt)).forward(prompt.tolist())
     assert np.abs(logits - ref).max() <= tolerance * np.abs(ref).max()
     assert (logits.argmax(-1) == ref.argmax(-1)).mean() >= 0.8
+
+
+def test_paged_request_that_can_never_fit_is_refused_at_admission(cpu_runnable):
+    """A request whose reservation exceeds the whole block pool used to wait at the head of the queue forever
+    (blocking everyone behind it); now it is refused at once, and a fitting one behind it runs."""
+    from runtime.config import CacheConfig, EngineConfig
+    from runtime.engine import Engine
+    from runtime.request import InvalidRequest, SamplingParams
+
+    eng = Engine(cpu_runnable, EngineConfig(cache=CacheConfig(kv_budget_bytes=1 << 16, block_size=4),
+                                            providers=("CPUExecutionProvider",),
+                                            custom_ops_library=get_library_path(), verify_artifact=False))
+    capacity = eng.kv.blocks.num_blocks * eng.kv.block_size
+    assert capacity + 1 < eng.max_model_len - 20
+    with pytest.raises(InvalidRequest, match="more KV blocks than the cache has"):
+        eng.add_request(list(range(5, 25)), SamplingParams(max_tokens=capacity))
+    assert not eng.has_work()
+    out = eng.generate([list(range(5, 25))], SamplingParams(max_tokens=4, ignore_eos=True))[0]
+    assert len(out["token_ids"]) == 4
