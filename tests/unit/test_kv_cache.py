@@ -1,0 +1,72 @@
+"""The prefix cache's bookkeeping, exactly: BlockPool reference counts and LRU eviction order, hash-collision
+safety, and KVCacheManager's copies between slots and blocks (what is copied, where, for target and draft)."""
+
+import numpy as np
+import pytest
+
+from runtime.kv.block_pool import BlockPool
+from runtime.kv.manager import KVCacheManager, KVLayout
+from runtime.request import Request, SamplingParams
+
+
+def test_block_pool_refcounts_and_lru_eviction_order():
+    pool = BlockPool([], num_blocks=3, block_size=2)
+    a = pool.allocate(101, 0, (1, 2))
+    b = pool.allocate(102, 101, (3, 4))
+    c = pool.allocate(103, 0, (5, 6))
+    assert (a, b, c) == (0, 1, 2) and pool.allocate() is None and pool.num_in_use == 3
+    pool.acquire(a)                                      # a second holder
+    assert pool.ref == [2, 1, 1]
+    for blk in (c, b, a, a):                             # released in the order c, b, a: evicted in that order
+        pool.release(blk)
+    assert pool.ref == [0, 0, 0] and list(pool.free) == [c, b, a]
+    assert pool.lookup(102, 101, (3, 4)) == b            # released blocks keep their contents and stay findable
+    assert pool.acquire_prefix([101, 102], [1, 2, 3, 4], limit=2) == [a, b]   # a hit takes them off the free queue
+    assert list(pool.free) == [c] and pool.ref == [1, 1, 0]
+    d = pool.allocate(104, 0, (7, 8))                    # the only free block: c is evicted
+    assert d == c and pool.evictions == 1 and pool.lookup(103, 0, (5, 6)) is None
+    pool.release(d)
+    with pytest.raises(AssertionError, match="released more often"):
+        pool.release(d)
+
+
+def test_block_pool_never_returns_a_colliding_block():
+    pool = BlockPool([], num_blocks=2, block_size=2)
+    blk = pool.allocate(7, 0, (1, 2))
+    assert pool.lookup(7, 0, (1, 3)) is None and pool.lookup(7, 5, (1, 2)) is None and pool.lookup(7, 0, (1, 2)) == blk
+    assert not pool.register(pool.allocate(), 7, 0, (9, 9))      # a key is held by one block only
+    assert pool.acquire_prefix([7], [1, 3], limit=1) == []
+
+
+def test_manager_copies_blocks_out_of_and_into_slots_for_every_model():
+    target, draft = KVLayout(num_layers=2, kv_heads=2, head_dim=3), KVLayout(num_layers=1, kv_heads=1, head_dim=4)
+    kv = KVCacheManager([target, draft], num_slots=2, slot_capacity=16, num_blocks=4, block_size=4)
+    first = Request(list(range(10, 21)), SamplingParams(max_tokens=1), request_id="first")     # 11 tokens
+    assert kv.allocate(first) and first.num_computed == 0
+    rng = np.random.default_rng(0)
+    for pool in kv.pools:                                # "compute" the slot's KV: random rows
+        for arr in pool.keys + pool.values:
+            arr[first.slot] = rng.standard_normal(arr[first.slot].shape)
+    first.num_computed = first.num_computed_draft = 11
+    kv.cache_computed(first)                             # two full blocks of 4: rows [0, 8)
+    assert kv.blocks.num_in_use == 2
+    for j, (pool, layer) in enumerate(kv._layers):
+        for blocks, slots in ((kv.blocks.keys, pool.keys), (kv.blocks.values, pool.values)):
+            for i, blk in enumerate(kv._held["first"]):
+                np.testing.assert_array_equal(blocks[j][blk], slots[layer][first.slot, :, 4 * i:4 * i + 4])
+    kv.free(first)
+    second = Request(list(range(10, 20)) + [99, 98], SamplingParams(max_tokens=1), request_id="second")
+    assert kv.allocate(second) and second.num_computed == second.num_computed_draft == 8
+    assert second.slot == 0                              # the lowest free slot: the one `first` had
+    for pool in kv.pools:                                # wipe, then the hit copies rows [0, 8) back in
+        for arr in pool.keys + pool.values:
+            arr[second.slot] = 0
+    kv._copy_in(second.slot, kv._held["second"])
+    for j, (pool, layer) in enumerate(kv._layers):
+        for blocks, slots in ((kv.blocks.keys, pool.keys), (kv.blocks.values, pool.values)):
+            got = slots[layer][second.slot]
+            for i, blk in enumerate(kv._held["second"]):
+                np.testing.assert_array_equal(got[:, 4 * i:4 * i + 4], blocks[j][blk])
+            assert not got[:, 8:].any()                  # nothing past the hit
+    kv.free(second)
+    assert kv.blocks.num_in_use == 0 and kv.num_free_slots == 2
