@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -27,6 +28,7 @@ class _Submit:
     params: SamplingParams
     request_id: str
     priority: int
+    arrival: float                     # when the caller received the request (time.monotonic)
     queue: asyncio.Queue
     loop: asyncio.AbstractEventLoop
     accepted: asyncio.Future
@@ -46,11 +48,14 @@ class AsyncEngine:
 
     # -- caller side (any thread / event loop) ----------------------------------------------------
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str = "",
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, arrival: float | None = None) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; raises InvalidRequest / EngineOverloaded before the first one.
-        Closing the iterator early (client gone, cancellation) aborts the request and frees its KV."""
+        Closing the iterator early (client gone, cancellation) aborts the request and frees its KV. TTFT counts
+        from `arrival` (time.monotonic when the transport received it), by default from this call: the inbox wait
+        and tokenization are part of what the client waits for."""
         loop = asyncio.get_running_loop()
-        sub = _Submit(prompt, params or SamplingParams(), request_id, priority, asyncio.Queue(), loop, loop.create_future())
+        sub = _Submit(prompt, params or SamplingParams(), request_id, priority,
+                      time.monotonic() if arrival is None else arrival, asyncio.Queue(), loop, loop.create_future())
         self._post(sub)
         finished = False
         try:
@@ -98,7 +103,8 @@ class AsyncEngine:
         for item in items:
             if isinstance(item, _Submit):
                 try:
-                    req = self.engine.add_request(item.prompt, item.params, item.request_id, item.priority)
+                    req = self.engine.add_request(item.prompt, item.params, item.request_id, item.priority,
+                                                  item.arrival)
                 except Exception as e:  # InvalidRequest / EngineOverloaded reach the caller as exceptions
                     item.loop.call_soon_threadsafe(_set_exception, item.accepted, e)
                     continue

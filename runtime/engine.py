@@ -152,8 +152,9 @@ class Engine:
 
     # -- requests ---------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str = "",
-                    priority: int = 0) -> Request:
-        """Validate and queue a request; raises InvalidRequest (bad input) or EngineOverloaded (queue full)."""
+                    priority: int = 0, arrival: float | None = None) -> Request:
+        """Validate and queue a request; raises InvalidRequest (bad input) or EngineOverloaded (queue full).
+        `arrival` (time.monotonic) is when the caller received it: TTFT and queue time count from there."""
         params = params or SamplingParams()
         ids = self.tokenizer.encode(prompt).ids if isinstance(prompt, str) else list(prompt)
         if not ids:
@@ -172,6 +173,8 @@ class Engine:
         if self.scheduler.num_waiting >= self.config.scheduler.max_waiting:
             raise EngineOverloaded(f"{self.scheduler.num_waiting} requests are already waiting")
         req = Request([int(t) for t in ids], params, request_id, priority)
+        if arrival is not None:
+            req.arrival = arrival
         if self.paged and not self.kv.can_ever_fit(req):
             raise InvalidRequest(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) needs more KV blocks "
                                  f"than the cache has ({self.kv.blocks.num_blocks} × {self.kv.block_size} tokens); "

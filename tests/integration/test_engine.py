@@ -333,3 +333,37 @@ def test_async_client_that_gives_up_before_admission_is_aborted(engine):
         assert_no_leaks(eng)
     finally:
         aeng.shutdown()
+
+
+def test_ttft_counts_from_when_the_request_arrived(engine):
+    """A request submitted while a long step holds the engine waits in the inbox; that wait (and tokenizing) is
+    part of its TTFT. usage.ttft_s must match what the caller measured, not start when the engine took it."""
+    import time
+
+    eng = make(engine("llama"))
+    prefill = eng.runner.prefill
+
+    def slow_prefill(*args, **kwargs):
+        time.sleep(0.3)
+        return prefill(*args, **kwargs)
+
+    eng.runner.prefill = slow_prefill
+    aeng = AsyncEngine(eng)
+
+    async def main():
+        async def first_token(prompt):
+            t0, first, usage = time.monotonic(), None, None
+            async for o in aeng.generate(prompt, SamplingParams(max_tokens=2, ignore_eos=True)):
+                first = first or time.monotonic()
+                usage = o.usage or usage
+            return first - t0, usage.ttft_s
+
+        a = asyncio.create_task(first_token(prompts(1, seed=70)[0]))
+        await asyncio.sleep(0.05)
+        return await first_token(prompts(1, seed=71)[0]), await a
+
+    try:
+        (measured, reported), _ = asyncio.run(main())
+        assert measured > 0.5 and abs(measured - reported) < 0.05, (measured, reported)
+    finally:
+        aeng.shutdown()
