@@ -1,4 +1,5 @@
-"""KV-cache A/B: two engines of one checkpoint (e.g. --kv-cache fp32 vs int8) in one process, interleaved.
+"""Engine A/B: two engines of one checkpoint in one process, interleaved — e.g. --kv-cache fp32 vs int8, or a
+build before and after a graph change (--batch-invariant vs --no-batch-invariant).
 
 For each context length: prefill time of one sequence, and decode step time at batch 1 and 8 right after
 it, alternating the engines round by round so background load hits both alike (this machine is noisy:
