@@ -129,8 +129,10 @@ def _generate_remote(server: str, api_key: str | None, prompt: str, sampling: di
 @click.option("--speculation", type=click.Choice(["auto", "draft", "ngram", "off"]), default="auto", show_default=True,
               help="auto: the draft if given (or bundled with the bundled target), else off.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Interface to listen on (loopback by default).")
-@click.option("--grpc-port", type=int, default=50051, show_default=True, help="gRPC port (-1: no gRPC).")
-@click.option("--http-port", type=int, default=8000, show_default=True, help="HTTP port (-1: no HTTP).")
+@click.option("--grpc-port", type=click.IntRange(-1, 65535), default=50051, show_default=True,
+              help="gRPC port (0: any free port; -1: no gRPC).")
+@click.option("--http-port", type=click.IntRange(-1, 65535), default=8000, show_default=True,
+              help="HTTP port (0: any free port; -1: no HTTP).")
 @click.option("--max-num-seqs", type=int, default=16, show_default=True, help="Sequences decoded together (KV slots).")
 @click.option("--max-waiting", type=int, default=64, show_default=True, help="Queued requests before shedding (429).")
 @click.option("--token-budget", type=int, default=512, show_default=True, help="Tokens computed per engine step.")

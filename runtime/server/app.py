@@ -6,6 +6,8 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
+import ssl
 import time
 
 import uvicorn
@@ -37,6 +39,7 @@ class Server:
     """Everything `runtime serve` runs; `start()` binds ports, `stop()` drains and shuts down."""
 
     def __init__(self, engine_dir, engine_config: EngineConfig, config: ServerConfig):
+        check_config(config)            # before the engine loads: a typo should not cost a model load
         t0 = time.perf_counter()
         self.engine = Engine(engine_dir, engine_config)
         self.config, self.metrics = config, Metrics()
@@ -47,20 +50,32 @@ class Server:
         self.grpc_port = self.http_port = None
 
     async def start(self) -> None:
+        """Bind both ports exclusively or raise OSError naming the one that is taken (nothing left running)."""
         c = self.config
-        if c.grpc_port >= 0:
-            self.grpc, self.grpc_port, self._health = await start_grpc(self.bridge, c)
-        if c.http_port >= 0:
+        # The HTTP socket is ours (uvicorn would log a traceback and exit); the gRPC port is probed the same way
+        # first, since gRPC's own bind error says only "Failed to bind".
+        http_sock = listen_socket(c.host, c.http_port, "HTTP") if c.http_port >= 0 else None
+        try:
+            if c.grpc_port > 0:
+                listen_socket(c.host, c.grpc_port, "gRPC").close()
+            if c.grpc_port >= 0:
+                self.grpc, self.grpc_port, self._health = await start_grpc(self.bridge, c)
+        except BaseException:
+            if http_sock is not None:
+                http_sock.close()
+            self.aengine.shutdown()
+            raise
+        if http_sock is not None:
             api = HttpApi(self.bridge, load_chat_template(self.engine.runner.engine_dir))
-            ssl = dict(ssl_certfile=str(c.tls_cert), ssl_keyfile=str(c.tls_key)) if c.tls_cert else {}
+            tls = dict(ssl_certfile=str(c.tls_cert), ssl_keyfile=str(c.tls_key)) if c.tls_cert else {}
             self.http = _Uvicorn(uvicorn.Config(api.app, host=c.host, port=c.http_port, log_level="warning",
-                                                lifespan="off", access_log=False, timeout_graceful_shutdown=1, **ssl))
-            self._http_task = asyncio.create_task(self.http.serve())
+                                                lifespan="off", access_log=False, timeout_graceful_shutdown=1, **tls))
+            self._http_task = asyncio.create_task(self.http.serve(sockets=[http_sock]))
             while not self.http.started:
                 if self._http_task.done():
-                    self._http_task.result()       # raises the bind error
+                    self._http_task.result()
                 await asyncio.sleep(0.01)
-            self.http_port = self.http.servers[0].sockets[0].getsockname()[1]
+            self.http_port = http_sock.getsockname()[1]
         e, m = self.engine, self.engine.runner.manifest
         log.info("serving %s (%s, %s weights, %s KV, context %d, %d slots%s) on %s grpc=%s http=%s, loaded in %.2f s",
                  self.bridge.model_name, m["model"]["architecture"], m["precision"]["weights"],
@@ -86,6 +101,34 @@ class Server:
             self.http.should_exit = True
             await self._http_task
         self.aengine.shutdown()
+
+
+def check_config(c: ServerConfig) -> None:
+    """Refuse what would fail (or silently misbehave) only after the model loaded: ports outside 0..65535 (gRPC
+    takes 70000 as 4464), a host that does not resolve, a TLS key that does not match its certificate."""
+    for name, port in (("--grpc-port", c.grpc_port), ("--http-port", c.http_port)):
+        if not -1 <= port <= 65535:
+            raise ValueError(f"{name} {port} is not a port (1..65535; 0: any free port; -1: off)")
+    try:
+        socket.getaddrinfo(c.host, None, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as e:
+        raise ValueError(f"--host {c.host}: not an address of this machine ({e.strerror or e})") from None
+    if c.tls_cert is not None:
+        try:
+            ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(c.tls_cert, c.tls_key)
+        except ssl.SSLError as e:
+            if "KEY_VALUES_MISMATCH" in str(e):
+                raise ValueError(f"TLS key {c.tls_key} does not match certificate {c.tls_cert}") from None
+            raise ValueError(f"cannot load TLS certificate {c.tls_cert} with key {c.tls_key}: {e.reason or e}") from None
+
+
+def listen_socket(host: str, port: int, what: str) -> socket.socket:
+    """A listening TCP socket without SO_REUSEPORT: a port another server holds is an error, not a shared port."""
+    try:
+        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        return socket.create_server(address, family=family)
+    except OSError as e:
+        raise OSError(f"cannot listen for {what} on {host}:{port}: {e.strerror or e}") from None
 
 
 async def serve(engine_dir, engine_config: EngineConfig, config: ServerConfig) -> None:

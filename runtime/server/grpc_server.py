@@ -109,7 +109,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 async def start_grpc(bridge: Bridge, config: ServerConfig) -> tuple[grpc.aio.Server, int, health.HealthServicer]:
     """Start the gRPC server; returns (server, bound port, health servicer)."""
     options = [("grpc.max_receive_message_length", config.max_body_bytes),
-               ("grpc.max_send_message_length", 16 << 20)]
+               ("grpc.max_send_message_length", 16 << 20),
+               ("grpc.so_reuseport", 0)]       # gRPC's default lets a second server share the port silently
     interceptors = [BearerAuthInterceptor(config.api_key)] if config.api_key else []
     server = grpc.aio.server(options=options, interceptors=interceptors)
     servicer = GenerationServicer(bridge)
@@ -125,12 +126,16 @@ async def start_grpc(bridge: Bridge, config: ServerConfig) -> tuple[grpc.aio.Ser
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    address = f"{config.host}:{config.grpc_port}"
-    if config.tls_cert:
-        creds = grpc.ssl_server_credentials([(config.tls_key.read_bytes(), config.tls_cert.read_bytes())])
-        port = server.add_secure_port(address, creds)
-    else:
-        port = server.add_insecure_port(address)
+    host = f"[{config.host}]" if ":" in config.host else config.host       # IPv6 literals need brackets
+    address = f"{host}:{config.grpc_port}"
+    try:
+        if config.tls_cert:
+            creds = grpc.ssl_server_credentials([(config.tls_key.read_bytes(), config.tls_cert.read_bytes())])
+            port = server.add_secure_port(address, creds)
+        else:
+            port = server.add_insecure_port(address)
+    except RuntimeError:
+        raise OSError(f"cannot listen for gRPC on {address}") from None
     await server.start()
     for name in ("", SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -354,3 +354,39 @@ def test_generated_proto_in_sync(tmp_path):
     for name in ("quicksilver_pb2.py", "quicksilver_pb2_grpc.py"):
         assert (tmp_path / "runtime/server/proto" / name).read_text() == (here / name).read_text(), \
             f"{name} is stale: run python -m runtime.server.proto.generate"
+
+
+def serve_cli(*args, timeout=60) -> subprocess.CompletedProcess:
+    """`runtime serve ARGS` that is expected to refuse at start; a server that starts anyway is killed."""
+    exe = Path(sys.executable).parent / "runtime"
+    try:
+        return subprocess.run([str(exe), "serve", *map(str, args)], capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"runtime serve {' '.join(map(str, args))} started instead of refusing: {e.stderr}")
+
+
+def test_serve_refuses_taken_port_or_bad_address(server, engine, tmp_path):
+    """A second server on a port in use, a port out of range, a host that is not one, a TLS key for another
+    certificate: each fails at start with one line naming it, not a shared port, a traceback or "Failed to bind"."""
+    pytest.importorskip("cryptography")
+    grpc_port, http_port = server.server.grpc_port, server.server.http_port
+    cert, _ = self_signed(tmp_path)
+    (tmp_path / "other").mkdir()
+    _, other_key = self_signed(tmp_path / "other")
+    cases = [
+        (["--grpc-port", grpc_port, "--http-port", -1],
+         f"error: cannot listen for gRPC on 127.0.0.1:{grpc_port}: Address already in use"),
+        (["--grpc-port", -1, "--http-port", http_port],
+         f"error: cannot listen for HTTP on 127.0.0.1:{http_port}: Address already in use"),
+        (["--grpc-port", 70000], "Error: Invalid value for '--grpc-port': 70000 is not in the range -1<=x<=65535."),
+        (["--host", "999.1.1.1", "--grpc-port", 0, "--http-port", 0],
+         "error: --host 999.1.1.1: not an address of this machine ("),
+        (["--tls-cert", cert, "--tls-key", other_key, "--grpc-port", 0, "--http-port", 0],
+         f"error: TLS key {other_key} does not match certificate {cert}"),
+    ]
+    for args, message in cases:
+        result = serve_cli(engine("llama"), *args)
+        lines = result.stderr.strip().splitlines()
+        if message.startswith("Error: Invalid value"):      # click's usage error: usage and a hint come first
+            lines = lines[3:]
+        assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith(message), (args, result.stderr)
