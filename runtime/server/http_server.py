@@ -11,6 +11,7 @@ import uuid
 from dataclasses import replace
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -24,8 +25,32 @@ OPEN_PATHS = ("/health", "/metrics")
 MAX_CHOICES = 16          # most completions (n) one request may ask for
 
 
+# HTTP status → OpenAI-style error.code (a string, as OpenAI's are); quicksilver_request_errors counts the same names.
+CODES = {400: "invalid_argument", 401: "unauthenticated", 404: "not_found", 405: "method_not_allowed",
+         413: "request_too_large", 429: "overloaded", 500: "internal", 503: "unavailable", 504: "deadline_exceeded"}
+
+
 def error(status: int, message: str, kind: str = "invalid_request_error", headers: dict | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status, headers=headers)
+    return JSONResponse({"error": {"message": message, "type": kind, "code": CODES.get(status, "internal")}}, status,
+                        headers=headers)
+
+
+def flag(body: dict, key: str, default: bool = False) -> bool:
+    """A boolean field: JSON true/false (or absent/null); "yes" or 1 is refused rather than taken as true."""
+    v = body.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise InvalidRequest(f"{key} must be true or false")
+    return v
+
+
+def _check_unicode(body) -> None:
+    """JSON may escape lone surrogates ("\\ud800") that are not text: refuse them here, not with a 500 later."""
+    try:
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidRequest("the body holds a lone UTF-16 surrogate (such as \\ud800), which is not text") from None
 
 
 def sampling_from_json(body: dict, chat: bool) -> tuple[SamplingParams, int]:
@@ -75,7 +100,7 @@ def sampling_from_json(body: dict, chat: bool) -> tuple[SamplingParams, int]:
     max_tokens = integer("max_completion_tokens", None) if chat else None
     max_tokens = max_tokens if max_tokens is not None else integer("max_tokens", None if chat else 16)
     if chat:
-        logprobs = integer("top_logprobs", 0) if body.get("logprobs") else None
+        logprobs = integer("top_logprobs", 0) if flag(body, "logprobs") else None
     else:
         logprobs = integer("logprobs", None)
     kwargs = dict(temperature=float(number("temperature", 1.0)), top_p=float(number("top_p", 1.0)),
@@ -83,7 +108,7 @@ def sampling_from_json(body: dict, chat: bool) -> tuple[SamplingParams, int]:
                   repetition_penalty=float(number("repetition_penalty", 1.0)),
                   presence_penalty=float(number("presence_penalty", 0.0)),
                   frequency_penalty=float(number("frequency_penalty", 0.0)), seed=integer("seed", None),
-                  stop=tuple(stop), ignore_eos=bool(body.get("ignore_eos", False)), logprobs=logprobs,
+                  stop=tuple(stop), ignore_eos=flag(body, "ignore_eos"), logprobs=logprobs,
                   logit_bias=bias)
     if max_tokens is not None:
         kwargs["max_tokens"] = max_tokens
@@ -99,7 +124,7 @@ class HttpApi:
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
-        ])
+        ], exception_handlers={HTTPException: _http_error, Exception: _internal_error})
         self.app.add_middleware(_Guard, bridge=bridge)
 
     async def health(self, request: Request) -> Response:
@@ -131,10 +156,16 @@ class HttpApi:
             return error(400, "the body must be a JSON object")
         streams = []
         try:
+            _check_unicode(body)
+            stream, echo_prompt = flag(body, "stream"), flag(body, "echo")
+            options = body.get("stream_options") or {}
+            if not isinstance(options, dict):
+                raise InvalidRequest("stream_options must be an object")
+            include_usage = flag(options, "include_usage")
             self.bridge.check_model(body.get("model"))
             params, n = sampling_from_json(body, chat)
             prompt = self.chat_template(body.get("messages")) if chat else _prompt(body.get("prompt"))
-            echo = "" if chat or not body.get("echo") else (prompt if isinstance(prompt, str) else
+            echo = "" if chat or not echo_prompt else (prompt if isinstance(prompt, str) else
                                                              self.bridge.tokenizer.decode(prompt))
             if echo and params.logprobs is not None:
                 raise InvalidRequest("echo with logprobs is not supported (prompt log-probabilities are not computed)")
@@ -160,8 +191,7 @@ class HttpApi:
             await _close(streams)
             return _error_for(e)
         shape = _Shape(rid, self.bridge.model_name, chat)
-        if body.get("stream"):
-            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        if stream:
             return StreamingResponse(self._sse(streams, firsts, shape, include_usage, echo),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         return await self._collect(request, streams, firsts, shape, echo)
@@ -199,7 +229,8 @@ class HttpApi:
                 yield _event(shape.usage_chunk([usages[i] for i in sorted(usages)]))
             yield "data: [DONE]\n\n"
         except asyncio.TimeoutError:
-            yield _event({"error": {"message": "request timed out and was aborted", "type": "timeout_error", "code": 504}})
+            yield _event({"error": {"message": "request timed out and was aborted", "type": "timeout_error",
+                                    "code": CODES[504]}})
             yield "data: [DONE]\n\n"
         finally:
             await _cancel(pending)
@@ -245,6 +276,15 @@ async def _close(streams) -> None:
     """Close every choice's stream: the bridge aborts (and frees the KV of) any request still running."""
     for s in streams:
         await s.aclose()
+
+
+async def _http_error(request: Request, e: HTTPException) -> JSONResponse:
+    """Starlette's 404 / 405 as OpenAI error JSON (it answers plain text otherwise)."""
+    return error(e.status_code, f"{request.method} {request.url.path}: {e.detail}", headers=e.headers)
+
+
+async def _internal_error(request: Request, e: Exception) -> JSONResponse:
+    return error(500, "internal server error (logged)", "internal_error")
 
 
 def _error_for(e: Exception) -> JSONResponse:

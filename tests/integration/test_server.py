@@ -113,6 +113,13 @@ BAD_HTTP = [
     (json.dumps({"prompt": PROMPT, "suffix": "end"}), "suffix"),
     (json.dumps({"prompt": PROMPT, "response_format": {"type": "json_object"}}), "response_format"),
     (json.dumps({"prompt": PROMPT, "tools": [{"type": "function", "function": {"name": "f"}}]}), "tool"),
+    (json.dumps({"prompt": "\ud800"}), "lone UTF-16 surrogate"),
+    (json.dumps({"prompt": PROMPT, "stop": ["\udfff"]}), "lone UTF-16 surrogate"),
+    (json.dumps({"prompt": PROMPT, "stream": "yes"}), "stream must be true or false"),
+    (json.dumps({"prompt": PROMPT, "echo": 1}), "echo must be true or false"),
+    (json.dumps({"prompt": PROMPT, "ignore_eos": "false"}), "ignore_eos must be true or false"),
+    (json.dumps({"prompt": PROMPT, "stream": True, "stream_options": {"include_usage": "yes"}}),
+     "include_usage must be true or false"),
 ]
 
 
@@ -123,6 +130,22 @@ def test_http_bad_input(server, body, needle):
     chat = httpx.post(f"{server.http_url}/v1/chat/completions", json={"messages": "nope"})
     assert chat.status_code == 400
     assert httpx.post(f"{server.http_url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}).status_code == 200
+
+
+def test_http_errors_are_openai_json(server):
+    """Every error is OpenAI's shape with a string code: unknown paths, wrong methods, bad input alike."""
+    cases = [(httpx.get(f"{server.http_url}/v1/nothing"), 404, "not_found", "GET /v1/nothing: Not Found"),
+             (httpx.get(f"{server.http_url}/v1/completions"), 405, "method_not_allowed",
+              "GET /v1/completions: Method Not Allowed"),
+             (httpx.post(f"{server.http_url}/v1/completions", json={"prompt": PROMPT, "stream": "yes"}), 400,
+              "invalid_argument", "stream must be true or false")]
+    for r, status, code, message in cases:
+        assert (r.status_code, r.headers["content-type"]) == (status, "application/json")
+        assert r.json() == {"error": {"message": message, "type": "invalid_request_error", "code": code}}
+    assert cases[1][0].headers["allow"] == "POST"
+    chat = httpx.post(f"{server.http_url}/v1/chat/completions",
+                      content=json.dumps({"messages": [{"role": "user", "content": "\ud800"}], "max_tokens": 2}))
+    assert chat.status_code == 400 and chat.json()["error"]["code"] == "invalid_argument"
 
 
 def test_logit_bias_and_echo(server):
