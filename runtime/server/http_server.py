@@ -20,6 +20,7 @@ from ..metrics import CONTENT_TYPE_LATEST
 from ..request import InvalidRequest, SamplingParams
 from .auth import token_ok
 from .bridge import Bridge, Draining, Overloaded
+from .token_text import TokenText
 
 OPEN_PATHS = ("/health", "/metrics")
 MAX_CHOICES = 16          # most completions (n) one request may ask for
@@ -118,6 +119,7 @@ def sampling_from_json(body: dict, chat: bool) -> tuple[SamplingParams, int]:
 class HttpApi:
     def __init__(self, bridge: Bridge, chat_template):
         self.bridge, self.chat_template = bridge, chat_template
+        self.token_text = TokenText(bridge.tokenizer)
         self.app = Starlette(routes=[
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
@@ -190,7 +192,7 @@ class HttpApi:
         except (InvalidRequest, Overloaded, Draining, asyncio.TimeoutError, StopAsyncIteration) as e:
             await _close(streams)
             return _error_for(e)
-        shape = _Shape(rid, self.bridge.model_name, chat)
+        shape = _Shape(rid, self.bridge.model_name, chat, self.token_text)
         if stream:
             return StreamingResponse(self._sse(streams, firsts, shape, include_usage, echo),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -329,21 +331,25 @@ def _usage(usages: list) -> dict | None:
 class _Shape:
     """OpenAI response objects for one request (completion or chat, whole or chunked)."""
 
-    def __init__(self, rid: str, model: str, chat: bool):
+    def __init__(self, rid: str, model: str, chat: bool, token_text: TokenText):
         self.rid, self.model, self.chat, self.created = rid, model, chat, int(time.time())
+        self.token_text = token_text
 
     def _base(self, kind: str) -> dict:
         return {"id": self.rid, "object": kind, "created": self.created, "model": self.model}
 
     def _logprobs(self, logprobs):
+        """Tokens as their text (chat adds their UTF-8 bytes), as OpenAI and vLLM show them."""
         if not logprobs:
             return None
+        text = self.token_text.text
         if self.chat:
-            return {"content": [{"token": str(lp["token"]), "logprob": lp["logprob"],
-                                 "top_logprobs": [{"token": str(t), "logprob": v} for t, v in lp["top"] or []]}
-                                for lp in logprobs]}
-        return {"tokens": [str(lp["token"]) for lp in logprobs], "token_logprobs": [lp["logprob"] for lp in logprobs],
-                "top_logprobs": [{str(t): v for t, v in lp["top"] or []} for lp in logprobs]}
+            def entry(token: int, logprob: float) -> dict:
+                return {"token": text(token), "logprob": logprob, "bytes": list(self.token_text.bytes(token))}
+            return {"content": [{**entry(lp["token"], lp["logprob"]),
+                                 "top_logprobs": [entry(t, v) for t, v in lp["top"] or []]} for lp in logprobs]}
+        return {"tokens": [text(lp["token"]) for lp in logprobs], "token_logprobs": [lp["logprob"] for lp in logprobs],
+                "top_logprobs": [{text(t): v for t, v in lp["top"] or []} for lp in logprobs]}
 
     def chunk(self, delta, finish_reason, logprobs=None, index: int = 0) -> dict:
         if self.chat:

@@ -152,14 +152,17 @@ def test_logit_bias_and_echo(server):
     """logit_bias bans or forces tokens (HTTP and gRPC alike); echo puts the prompt before the completion."""
     url = f"{server.http_url}/v1/completions"
     base = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "logprobs": 0, "ignore_eos": True}
-    plain = [int(t) for t in httpx.post(url, json=base).json()["choices"][0]["logprobs"]["tokens"]]
-    banned = httpx.post(url, json={**base, "logit_bias": {str(plain[0]): -100}}).json()
-    assert int(banned["choices"][0]["logprobs"]["tokens"][0]) != plain[0]
-    forced = httpx.post(url, json={**base, "logit_bias": {"42": 100}}).json()
-    assert [int(t) for t in forced["choices"][0]["logprobs"]["tokens"]] == [42] * 6
+    tok = server.server.engine.tokenizer
     with Client(server.grpc_target) as c:
+        plain = [t for m in c.generate(PROMPT, max_tokens=6, temperature=0.0, ignore_eos=True) for t in m.token_ids]
+        banned = [t for m in c.generate(PROMPT, max_tokens=6, temperature=0.0, ignore_eos=True,
+                                         logit_bias={plain[0]: -100.0}) for t in m.token_ids]
         msgs = list(c.generate(PROMPT, max_tokens=6, temperature=0.0, ignore_eos=True, logit_bias={42: 100.0}))
-    assert [t for m in msgs for t in m.token_ids] == [42] * 6
+    assert banned[0] != plain[0] and [t for m in msgs for t in m.token_ids] == [42] * 6
+    banned_http = httpx.post(url, json={**base, "logit_bias": {str(plain[0]): -100}}).json()
+    assert banned_http["choices"][0]["logprobs"]["tokens"] == [tok.decode([t]) for t in banned]
+    forced = httpx.post(url, json={**base, "logit_bias": {"42": 100}}).json()
+    assert forced["choices"][0]["logprobs"]["tokens"] == [tok.decode([42])] * 6
     whole = httpx.post(url, json={"prompt": PROMPT, "max_tokens": 5, "temperature": 0, "echo": True}).json()
     alone = httpx.post(url, json={"prompt": PROMPT, "max_tokens": 5, "temperature": 0}).json()
     assert whole["choices"][0]["text"] == PROMPT + alone["choices"][0]["text"]
@@ -168,6 +171,36 @@ def test_logit_bias_and_echo(server):
         events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     assert events[0]["choices"][0]["text"] == PROMPT
     assert "".join(e["choices"][0]["text"] for e in events) == whole["choices"][0]["text"]
+
+
+def test_logprobs_carry_token_text(server):
+    """OpenAI logprobs name tokens by their text (special tokens too), not by their ids as strings; chat adds each
+    token's UTF-8 bytes, which rebuild the text even where a token holds part of a character (this random model
+    emits such tokens)."""
+    tok = server.server.engine.tokenizer
+    with Client(server.grpc_target) as c:
+        lps = [lp for m in c.generate(PROMPT, max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
+               for lp in m.logprobs]
+    body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "logprobs": 2}
+    done = httpx.post(f"{server.http_url}/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    text = lambda ids: tok.decode(ids, skip_special_tokens=False)                     # noqa: E731
+    assert done["tokens"] == [text([lp.token_id]) for lp in lps]
+    assert done["token_logprobs"] == pytest.approx([lp.logprob for lp in lps], abs=1e-6)
+    assert done["top_logprobs"] == [pytest.approx({text([t.token_id]): t.logprob for t in lp.top}, abs=1e-6)
+                                    for lp in lps]
+    chat_body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 8, "temperature": 0,
+                 "ignore_eos": True, "logprobs": True, "top_logprobs": 2}
+    choice = httpx.post(f"{server.http_url}/v1/chat/completions", json=chat_body).json()["choices"][0]
+    content = choice["logprobs"]["content"]
+    with Client(server.grpc_target) as c:
+        prompt_ids = c.tokenize("user: " + PROMPT + "\nassistant:")
+        chat_ids = [t for m in c.generate(prompt_ids, max_tokens=8, temperature=0.0, ignore_eos=True)
+                    for t in m.token_ids]
+    assert [e["token"] for e in content] == [text([t]) for t in chat_ids]
+    assert b"".join(bytes(e["bytes"]) for e in content).decode(errors="replace") == text(chat_ids)
+    assert all(bytes(top["bytes"]).decode(errors="replace") == top["token"] for e in content
+               for top in e["top_logprobs"])
+    assert [e["top_logprobs"][0]["token"] for e in content] == [e["token"] for e in content]     # greedy: the top one
 
 
 def test_n_choices(server):
