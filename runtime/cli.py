@@ -22,7 +22,7 @@ def main() -> None:
 
 
 @main.command()
-@click.argument("args", nargs=-1, required=True, metavar="[ENGINE_DIR] PROMPT")
+@click.argument("args", nargs=-1, required=True, metavar="[ENGINE] PROMPT")
 @click.option("--max-tokens", type=int, default=128, show_default=True, help="Most tokens to generate.")
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 is greedy.")
 @click.option("--top-k", type=int, default=0, show_default=True, help="0 disables.")
@@ -31,16 +31,20 @@ def main() -> None:
 @click.option("--repetition-penalty", type=float, default=1.0, show_default=True)
 @click.option("--seed", type=int, default=None, help="Makes sampling reproducible.")
 @click.option("--stop", multiple=True, help="Stop string (repeatable); not included in the output.")
-@click.option("--threads", type=click.IntRange(1), default=None, help="ONNX Runtime intra-op threads [default: min(2, cores)].")
+@click.option("--threads", type=click.IntRange(1), default=None, show_default="min(2, cores)",
+              help="ONNX Runtime intra-op threads.")
 @click.option("--draft", type=click.Path(path_type=Path), default=None, help="Draft engine for speculative decoding.")
 @click.option("--speculation", type=click.Choice(["auto", "draft", "ngram", "off"]), default="auto", show_default=True,
               help="auto: the draft if given (or bundled), else off.")
-@click.option("--server", default=None, metavar="HOST:PORT", help="Stream from a running `runtime serve` over gRPC instead.")
+@click.option("--server", default=None, metavar="HOST[:PORT]",
+              help="Stream from a running `runtime serve` over gRPC instead (port default 50051).")
 @click.option("--api-key", envvar="QUICKSILVER_API_KEY", default=None, help="Bearer token for --server.")
+@click.option("--tls-ca", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="PEM certificate(s) to trust: connect to --server over TLS.")
 @click.option("--stats/--no-stats", default=True, show_default=True, help="Print TTFT, TPOT and cached tokens to stderr.")
 def generate(args: tuple[str, ...], max_tokens: int, temperature: float, top_k: int, top_p: float, min_p: float,
              repetition_penalty: float, seed: int | None, stop: tuple[str, ...], threads: int | None, draft: Path | None,
-             speculation: str, server: str | None, api_key: str | None, stats: bool) -> None:
+             speculation: str, server: str | None, api_key: str | None, tls_ca: Path | None, stats: bool) -> None:
     """Stream a completion of PROMPT from a local engine (default: the bundled target, with the bundled draft)."""
     from compile.errors import QuicksilverError
 
@@ -50,11 +54,21 @@ def generate(args: tuple[str, ...], max_tokens: int, temperature: float, top_k: 
     from .request import InvalidRequest, SamplingParams
 
     if len(args) > 2:
-        fail("expected [ENGINE_DIR] PROMPT (quote the prompt)")
+        fail("expected [ENGINE] PROMPT (quote the prompt)")
+    if len(args) == 1 and Path(args[0]).is_dir():
+        fail(f"the prompt is missing ({args[0]} is a folder, not a prompt): runtime generate [ENGINE] PROMPT")
+    local = [name for name, given in (("ENGINE", len(args) == 2), ("--draft", draft is not None),
+                                      ("--threads", threads is not None), ("--speculation", speculation != "auto"))
+             if given]
+    if server and local:
+        fail(f"--server streams from the server's engine; {', '.join(local)} apply to a local engine only")
+    if tls_ca and not server:
+        fail("--tls-ca applies to --server only")
     if server:
-        return _generate_remote(server, api_key, args[-1], dict(max_tokens=max_tokens, temperature=temperature,
-                                top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
-                                stop=list(stop), **({"seed": seed} if seed is not None else {})), stats)
+        sampling = dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                        repetition_penalty=repetition_penalty, stop=list(stop),
+                        **({"seed": seed} if seed is not None else {}))
+        return _generate_remote(server, api_key, tls_ca, args[-1], sampling, stats)
     try:
         engine_path = Path(args[0]) if len(args) == 2 else engine_dir("target")
         draft, method = _speculation(draft, speculation, bundled=len(args) == 1)
@@ -102,14 +116,15 @@ def _speculation(draft: Path | None, method: str, bundled: bool) -> tuple[Path |
     return (draft, "draft") if draft is not None else (None, None)
 
 
-def _generate_remote(server: str, api_key: str | None, prompt: str, sampling: dict, stats: bool) -> None:
+def _generate_remote(server: str, api_key: str | None, tls_ca: Path | None, prompt: str, sampling: dict,
+                     stats: bool) -> None:
     import grpc
 
     from .client import Client
 
     click.echo(prompt, nl=False)
     try:
-        with Client(server, api_key) as client:
+        with Client(server, api_key, tls_ca) as client:
             for msg in client.generate(prompt, **sampling):
                 click.echo(msg.text, nl=False)
                 if msg.finish_reason:

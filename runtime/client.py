@@ -17,8 +17,21 @@ from .server.proto import quicksilver_pb2 as pb
 from .server.proto import quicksilver_pb2_grpc as pb_grpc
 
 
+DEFAULT_PORT = 50051      # `runtime serve --grpc-port`'s default
+
+
+def with_default_port(target: str) -> str:
+    """HOST → HOST:50051 (gRPC itself would dial 443); HOST:PORT, [IPv6]:PORT and scheme:… targets are kept."""
+    host = target.rsplit("]", 1)[-1] if target.startswith("[") else target
+    if ":" in host or "/" in target:
+        return target
+    return f"{target}:{DEFAULT_PORT}"
+
+
 class Client:
     def __init__(self, target: str = "127.0.0.1:50051", api_key: str | None = None, tls_ca: Path | None = None):
+        """target: HOST[:PORT] (default port 50051); tls_ca: PEM certificate(s) to trust, for a TLS server."""
+        target = with_default_port(target)
         if tls_ca is not None:
             self.channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(Path(tls_ca).read_bytes()))
         else:
@@ -28,8 +41,10 @@ class Client:
 
     def generate(self, prompt: str | list[int], timeout: float | None = None, request_id: str = "", priority: int = 0,
                  model: str = "", **sampling) -> Iterator[pb.GenerateResponse]:
-        """Stream responses; sampling keywords are the fields of quicksilver.v1.SamplingParams.
-        Breaking out of the loop cancels the call (the server aborts the request)."""
+        """Stream responses; sampling keywords are the fields of quicksilver.v1.SamplingParams (`stop` may be one
+        string or a list). Breaking out of the loop cancels the call (the server aborts the request)."""
+        if isinstance(sampling.get("stop"), str):     # protobuf would take each character as a stop string
+            sampling["stop"] = [sampling["stop"]]
         req = pb.GenerateRequest(request_id=request_id, priority=priority, model=model,
                                  sampling=pb.SamplingParams(**sampling))
         if isinstance(prompt, str):

@@ -1,16 +1,21 @@
 """The installed console scripts end to end: build → inspect → verify → generate, as a user runs them."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from server_harness import ServerThread
+from test_server import self_signed
+
 BIN = Path(sys.executable).parent
 
 
-def run(*args, check=True):
-    result = subprocess.run([str(BIN / args[0]), *map(str, args[1:])], capture_output=True, text=True, timeout=300)
+def run(*args, check=True, **kwargs):
+    result = subprocess.run([str(BIN / args[0]), *map(str, args[1:])], capture_output=True, text=True, timeout=300,
+                            **kwargs)
     if check:
         assert result.returncode == 0, result.stdout + result.stderr
     return result
@@ -44,3 +49,33 @@ def test_help():
     for tool in ("compile", "runtime"):
         assert "Usage" in run(tool, "--help").stdout
     assert "--precision" in run("compile", "build", "--help").stdout
+
+
+def test_generate_says_the_prompt_is_missing(engine, tmp_path):
+    """`runtime generate ENGINE` without a prompt is a mistake to name, not a completion of the folder's path."""
+    env = {**os.environ, "QUICKSILVER_ENGINE": str(engine("llama"))}
+    result = run("runtime", "generate", engine("llama"), "--max-tokens", "2", check=False, env=env, cwd=tmp_path)
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr == (f"error: the prompt is missing ({engine('llama')} is a folder, not a prompt): "
+                             "runtime generate [ENGINE] PROMPT\n")
+
+
+@pytest.mark.parametrize("local,named", [(["ENGINE"], "ENGINE"), (["--draft", "ENGINE"], "--draft"),
+                                         (["--threads", "2"], "--threads"), (["--speculation", "off"], "--speculation")])
+def test_generate_server_refuses_local_options(engine, local, named):
+    args = [engine("llama") if a == "ENGINE" else a for a in local]
+    result = run("runtime", "generate", "--server", "127.0.0.1:1", *args, "def f():", check=False)
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr == f"error: --server streams from the server's engine; {named} apply to a local engine only\n"
+
+
+def test_generate_server_over_tls(engine, tmp_path):
+    pytest.importorskip("cryptography")
+    cert, key = self_signed(tmp_path)
+    server = ServerThread(engine("llama"), tls_cert=cert, tls_key=key)
+    try:
+        gen = run("runtime", "generate", "--server", server.grpc_target, "--tls-ca", cert, "def f():",
+                  "--max-tokens", "3", "--temperature", "0")
+        assert gen.stdout.startswith("def f():") and "3 generated, finish: length" in gen.stderr
+    finally:
+        server.stop()

@@ -83,6 +83,17 @@ def test_grpc_bad_input(server, kwargs, needle):
         assert len(list(c.generate(PROMPT, max_tokens=2))) >= 1          # still serving
 
 
+def test_client_stop_string(server):
+    """Client.generate(stop="ab") is one stop string, not the stops "a" and "b"."""
+    with Client(server.grpc_target) as c:
+        text = "".join(m.text for m in c.generate(PROMPT, max_tokens=40, temperature=0.0, ignore_eos=True))
+        # A two-character stop whose second character occurs earlier: one-character stops would cut sooner.
+        stop = next(text[i:i + 2] for i in range(1, len(text) - 1)
+                    if text[i + 1] in text[:i] and text[i:i + 2] not in text[:i + 1])
+        stopped = list(c.generate(PROMPT, max_tokens=40, temperature=0.0, ignore_eos=True, stop=stop))
+    assert "".join(m.text for m in stopped) == text[:text.index(stop)] and stopped[-1].finish_reason == "stop"
+
+
 def test_grpc_invalid_utf8(server):
     channel = grpc.insecure_channel(server.grpc_target)
     raw = channel.unary_stream("/quicksilver.v1.Generation/Generate", request_serializer=lambda b: b,
