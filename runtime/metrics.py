@@ -63,6 +63,11 @@ class Metrics:
             (self.prefill_step if st.last_step_prefill else self.decode_step).observe(st.last_step_s)
         self._seen = current
 
+    def on_error(self, code: str) -> None:
+        """A request refused or failed, counted once by the transport that answered it (code: invalid_argument,
+        overloaded, deadline_exceeded, unavailable, unauthenticated, not_found, …, the names HTTP error.code uses)."""
+        self.errors.labels(code=code).inc()
+
     def on_finish(self, finish_reason: str, usage) -> None:
         self.finished.labels(finish_reason=finish_reason).inc()
         if usage is None:

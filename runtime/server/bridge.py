@@ -1,5 +1,6 @@
 """Bridge: the one place where transports (gRPC, HTTP) meet the engine — limits, shedding, deadlines,
-draining, metrics and the per-request log line. Transports translate its exceptions into their own codes:
+draining, metrics and the per-request log line. Transports translate its exceptions into their own codes (and
+count them in quicksilver_request_errors, since they also refuse requests before any reach the bridge):
 
     InvalidRequest → INVALID_ARGUMENT / 400      Overloaded → RESOURCE_EXHAUSTED / 429 (+ retry hint)
     asyncio.TimeoutError → DEADLINE_EXCEEDED / 504   Draining → UNAVAILABLE / 503
@@ -65,7 +66,7 @@ class Bridge:
         deadline = time.monotonic() + timeout
         gen = self.aengine.generate(prompt, params, request_id, priority)
         self.in_flight += 1
-        last, rid, finished = time.monotonic(), request_id, None
+        last, rid, finished, refused = time.monotonic(), request_id, None, None
         try:
             while True:
                 remaining = deadline - time.monotonic()
@@ -74,10 +75,10 @@ class Bridge:
                 try:
                     out = await asyncio.wait_for(gen.__anext__(), remaining)
                 except EngineOverloaded as e:
-                    self.metrics.errors.labels(code="overloaded").inc()
+                    refused = e
                     raise Overloaded(str(e), retry_after_s=1.0) from None
-                except InvalidRequest:
-                    self.metrics.errors.labels(code="invalid_argument").inc()
+                except InvalidRequest as e:
+                    refused = e
                     raise
                 except StopAsyncIteration:
                     return
@@ -89,9 +90,6 @@ class Bridge:
                 yield out
                 if out.finished:
                     return
-        except asyncio.TimeoutError:
-            self.metrics.errors.labels(code="deadline_exceeded").inc()
-            raise
         finally:
             self.in_flight -= 1
             await gen.aclose()        # aborts the request (and frees its KV) if it did not finish
@@ -101,6 +99,8 @@ class Bridge:
                 log.info("%s prompt=%d cached=%d completion=%d ttft_ms=%.1f e2e_ms=%.1f finish=%s", rid,
                          u.prompt_tokens, u.cached_tokens, u.completion_tokens, 1e3 * (u.ttft_s or 0),
                          1e3 * (u.e2e_s or 0), finished.finish_reason)
+            elif refused is not None:
+                log.info("%s refused: %s", rid or "request", refused)
             elif rid:
                 self.metrics.on_finish("abort", None)
                 log.info("%s aborted (client gone, deadline or shutdown)", rid)

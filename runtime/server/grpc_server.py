@@ -82,13 +82,17 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             async for out in b.stream(prompt, params, request.request_id, request.priority, context.time_remaining()):
                 yield response_to_pb(out)
         except InvalidRequest as e:
+            b.metrics.on_error("invalid_argument")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except Overloaded as e:
+            b.metrics.on_error("overloaded")
             context.set_trailing_metadata((("retry-after-ms", str(int(e.retry_after_s * 1000))),))
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{e}; retry after {e.retry_after_s:g} s")
         except Draining as e:
+            b.metrics.on_error("unavailable")
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         except asyncio.TimeoutError:
+            b.metrics.on_error("deadline_exceeded")
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded; the request was aborted")
 
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
@@ -102,7 +106,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         return pb.ModelInfoResponse(model=self.bridge.model_name, architecture=m["model"]["architecture"],
                                     precision=m["precision"]["weights"], max_model_len=engine.max_model_len,
                                     vocab_size=engine.runner.vocab_size,
-                                    draft_model=str(engine.draft.engine_dir) if engine.draft else "",
+                                    # the draft's name only: its path is the server's business
+                                    draft_model=engine.draft.engine_dir.resolve().name if engine.draft else "",
                                     speculation=engine.config.speculation or "")
 
 

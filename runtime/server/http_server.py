@@ -126,8 +126,13 @@ class HttpApi:
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
-        ], exception_handlers={HTTPException: _http_error, Exception: _internal_error})
+        ], exception_handlers={HTTPException: _http_error, Exception: self._internal_error})
         self.app.add_middleware(_Guard, bridge=bridge)
+
+    async def _internal_error(self, request: Request, e: Exception) -> JSONResponse:
+        """An unexpected exception (uvicorn logs its traceback): OpenAI error JSON, not plain text."""
+        self.bridge.metrics.on_error(CODES[500])
+        return error(500, "internal server error (logged)", "internal_error")
 
     async def health(self, request: Request) -> Response:
         if self.bridge.draining:
@@ -167,6 +172,8 @@ class HttpApi:
             self.bridge.check_model(body.get("model"))
             params, n = sampling_from_json(body, chat)
             prompt = self.chat_template(body.get("messages")) if chat else _prompt(body.get("prompt"))
+            if chat and body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+                prompt, params = self._rest_of_context(prompt, params)
             echo = "" if chat or not echo_prompt else (prompt if isinstance(prompt, str) else
                                                              self.bridge.tokenizer.decode(prompt))
             if echo and params.logprobs is not None:
@@ -197,6 +204,13 @@ class HttpApi:
             return StreamingResponse(self._sse(streams, firsts, shape, include_usage, echo),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         return await self._collect(request, streams, firsts, shape, echo)
+
+    def _rest_of_context(self, prompt: str, params: SamplingParams) -> tuple[list[int], SamplingParams]:
+        """OpenAI's chat default for max_tokens: what the context leaves after the prompt (within the server's cap).
+        Returns the prompt's token ids too, so the engine does not tokenize it again."""
+        ids = self.bridge.tokenizer.encode(prompt).ids
+        room, cap = self.bridge.max_model_len - len(ids), self.bridge.config.max_tokens_limit
+        return ids, replace(params, max_tokens=max(1, room if cap is None else min(room, cap)))
 
     async def _sse(self, streams, firsts, shape, include_usage: bool, echo: str = ""):
         """Server-sent events, the choices' chunks interleaved as they come; if the client goes away Starlette
@@ -230,7 +244,8 @@ class HttpApi:
             if include_usage:
                 yield _event(shape.usage_chunk([usages[i] for i in sorted(usages)]))
             yield "data: [DONE]\n\n"
-        except asyncio.TimeoutError:
+        except asyncio.TimeoutError:            # after the 200: the error goes in the stream, and is counted here
+            self.bridge.metrics.on_error(CODES[504])
             yield _event({"error": {"message": "request timed out and was aborted", "type": "timeout_error",
                                     "code": CODES[504]}})
             yield "data: [DONE]\n\n"
@@ -283,10 +298,6 @@ async def _close(streams) -> None:
 async def _http_error(request: Request, e: HTTPException) -> JSONResponse:
     """Starlette's 404 / 405 as OpenAI error JSON (it answers plain text otherwise)."""
     return error(e.status_code, f"{request.method} {request.url.path}: {e.detail}", headers=e.headers)
-
-
-async def _internal_error(request: Request, e: Exception) -> JSONResponse:
-    return error(500, "internal server error (logged)", "internal_error")
 
 
 def _error_for(e: Exception) -> JSONResponse:
@@ -375,7 +386,8 @@ class _Shape:
 
 
 class _Guard:
-    """ASGI middleware: bearer auth (except /health, /metrics) and the body size limit, before any parsing."""
+    """ASGI middleware: bearer auth (except /health, /metrics) and the body size limit, before any parsing; counts
+    error answers (an unexpected 500 is answered outside it, by HttpApi._internal_error)."""
 
     def __init__(self, app, bridge: Bridge):
         self.app, self.bridge = app, bridge
@@ -383,17 +395,25 @@ class _Guard:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+
+        async def counted_send(message):        # every error answer counts once in quicksilver_request_errors
+            if message["type"] == "http.response.start" and message["status"] in CODES:
+                self.bridge.metrics.on_error(CODES[message["status"]])
+            await send(message)
+
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         key = self.bridge.config.api_key
         if key and scope["path"] not in OPEN_PATHS and not token_ok(headers.get("authorization"), key):
-            return await error(401, "missing or wrong bearer token", "authentication_error")(scope, receive, send)
+            refusal = error(401, "missing or wrong bearer token", "authentication_error")
+            return await refusal(scope, receive, counted_send)
         limit = self.bridge.config.max_body_bytes
         try:
             declared = int(headers.get("content-length", "0"))
         except ValueError:
             declared = 0
         if declared > limit:
-            return await error(413, f"request body of {declared} bytes exceeds the limit of {limit}")(scope, receive, send)
+            refusal = error(413, f"request body of {declared} bytes exceeds the limit of {limit}")
+            return await refusal(scope, receive, counted_send)
         received = 0
 
         async def limited_receive():
@@ -406,6 +426,6 @@ class _Guard:
             return message
 
         try:
-            await self.app(scope, limited_receive, send)
+            await self.app(scope, limited_receive, counted_send)
         except InvalidRequest as e:
-            await error(413, str(e))(scope, receive, send)
+            await error(413, str(e))(scope, receive, counted_send)

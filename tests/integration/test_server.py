@@ -242,6 +242,50 @@ def test_n_choices(server):
                       and server.metric("quicksilver_kv_cache_usage_percent") == 0)
 
 
+def test_chat_default_max_tokens_is_the_rest_of_the_context(server):
+    """Without max_tokens a chat reply may fill the context, as OpenAI's (was: cut at 64 tokens)."""
+    r = httpx.post(f"{server.http_url}/v1/chat/completions", timeout=120,
+                   json={"messages": [{"role": "user", "content": "hi"}], "ignore_eos": True}).json()
+    u = r["usage"]
+    assert r["choices"][0]["finish_reason"] == "length" and u["total_tokens"] == 512
+    assert u["completion_tokens"] == 512 - u["prompt_tokens"] > 64
+
+
+def test_refusals_count_as_errors_not_aborts(server):
+    """Every refused request counts once in quicksilver_request_errors (refused by the transport, the bridge or the
+    engine) and none counts as a finished abort."""
+    def counts():
+        return ({code: server.metric("quicksilver_request_errors_total", code=code)
+                 for code in ("invalid_argument", "not_found", "method_not_allowed")},
+                server.metric("quicksilver_requests_finished_total", finish_reason="abort"))
+
+    errors, aborts = counts()
+    url = f"{server.http_url}/v1/completions"
+    assert httpx.post(url, json={"prompt": "x " * 600}).status_code == 400                  # engine: context
+    assert httpx.post(url, json={"prompt": [1, 10**9]}).status_code == 400                  # engine: token id
+    assert httpx.post(url, json={"prompt": PROMPT, "temperature": -1}).status_code == 400   # transport
+    assert httpx.post(f"{server.http_url}/v1/nothing").status_code == 404
+    assert httpx.get(url).status_code == 405
+    with Client(server.grpc_target) as c:
+        for kwargs in (dict(prompt="x " * 600), dict(prompt=PROMPT, temperature=-1.0)):
+            with pytest.raises(grpc.RpcError):
+                list(c.generate(**kwargs))
+    after, aborts_after = counts()
+    assert {k: after[k] - errors[k] for k in after} == {"invalid_argument": 5, "not_found": 1, "method_not_allowed": 1}
+    assert aborts_after == aborts
+
+
+def test_model_info_names_the_draft_without_its_path(engine):
+    s = ServerThread(engine("llama"), EngineConfig(SchedulerConfig(max_num_seqs=2), CacheConfig(kv_budget_bytes=32 << 20),
+                                                   draft=engine("llama"), speculation="draft"))
+    try:
+        with Client(s.grpc_target) as c:
+            info = c.model_info()
+        assert (info.draft_model, info.speculation) == ("llama-fp32", "draft")
+    finally:
+        s.stop()
+
+
 def test_oversized_body(server):
     r = httpx.post(f"{server.http_url}/v1/completions", content=b'{"prompt": "' + b"x" * (2 << 20) + b'"}')
     assert r.status_code == 413
