@@ -181,6 +181,15 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=100)
 
 
+def missing_extras(args: argparse.Namespace) -> list[str]:
+    """Optional modules this run needs that are not installed (the `bench` extra has them)."""
+    from importlib.util import find_spec
+
+    needed = (["matplotlib (for --plot)"] if args.plot else []) + \
+        (["httpx (for http:// URLs)"] if args.url.startswith("http") else [])
+    return [what for what in needed if find_spec(what.split()[0]) is None]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", default="grpc://127.0.0.1:50051", help="grpc://HOST:PORT or http://HOST:PORT")
@@ -196,6 +205,9 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--plot", type=Path, default=None)
     args = ap.parse_args()
+    missing = missing_extras(args)
+    if missing:           # before the workload, not after it
+        ap.error(f"{' and '.join(missing)} not installed: pip install '.[bench]'")
     rows = asyncio.run(main_async(args))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
