@@ -1,29 +1,59 @@
-"""Where the runtime finds its engines when none is named: the bundled models, built on first use."""
+"""Where the runtime finds its engines when none is named: the bundled models, built on first use and rebuilt
+when their checkpoint changes."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
 
 BUNDLED = {"target": "models/target", "draft": "models/draft"}
+REPO = Path(__file__).resolve().parents[1]      # the checkout, when installed editable (`pip install -e .`)
+
+
+def bundled_root(role: str = "target") -> Path:
+    """The folder holding models/ (and engines/, where they are built): $QUICKSILVER_HOME, else the checkout this
+    package runs from (whatever the current folder), else the current folder (a non-editable install run from a
+    checkout)."""
+    if os.environ.get("QUICKSILVER_HOME"):
+        return Path(os.environ["QUICKSILVER_HOME"])
+    for root in (REPO, Path.cwd()):
+        if (root / BUNDLED[role] / "config.json").is_file():
+            return root
+    raise FileNotFoundError(f"no engine given and no bundled {role} model: it lives in the repository's "
+                            f"{BUNDLED[role]}, which this installation ({REPO}) lacks; pass an ENGINE (build one with "
+                            "`compile build --model HF_DIR --out ENGINE`), install the checkout with `pip install -e .`,"
+                            " or set QUICKSILVER_HOME to it")
 
 
 def engine_dir(role: str = "target", root: Path | None = None) -> Path:
-    """$QUICKSILVER_ENGINE (target) or engines/<role>, built from models/<role> with `compile build` if absent."""
+    """$QUICKSILVER_ENGINE (target) or <root>/engines/<role>, built from <root>/models/<role> with `compile build`
+    when absent or when the checkpoint's fingerprint differs from the one the engine was built from."""
     if role == "target" and os.environ.get("QUICKSILVER_ENGINE"):
         return Path(os.environ["QUICKSILVER_ENGINE"])
-    root = root or Path.cwd()
-    engine = root / "engines" / role
-    if (engine / "manifest.json").is_file():
-        return engine
-    model = root / BUNDLED[role]
+    root = root or bundled_root(role)
+    engine, model = root / "engines" / role, root / BUNDLED[role]
     if not (model / "config.json").is_file():
-        raise FileNotFoundError(f"no engine given and no bundled model at {model}; pass an ENGINE_DIR "
-                                "(build one with `compile build --model HF_DIR --out ENGINE_DIR`)")
+        raise FileNotFoundError(f"no engine given and no bundled model at {model}; pass an ENGINE "
+                                "(build one with `compile build --model HF_DIR --out ENGINE`)")
+    from compile.hf_source import fingerprint
+
+    built = _built_from(engine)
+    if built is not None and built == fingerprint(model):
+        return engine
     from compile.build import build
     from compile.config import CompileConfig
 
-    print(f"building the bundled {role} engine: {model} → {engine} (once)", file=sys.stderr, flush=True)
+    why = "once" if built is None else f"{model} changed since it was built"
+    print(f"building the bundled {role} engine: {model} → {engine} ({why})", file=sys.stderr, flush=True)
     build(CompileConfig(model, engine, "int8", overwrite=True, report=False), log=lambda _: None)
     return engine
+
+
+def _built_from(engine: Path) -> str | None:
+    """The source fingerprint an engine's manifest records, or None (no engine, or an unreadable manifest)."""
+    try:
+        return json.loads((engine / "manifest.json").read_text())["source"]["fingerprint"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

@@ -76,7 +76,9 @@ def test_prefix_hit_equals_miss_on_bundled(bundled):
 
 
 def test_readme_first_command_defaults(tmp_path):
-    """`runtime generate "prompt"` with no engine builds the bundled pair once and speculates with it."""
+    """`runtime generate "prompt"` with no engine builds the bundled pair once and speculates with it (here a copy
+    of the checkout's models/, named by QUICKSILVER_HOME, so the test builds nothing in the checkout)."""
+    import os
     import shutil
     import subprocess
     import sys
@@ -84,8 +86,9 @@ def test_readme_first_command_defaults(tmp_path):
     root = tmp_path / "checkout"
     shutil.copytree(MODELS, root / "models")
     exe = Path(sys.executable).parent / "runtime"
+    env = {**os.environ, "QUICKSILVER_HOME": str(root)}
     for _ in range(2):   # first run builds engines/, second reuses them
-        r = subprocess.run([str(exe), "generate", "def fibonacci(n):", "--max-tokens", "16"], cwd=root,
+        r = subprocess.run([str(exe), "generate", "def fibonacci(n):", "--max-tokens", "16"], cwd=tmp_path, env=env,
                            capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr
         assert r.stdout.startswith("def fibonacci(n):") and "TTFT" in r.stderr

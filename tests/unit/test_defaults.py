@@ -1,0 +1,33 @@
+"""The bundled default engines: found from any folder, built once, rebuilt when their checkpoint changes."""
+
+import json
+import shutil
+from pathlib import Path
+
+from compile.hf_source import fingerprint
+from runtime import defaults
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_bundled_root_is_the_checkout_from_any_folder(tmp_path, monkeypatch):
+    monkeypatch.delenv("QUICKSILVER_HOME", raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert defaults.bundled_root() == REPO
+    monkeypatch.setenv("QUICKSILVER_HOME", str(tmp_path))
+    assert defaults.bundled_root() == tmp_path
+
+
+def test_engine_rebuilt_when_the_checkpoint_changes(checkpoint, tmp_path, monkeypatch):
+    monkeypatch.delenv("QUICKSILVER_ENGINE", raising=False)
+    model = tmp_path / "models" / "target"
+    shutil.copytree(checkpoint("llama"), model)
+    engine = defaults.engine_dir("target", root=tmp_path)
+    built = (engine / "manifest.json").stat().st_mtime_ns
+    assert defaults.engine_dir("target", root=tmp_path) == engine
+    assert (engine / "manifest.json").stat().st_mtime_ns == built                 # unchanged: not rebuilt
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 256}))
+    assert defaults.engine_dir("target", root=tmp_path) == engine
+    manifest = json.loads((engine / "manifest.json").read_text())
+    assert manifest["source"]["fingerprint"] == fingerprint(model) and manifest["model"]["max_seq_len"] == 256
