@@ -155,7 +155,8 @@ def _generate_remote(server: str, api_key: str | None, tls_ca: Path | None, prom
 @click.option("--max-model-len", type=int, default=None, help="Context per sequence [default: the engine's].")
 @click.option("--kv-budget-mib", type=int, default=None, help="KV memory (slots + prefix cache) [default: 25% of RAM, ≤ 8 GiB].")
 @click.option("--no-prefix-cache", is_flag=True, help="Disable automatic prefix caching.")
-@click.option("--threads", type=click.IntRange(1), default=None, help="ONNX Runtime intra-op threads.")
+@click.option("--threads", type=click.IntRange(1), default=None, show_default="min(2, cores)",
+              help="ONNX Runtime intra-op threads.")
 @click.option("--spin/--no-spin", default=False, show_default=True,
               help="Let ONNX Runtime threads spin between ops: lower latency on an otherwise idle machine.")
 @click.option("--api-key", envvar="QUICKSILVER_API_KEY", default=None, help="Require this bearer token (env QUICKSILVER_API_KEY).")
@@ -164,7 +165,8 @@ def _generate_remote(server: str, api_key: str | None, tls_ca: Path | None, prom
 @click.option("--served-model-name", default=None, help="Model id clients use [default: the engine folder's name].")
 @click.option("--request-timeout", type=float, default=600.0, show_default=True, help="Seconds any request may take.")
 @click.option("--max-body-bytes", type=int, default=1 << 20, show_default=True, help="Largest request body / message.")
-@click.option("--max-tokens-limit", type=int, default=None, help="Largest max_tokens a request may ask for.")
+@click.option("--max-tokens-limit", type=click.IntRange(1), default=None, show_default="the context length",
+              help="Largest max_tokens a request may ask for.")
 @click.option("--grace", type=float, default=10.0, show_default=True, help="Seconds in-flight requests get on SIGTERM.")
 def serve(engine: Path | None, draft: Path | None, speculation: str, host: str, grpc_port: int, http_port: int,
           max_num_seqs: int, max_waiting: int, token_budget: int, prefill_chunk: int, max_model_len: int | None,

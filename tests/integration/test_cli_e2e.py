@@ -79,3 +79,11 @@ def test_generate_server_over_tls(engine, tmp_path):
         assert gen.stdout.startswith("def f():") and "3 generated, finish: length" in gen.stderr
     finally:
         server.stop()
+
+
+def test_help_shows_defaults_and_one_engine_name():
+    serve, generate = run("runtime", "serve", "--help").stdout, run("runtime", "generate", "--help").stdout
+    assert "[default: (the context length); x>=1]" in " ".join(serve.split())
+    for text in (serve, generate):
+        assert "[default: (min(2, cores)); x>=1]" in " ".join(text.split()) and "ENGINE_DIR" not in text
+    assert "Usage: runtime generate [OPTIONS] [ENGINE] PROMPT" in generate
