@@ -4,6 +4,7 @@ count them in quicksilver_request_errors, since they also refuse requests before
 
     InvalidRequest → INVALID_ARGUMENT / 400      Overloaded → RESOURCE_EXHAUSTED / 429 (+ retry hint)
     asyncio.TimeoutError → DEADLINE_EXCEEDED / 504   Draining → UNAVAILABLE / 503
+    Failed (the engine step that carried the request failed) → INTERNAL / 500
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ class Overloaded(Exception):
 
 class Draining(Exception):
     """The server is shutting down and takes no new requests."""
+
+
+class Failed(Exception):
+    """The engine failed the request (a step that carried it raised); the message is the engine's reason."""
 
 
 class Bridge:
@@ -66,7 +71,7 @@ class Bridge:
         deadline = time.monotonic() + timeout
         gen = self.aengine.generate(prompt, params, request_id, priority)
         self.in_flight += 1
-        last, rid, finished, refused = time.monotonic(), request_id, None, None
+        last, rid, finished, refused, failed = time.monotonic(), request_id, None, None, None
         try:
             while True:
                 remaining = deadline - time.monotonic()
@@ -85,6 +90,9 @@ class Bridge:
                 now = time.monotonic()
                 self.metrics.itl.observe(now - last)
                 last, rid = now, out.request_id
+                if out.error is not None:
+                    failed = out
+                    raise Failed(out.error)
                 if out.finished:
                     finished = out
                 yield out
@@ -99,6 +107,9 @@ class Bridge:
                 log.info("%s prompt=%d cached=%d completion=%d ttft_ms=%.1f e2e_ms=%.1f finish=%s", rid,
                          u.prompt_tokens, u.cached_tokens, u.completion_tokens, 1e3 * (u.ttft_s or 0),
                          1e3 * (u.e2e_s or 0), finished.finish_reason)
+            elif failed is not None:
+                self.metrics.on_finish("error", None)
+                log.info("%s failed: %s", rid, failed.error)
             elif refused is not None:
                 log.info("%s refused: %s", rid or "request", refused)
             elif rid:

@@ -13,7 +13,7 @@ from ..config import ServerConfig
 from ..outputs import RequestOutput
 from ..request import InvalidRequest, SamplingParams
 from .auth import BearerAuthInterceptor
-from .bridge import Bridge, Draining, Overloaded
+from .bridge import Bridge, Draining, Failed, Overloaded
 from .proto import quicksilver_pb2 as pb
 from .proto import quicksilver_pb2_grpc as pb_grpc
 
@@ -91,6 +91,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         except Draining as e:
             b.metrics.on_error("unavailable")
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        except Failed as e:
+            b.metrics.on_error("internal")
+            await context.abort(grpc.StatusCode.INTERNAL, str(e))
         except asyncio.TimeoutError:
             b.metrics.on_error("deadline_exceeded")
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded; the request was aborted")

@@ -19,7 +19,7 @@ from starlette.routing import Route
 from ..metrics import CONTENT_TYPE_LATEST
 from ..request import InvalidRequest, SamplingParams
 from .auth import token_ok
-from .bridge import Bridge, Draining, Overloaded
+from .bridge import Bridge, Draining, Failed, Overloaded
 from .token_text import TokenText
 
 OPEN_PATHS = ("/health", "/metrics")
@@ -196,7 +196,7 @@ class HttpApi:
                 if isinstance(r, BaseException):
                     raise r
             firsts += rest
-        except (InvalidRequest, Overloaded, Draining, asyncio.TimeoutError, StopAsyncIteration) as e:
+        except (InvalidRequest, Overloaded, Draining, Failed, asyncio.TimeoutError, StopAsyncIteration) as e:
             await _close(streams)
             return _error_for(e)
         shape = _Shape(rid, self.bridge.model_name, chat, self.token_text)
@@ -249,6 +249,10 @@ class HttpApi:
             yield _event({"error": {"message": "request timed out and was aborted", "type": "timeout_error",
                                     "code": CODES[504]}})
             yield "data: [DONE]\n\n"
+        except Failed as e:
+            self.bridge.metrics.on_error(CODES[500])
+            yield _event({"error": {"message": str(e), "type": "internal_error", "code": CODES[500]}})
+            yield "data: [DONE]\n\n"
         finally:
             await _cancel(pending)
             await _close(streams)
@@ -264,8 +268,8 @@ class HttpApi:
                 if not done and await request.is_disconnected():
                     return Response(status_code=499)
             outs = consume.result()
-        except asyncio.TimeoutError:
-            return error(504, "request timed out and was aborted", "timeout_error")
+        except (asyncio.TimeoutError, Failed) as e:
+            return _error_for(e)
         finally:
             await _cancel(tasks)
             await _close(streams)
@@ -309,6 +313,8 @@ def _error_for(e: Exception) -> JSONResponse:
         return error(503, str(e), "unavailable_error")
     if isinstance(e, asyncio.TimeoutError):
         return error(504, "request timed out and was aborted", "timeout_error")
+    if isinstance(e, Failed):
+        return error(500, str(e), "internal_error")
     return error(500, "no output", "internal_error")
 
 

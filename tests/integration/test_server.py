@@ -501,3 +501,72 @@ def test_serve_refuses_taken_port_or_bad_address(server, engine, tmp_path):
         if message.startswith("Error: Invalid value"):      # click's usage error: usage and a hint come first
             lines = lines[3:]
         assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith(message), (args, result.stderr)
+
+
+class InjectedFailure:
+    """Makes the server's model run raise for requests whose prompt holds `sentinel`: at their prefill, or at their
+    first decode (after the first token went out). The engine fails only the requests of the failed step."""
+
+    def __init__(self, server, sentinel: int, at: str):
+        self.runner, self.sentinel, self.at, self.slots = server.server.engine.runner, sentinel, at, set()
+        prefill, decode = self.runner.prefill, self.runner.decode
+
+        def failing_prefill(pool, slot, tokens, start, *args, **kwargs):
+            if self.sentinel in tokens:
+                if self.at == "prefill":
+                    raise RuntimeError("injected failure")
+                self.slots.add(slot)
+            return prefill(pool, slot, tokens, start, *args, **kwargs)
+
+        def failing_decode(pool, rows, *args, **kwargs):
+            if self.slots & {slot for slot, _, _ in rows}:
+                self.slots.clear()
+                raise RuntimeError("injected failure")
+            return decode(pool, rows, *args, **kwargs)
+
+        self.runner.prefill, self.runner.decode = failing_prefill, failing_decode
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        del self.runner.prefill, self.runner.decode          # the class's methods again
+
+
+def test_failed_step_is_an_error_not_a_success(server):
+    """A request whose engine step failed gets HTTP 500 / an SSE error event / gRPC INTERNAL with the engine's reason,
+    counts in quicksilver_request_errors{code="internal"}, and the server keeps serving others exactly."""
+    reason = "internal error: RuntimeError: injected failure"
+    sentinel = server.server.engine.runner.vocab_size - 1
+    bad = [sentinel, 5, 6, 7, 8]
+    url = f"{server.http_url}/v1/completions"
+    body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    want = httpx.post(url, json=body).json()["choices"][0]["text"]
+    errors = server.metric("quicksilver_request_errors_total", code="internal")
+    with InjectedFailure(server, sentinel, "prefill"):
+        r = httpx.post(url, json={**body, "prompt": bad})
+        assert r.status_code == 500
+        assert r.json() == {"error": {"message": reason, "type": "internal_error", "code": "internal"}}
+        with Client(server.grpc_target) as c, pytest.raises(grpc.RpcError) as err:
+            list(c.generate(bad, max_tokens=6))
+        assert (err.value.code(), err.value.details()) == (grpc.StatusCode.INTERNAL, reason)
+        assert httpx.post(url, json=body).json()["choices"][0]["text"] == want          # others run normally
+    with InjectedFailure(server, sentinel, "decode"):
+        with httpx.stream("POST", url, json={**body, "prompt": bad, "stream": True}) as r:
+            lines = [line for line in r.iter_lines() if line]
+        assert r.status_code == 200
+        assert lines[-2:] == ['data: {"error":{"message":"' + reason + '","type":"internal_error","code":"internal"}}',
+                              "data: [DONE]"]
+        with Client(server.grpc_target) as c:
+            got = []
+            with pytest.raises(grpc.RpcError) as err:
+                for m in c.generate(bad, max_tokens=6, ignore_eos=True):
+                    got.append(m)
+        assert len(got) == 1 and len(got[0].token_ids) == 1 and not got[0].finish_reason
+        assert (err.value.code(), err.value.details()) == (grpc.StatusCode.INTERNAL, reason)
+        r = httpx.post(url, json={**body, "prompt": bad})
+        assert r.status_code == 500 and r.json()["error"]["message"] == reason
+        assert httpx.post(url, json=body).json()["choices"][0]["text"] == want
+    assert server.metric("quicksilver_request_errors_total", code="internal") - errors == 5
+    assert wait_until(lambda: not server.server.engine.requests
+                      and server.metric("quicksilver_kv_cache_usage_percent") == 0)
