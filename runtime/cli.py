@@ -138,6 +138,18 @@ def _generate_remote(server: str, api_key: str | None, tls_ca: Path | None, prom
         fail(f"{server}: {e.code().name}: {e.details()}")
 
 
+def _priority_keys(values: tuple[str, ...]) -> tuple[tuple[str, int], ...]:
+    """--priority-key TOKEN:FLOOR values → ((token, floor), ...); a usage error names a malformed one."""
+    keys = []
+    for value in values:
+        token, _, floor = value.rpartition(":")
+        try:
+            keys.append((token, int(floor)))
+        except ValueError:
+            raise click.BadParameter(f"{value!r} is not TOKEN:FLOOR (FLOOR an integer)", param_hint="--priority-key")
+    return tuple(keys)
+
+
 @main.command()
 @click.argument("engine", required=False, type=click.Path(path_type=Path))
 @click.option("--draft", type=click.Path(path_type=Path), default=None, help="Draft engine for speculative decoding.")
@@ -168,11 +180,18 @@ def _generate_remote(server: str, api_key: str | None, tls_ca: Path | None, prom
 @click.option("--max-tokens-limit", type=click.IntRange(1), default=None, show_default="the context length",
               help="Largest max_tokens a request may ask for.")
 @click.option("--grace", type=float, default=10.0, show_default=True, help="Seconds in-flight requests get on SIGTERM.")
+@click.option("--priority-floor", type=click.IntRange(-100, 100), default=0, show_default=True,
+              help="Most urgent priority a caller may request (lower is more urgent; requests range over -100..100); "
+                   "more urgent requests are refused (400 / INVALID_ARGUMENT).")
+@click.option("--priority-key", "priority_keys", multiple=True, metavar="TOKEN:FLOOR",
+              help="A bearer token whose callers may request priorities down to FLOOR instead of --priority-floor "
+                   "(repeatable; it also authenticates where --api-key is required).")
 def serve(engine: Path | None, draft: Path | None, speculation: str, host: str, grpc_port: int, http_port: int,
           max_num_seqs: int, max_waiting: int, token_budget: int, prefill_chunk: int, max_model_len: int | None,
           kv_budget_mib: int | None, no_prefix_cache: bool, threads: int | None, spin: bool, api_key: str | None,
           tls_cert: Path | None, tls_key: Path | None, served_model_name: str | None, request_timeout: float,
-          max_body_bytes: int, max_tokens_limit: int | None, grace: float) -> None:
+          max_body_bytes: int, max_tokens_limit: int | None, grace: float, priority_floor: int,
+          priority_keys: tuple[str, ...]) -> None:
     """Serve ENGINE (default: the bundled target) over gRPC and OpenAI-compatible HTTP, with /metrics."""
     import asyncio
     import logging
@@ -192,7 +211,8 @@ def serve(engine: Path | None, draft: Path | None, speculation: str, host: str, 
                                          kv_budget_bytes=kv_budget_mib << 20 if kv_budget_mib else None),
                              threads=threads, spin=spin, draft=draft_path, speculation=method)
         sconf = ServerConfig(host, grpc_port, http_port, api_key, tls_cert, tls_key, served_model_name, request_timeout,
-                             max_body_bytes, None, max_tokens_limit, grace)
+                             max_body_bytes, None, max_tokens_limit, grace, priority_floor,
+                             _priority_keys(priority_keys))
         asyncio.run(run_server(engine_path, econf, sconf))
     except (QuicksilverError, FileNotFoundError, ValueError, OSError) as e:
         fail(str(e))

@@ -92,8 +92,18 @@ class ServerConfig:
     max_prompt_tokens: int | None = None   # None: the context length
     max_tokens_limit: int | None = None    # cap on max_tokens; None: the context length
     grace_s: float = 10.0             # graceful shutdown: in-flight requests get this long to finish
+    # Priorities: lower is more urgent (engine range [-100, 100]). A caller may ask for `priority_floor` or a larger
+    # number; a caller whose bearer token is one of `priority_keys` (token, floor) gets that token's floor instead.
+    # Those tokens authenticate too where `api_key` is required.
+    priority_floor: int = 0
+    priority_keys: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self):
+        for floor in (self.priority_floor, *(f for _, f in self.priority_keys)):
+            if not -100 <= floor <= 100:
+                raise ValueError(f"priority floor {floor} is outside the engine's range [-100, 100]")
+        if any(not key for key, _ in self.priority_keys):
+            raise ValueError("a priority key must not be empty")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("TLS needs both --tls-cert and --tls-key")
         for path in (self.tls_cert, self.tls_key):

@@ -6,6 +6,8 @@ import hmac
 
 import grpc
 
+from ..config import ServerConfig
+
 OPEN_GRPC_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.")
 
 
@@ -15,17 +17,29 @@ def token_ok(header: str | None, api_key: str) -> bool:
     return hmac.compare_digest((header or "").encode(), expected)
 
 
+def authorized(header: str | None, config: ServerConfig) -> bool:
+    """`header` carries --api-key or one of the --priority-key tokens."""
+    keys = [config.api_key] + [key for key, _ in config.priority_keys]
+    return any([token_ok(header, key) for key in keys if key])     # a list: every key compared, whatever matches
+
+
+def priority_floor(header: str | None, config: ServerConfig) -> int:
+    """The most urgent (lowest) priority this caller may ask for: its --priority-key's floor, else --priority-floor."""
+    floors = [floor for key, floor in config.priority_keys if token_ok(header, key)]
+    return floors[0] if floors else config.priority_floor
+
+
 class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
     """Rejects calls without `authorization: Bearer <key>` metadata with UNAUTHENTICATED (health and reflection stay open)."""
 
-    def __init__(self, api_key: str):
-        self.api_key = api_key
+    def __init__(self, config: ServerConfig):
+        self.config = config
 
     async def intercept_service(self, continuation, details):
         if details.method.startswith(OPEN_GRPC_PREFIXES):
             return await continuation(details)
         header = dict(details.invocation_metadata or ()).get("authorization")
-        if token_ok(header, self.api_key):
+        if authorized(header, self.config):
             return await continuation(details)
         handler = await continuation(details)
 

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 
 from ..async_engine import AsyncEngine
 from ..config import ServerConfig
-from ..engine import EngineOverloaded
+from ..engine import MAX_PRIORITY, MIN_PRIORITY, EngineOverloaded
 from ..metrics import Metrics
 from ..outputs import RequestOutput
 from ..request import InvalidRequest, SamplingParams
@@ -61,11 +61,21 @@ class Bridge:
             if n > c.max_prompt_tokens:
                 raise InvalidRequest(f"prompt has {n} tokens; this server accepts at most {c.max_prompt_tokens}")
 
+    @staticmethod
+    def check_priority(priority: int, floor: int) -> None:
+        """Lower is more urgent; `floor` is the most urgent this caller may ask for (auth.priority_floor)."""
+        if isinstance(priority, bool) or not isinstance(priority, int) or not MIN_PRIORITY <= priority <= MAX_PRIORITY:
+            raise InvalidRequest(f"priority must be an integer in [{MIN_PRIORITY}, {MAX_PRIORITY}], not {priority!r}")
+        if priority < floor:
+            raise InvalidRequest(f"priority {priority} is more urgent than this caller may ask for "
+                                 f"(lowest allowed: {floor})")
+
     async def stream(self, prompt: str | list[int], params: SamplingParams, request_id: str = "", priority: int = 0,
-                     timeout_s: float | None = None) -> AsyncIterator[RequestOutput]:
+                     timeout_s: float | None = None, priority_floor: int = 0) -> AsyncIterator[RequestOutput]:
         """Validate, admit and stream one request; the request is aborted if the consumer stops early."""
         if self.draining:
             raise Draining("the server is shutting down")
+        self.check_priority(priority, priority_floor)
         self.check_limits(prompt, params)
         timeout = min(timeout_s or self.config.request_timeout_s, self.config.request_timeout_s)
         deadline = time.monotonic() + timeout

@@ -12,7 +12,7 @@ from grpc_reflection.v1alpha import reflection
 from ..config import ServerConfig
 from ..outputs import RequestOutput
 from ..request import InvalidRequest, SamplingParams
-from .auth import BearerAuthInterceptor
+from .auth import BearerAuthInterceptor, priority_floor
 from .bridge import Bridge, Draining, Failed, Overloaded
 from .proto import quicksilver_pb2 as pb
 from .proto import quicksilver_pb2_grpc as pb_grpc
@@ -79,7 +79,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 raise InvalidRequest("the request has no prompt (set text or token_ids)")
             prompt = request.text if which == "text" else [int(t) for t in request.token_ids.ids]
             params = sampling_from_pb(request.sampling)
-            async for out in b.stream(prompt, params, request.request_id, request.priority, context.time_remaining()):
+            floor = priority_floor(dict(context.invocation_metadata() or ()).get("authorization"), b.config)
+            async for out in b.stream(prompt, params, request.request_id, request.priority, context.time_remaining(),
+                                      floor):
                 yield response_to_pb(out)
         except InvalidRequest as e:
             b.metrics.on_error("invalid_argument")
@@ -119,7 +121,7 @@ async def start_grpc(bridge: Bridge, config: ServerConfig) -> tuple[grpc.aio.Ser
     options = [("grpc.max_receive_message_length", config.max_body_bytes),
                ("grpc.max_send_message_length", 16 << 20),
                ("grpc.so_reuseport", 0)]       # gRPC's default lets a second server share the port silently
-    interceptors = [BearerAuthInterceptor(config.api_key)] if config.api_key else []
+    interceptors = [BearerAuthInterceptor(config)] if config.api_key else []
     server = grpc.aio.server(options=options, interceptors=interceptors)
     servicer = GenerationServicer(bridge)
     handlers = {

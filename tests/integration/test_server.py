@@ -570,3 +570,35 @@ def test_failed_step_is_an_error_not_a_success(server):
     assert server.metric("quicksilver_request_errors_total", code="internal") - errors == 5
     assert wait_until(lambda: not server.server.engine.requests
                       and server.metric("quicksilver_kv_cache_usage_percent") == 0)
+
+
+def test_priority_range_and_per_key_floor(engine):
+    """Priorities are integers in [-100, 100]; a caller may not ask for one more urgent (lower) than its floor:
+    --priority-floor for everyone, a --priority-key token's own floor for its holders (which also authenticate)."""
+    s = ServerThread(engine("llama"), api_key="s3cret", priority_floor=0, priority_keys=(("ops", -50),))
+    floor = lambda p, f: f"priority {p} is more urgent than this caller may ask for (lowest allowed: {f})"  # noqa: E731
+    span = "priority must be an integer in [-100, 100], not "
+    try:
+        cases = [("s3cret", -1, floor(-1, 0)), ("s3cret", 101, span + "101"), ("ops", -51, floor(-51, -50)),
+                 ("ops", -101, span + "-101"), ("s3cret", 0, None), ("ops", -50, None), ("s3cret", 100, None)]
+        for key, priority, refusal in cases:
+            with Client(s.grpc_target, api_key=key) as c:
+                if refusal is None:
+                    assert len([t for m in c.generate(PROMPT, max_tokens=2, ignore_eos=True, priority=priority)
+                                for t in m.token_ids]) == 2
+                    continue
+                with pytest.raises(grpc.RpcError) as err:
+                    list(c.generate(PROMPT, max_tokens=2, priority=priority))
+                assert (err.value.code(), err.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT, refusal)
+        url = f"{s.http_url}/v1/completions"
+        for key, priority, refusal in cases + [("ops", "high", span + "'high'"), ("ops", 1.5, span + "1.5"),
+                                               ("ops", True, span + "True")]:
+            r = httpx.post(url, headers={"Authorization": f"Bearer {key}"},
+                           json={"prompt": PROMPT, "max_tokens": 2, "ignore_eos": True, "priority": priority})
+            if refusal is None:
+                assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+            else:
+                assert (r.status_code, r.json()["error"]["message"]) == (400, refusal)
+        assert httpx.post(url, headers={"Authorization": "Bearer nope"}, json={"prompt": PROMPT}).status_code == 401
+    finally:
+        s.stop()
