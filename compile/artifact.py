@@ -31,22 +31,51 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+def check_destination(out: Path, overwrite: bool) -> None:
+    """Refuse an `--out` whose replacement could destroy anything but an engine: `--overwrite` replaces only a
+    folder holding a manifest (or an empty one), never a file or an arbitrary folder such as `.`."""
+    out = Path(out).resolve()
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise ArtifactError(f"--out {out} is a file, not an engine folder")
+    if not overwrite:
+        raise ArtifactError(f"{out} already exists; pass --overwrite to replace it")
+    if not (out / MANIFEST).is_file() and any(out.iterdir()):
+        raise ArtifactError(f"--out {out} is not a Quicksilver engine (no {MANIFEST}); --overwrite replaces only "
+                            "an engine folder, choose a new or empty folder")
+
+
 @contextmanager
 def staging_dir(out: Path, overwrite: bool = False):
-    """Yield a temporary folder next to `out`; on success it becomes `out`, on failure it vanishes."""
-    out = out.resolve()
-    if out.exists() and not overwrite:
-        raise ArtifactError(f"{out} already exists; pass --overwrite to replace it")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    """Yield a temporary folder next to `out`; on success it replaces `out`, on failure it vanishes.
+
+    The old engine is renamed aside before the new one is renamed into place and deleted only after,
+    so no failure leaves `out` half-written.
+    """
+    out = Path(out).resolve()
+    check_destination(out, overwrite)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    except OSError as e:
+        raise ArtifactError(f"cannot write the engine to {out}: {e.strerror or e}") from None
+    old = tmp.with_name(tmp.name + ".old")
     try:
         yield tmp
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        check_destination(out, overwrite)   # again: the build took a while
+        try:
+            if out.exists():
+                os.replace(out, old)
+            os.replace(tmp, out)
+        except OSError as e:
+            if old.exists() and not out.exists():
+                os.replace(old, out)
+            raise ArtifactError(f"cannot write the engine to {out}: {e.strerror or e}") from None
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        for path in (tmp, old):
+            if path.exists():
+                shutil.rmtree(path, ignore_errors=True)
 
 
 def write_manifest(folder: Path, manifest: dict) -> dict:

@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from . import __version__
 from .archs import REGISTRY
-from .artifact import staging_dir, write_manifest
+from .artifact import check_destination, staging_dir, write_manifest
 from .config import CompileConfig, QuantConfig
 from .quantize import report
 from .quantize.awq import awq_reader
@@ -124,6 +124,7 @@ def _kv_scales(spec: ModelSpec, reader: CheckpointReader, cfg: CompileConfig, to
 def build(cfg: CompileConfig, log=print) -> dict:
     """Build the engine described by `cfg`; return its manifest. Raises QuicksilverError on bad input."""
     t0 = time.time()
+    check_destination(cfg.out_dir, cfg.overwrite)   # before the work, not only at the swap
     spec = read_spec(cfg.model_dir)
     tok_files = tokenizer_files(cfg.model_dir)
     reader = CheckpointReader(cfg.model_dir)

@@ -54,7 +54,9 @@ def main() -> None:
 @click.option("--eval", "eval_file", type=click.Path(path_type=Path), default=None,
               help="Text for the accuracy report [default: held-out Python code shipped with Quicksilver].")
 @click.option("--no-report", is_flag=True, help="Skip the accuracy report (faster builds).")
-@click.option("--overwrite", is_flag=True, help="Replace ENGINE_DIR if it exists.")
+@click.option("--overwrite", is_flag=True,
+              help="Replace --out if it holds an engine (a folder with manifest.json) or is empty; other folders "
+                   "and files are never replaced.")
 def build(model_dir: Path, out_dir: Path, precision: str, target: str, max_seq_len: int | None, block_size: int,
           calib: Path | None, embeddings: str, kv_cache: str, batch_invariant: bool, eval_file: Path | None,
           no_report: bool, overwrite: bool) -> None:

@@ -64,3 +64,10 @@ class CompileConfig:
                              "cache in fp16")
         if self.quant.calib is not None and self.precision != "int4":
             raise ValueError("--calib (activation-aware scales) applies to --precision int4 only")
+        model, out = Path(self.model_dir).resolve(), Path(self.out_dir).resolve()
+        # The swap at the end of a build replaces --out: it must never hold (or be held by) the checkpoint.
+        if out == model or model in out.parents:
+            raise ValueError(f"--out {self.out_dir} is the checkpoint folder --model {self.model_dir} or inside it; "
+                             "write the engine elsewhere")
+        if out in model.parents:
+            raise ValueError(f"--model {self.model_dir} is inside --out {self.out_dir}; write the engine elsewhere")

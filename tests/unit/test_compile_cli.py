@@ -1,6 +1,7 @@
 """`compile build` on bad input: one-line error, exit code 2, and nothing left behind."""
 
 import json
+import os
 import shutil
 
 import pytest
@@ -94,3 +95,57 @@ def test_int8_kv_cache_is_a_cpu_format(checkpoint, tmp_path):
     assert "KV cache int8" in shown and "BNSH int8" in shown
     verified = CliRunner().invoke(main, ["verify", str(out), "--model", str(checkpoint("llama"))])
     assert verified.exit_code == 0 and "PASS" in verified.output
+
+
+def one_error_line(result, needle):
+    assert result.exit_code == 2, result.output
+    lines = [l for l in result.output.strip().splitlines() if l.startswith("error:")]
+    assert len(lines) == 1 and needle in lines[0], result.output
+    assert "Traceback" not in result.output
+
+
+def test_overwrite_never_deletes_a_folder_that_is_not_an_engine(checkpoint, tmp_path, monkeypatch):
+    """`--out . --overwrite` wiped the current folder: only a folder with manifest.json is replaced."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "notes.txt").write_text("keep me")
+    monkeypatch.chdir(work)
+    one_error_line(run_build(checkpoint("llama"), ".", "--overwrite"), "not a Quicksilver engine (no manifest.json)")
+    assert sorted(p.name for p in work.iterdir()) == ["notes.txt"]
+    assert (work / "notes.txt").read_text() == "keep me"
+
+
+@pytest.mark.parametrize("where", ["model", "inside model", "model inside out"])
+def test_out_and_model_must_not_contain_each_other(broken, where):
+    """`--out` equal to `--model` with --overwrite deleted the checkpoint."""
+    model = broken(lambda p: None)
+    before = sorted(p.name for p in model.iterdir())
+    out = {"model": model, "inside model": model / "engine", "model inside out": model.parent}[where]
+    needle = "--model" if where != "model inside out" else "is inside --out"
+    one_error_line(run_build(model, out, "--overwrite"), needle)
+    assert sorted(p.name for p in model.iterdir()) == before
+
+
+@pytest.mark.parametrize("overwrite", [(), ("--overwrite",)])
+def test_out_is_a_file(checkpoint, tmp_path, overwrite):
+    out = tmp_path / "engine"
+    out.write_text("not an engine")
+    one_error_line(run_build(checkpoint("llama"), out, *overwrite), "is a file")
+    assert out.read_text() == "not an engine"
+
+
+def test_out_not_writable(checkpoint, tmp_path):
+    one_error_line(run_build(checkpoint("llama"), "/proc/quicksilver-engine"), "cannot write the engine to /proc")
+    if os.geteuid() != 0:   # root writes anywhere
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        one_error_line(run_build(checkpoint("llama"), locked / "engine"), "cannot write the engine")
+
+
+def test_overwrite_replaces_an_engine_or_an_empty_folder(checkpoint, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    assert run_build(checkpoint("llama"), out, "--overwrite", "--no-report").exit_code == 0
+    assert run_build(checkpoint("llama"), out, "--overwrite", "--no-report", "--precision", "fp16").exit_code == 0
+    assert json.loads((out / "manifest.json").read_text())["precision"]["weights"] == "fp16"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]   # no staging or old folder left beside it
