@@ -22,6 +22,7 @@ from ..outputs import RequestOutput
 from ..request import InvalidRequest, SamplingParams
 
 log = logging.getLogger("quicksilver.server")
+MAX_TAG = 256             # longest client-chosen request id (echoed in every message)
 
 
 class Overloaded(Exception):
@@ -70,18 +71,22 @@ class Bridge:
             raise InvalidRequest(f"priority {priority} is more urgent than this caller may ask for "
                                  f"(lowest allowed: {floor})")
 
-    async def stream(self, prompt: str | list[int], params: SamplingParams, request_id: str = "", priority: int = 0,
+    async def stream(self, prompt: str | list[int], params: SamplingParams, tag: str = "", priority: int = 0,
                      timeout_s: float | None = None, priority_floor: int = 0) -> AsyncIterator[RequestOutput]:
-        """Validate, admit and stream one request; the request is aborted if the consumer stops early."""
+        """Validate, admit and stream one request; the request is aborted if the consumer stops early.
+        The engine names the request itself (unguessable, so no client can take or collide with another's id);
+        `tag` is the client's own name for it (a gRPC request_id, an HTTP response id), only logged here."""
         if self.draining:
             raise Draining("the server is shutting down")
+        if len(tag) > MAX_TAG:
+            raise InvalidRequest(f"request_id is {len(tag)} characters; at most {MAX_TAG}")
         self.check_priority(priority, priority_floor)
         self.check_limits(prompt, params)
         timeout = min(timeout_s or self.config.request_timeout_s, self.config.request_timeout_s)
         deadline = time.monotonic() + timeout
-        gen = self.aengine.generate(prompt, params, request_id, priority)
+        gen = self.aengine.generate(prompt, params, "", priority)
         self.in_flight += 1
-        last, rid, finished, refused, failed = time.monotonic(), request_id, None, None, None
+        last, rid, finished, refused, failed = time.monotonic(), tag, None, None, None
         try:
             while True:
                 remaining = deadline - time.monotonic()
@@ -99,7 +104,7 @@ class Bridge:
                     return
                 now = time.monotonic()
                 self.metrics.itl.observe(now - last)
-                last, rid = now, out.request_id
+                last, rid = now, f"{out.request_id} ({tag})" if tag else out.request_id
                 if out.error is not None:
                     failed = out
                     raise Failed(out.error)
@@ -121,7 +126,7 @@ class Bridge:
                 self.metrics.on_finish("error", None)
                 log.info("%s failed: %s", rid, failed.error)
             elif refused is not None:
-                log.info("%s refused: %s", rid or "request", refused)
+                log.info("%s refused: %s", tag or "request", refused)
             elif rid:
                 self.metrics.on_finish("abort", None)
                 log.info("%s aborted (client gone, deadline or shutdown)", rid)

@@ -31,8 +31,8 @@ def sampling_from_pb(s: pb.SamplingParams) -> SamplingParams:
                           logit_bias=dict(s.logit_bias))
 
 
-def response_to_pb(out: RequestOutput) -> pb.GenerateResponse:
-    msg = pb.GenerateResponse(request_id=out.request_id, token_ids=out.token_ids, text=out.text,
+def response_to_pb(out: RequestOutput, request_id: str) -> pb.GenerateResponse:
+    msg = pb.GenerateResponse(request_id=request_id, token_ids=out.token_ids, text=out.text,
                               finish_reason=out.finish_reason or "")
     for lp in out.logprobs or []:
         msg.logprobs.add(token_id=lp["token"], logprob=lp["logprob"],
@@ -82,7 +82,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             floor = priority_floor(dict(context.invocation_metadata() or ()).get("authorization"), b.config)
             async for out in b.stream(prompt, params, request.request_id, request.priority, context.time_remaining(),
                                       floor):
-                yield response_to_pb(out)
+                yield response_to_pb(out, request.request_id or out.request_id)   # the client's tag, if any
         except InvalidRequest as e:
             b.metrics.on_error("invalid_argument")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))

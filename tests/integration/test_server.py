@@ -4,6 +4,7 @@ cancel, shed, honour deadlines, authenticate, speak TLS, report metrics and shut
 import concurrent.futures
 import json
 import math
+import re
 import signal
 import ssl
 import subprocess
@@ -602,3 +603,21 @@ def test_priority_range_and_per_key_floor(engine):
         assert httpx.post(url, headers={"Authorization": "Bearer nope"}, json={"prompt": PROMPT}).status_code == 401
     finally:
         s.stop()
+
+
+def test_request_ids_are_tags_not_engine_ids(server):
+    """A gRPC request_id is the client's tag, echoed back: two clients using the same one both run (was: "already
+    in use" for the second); without one, responses carry the server's unguessable id."""
+    tag = "my-request"
+    with Client(server.grpc_target) as a, Client(server.grpc_target) as b:
+        first = a.generate(PROMPT, max_tokens=30, ignore_eos=True, request_id=tag)
+        head = next(first)                                   # admitted and running under the engine's own id
+        second = list(b.generate(PROMPT, max_tokens=3, ignore_eos=True, request_id=tag))
+        rest = list(first)
+        untagged = list(a.generate(PROMPT, max_tokens=2, ignore_eos=True))
+    assert {m.request_id for m in [head, *rest, *second]} == {tag}
+    assert sum(len(m.token_ids) for m in [head, *rest]) == 30 and sum(len(m.token_ids) for m in second) == 3
+    assert len({m.request_id for m in untagged}) == 1 and re.fullmatch(r"req-[0-9a-f]{24}", untagged[0].request_id)
+    with Client(server.grpc_target) as c, pytest.raises(grpc.RpcError) as err:
+        list(c.generate(PROMPT, max_tokens=2, request_id="x" * 257))
+    assert err.value.details() == "request_id is 257 characters; at most 256"
