@@ -128,6 +128,7 @@ def build(cfg: CompileConfig, log=print) -> dict:
     spec = read_spec(cfg.model_dir)
     tok_files = tokenizer_files(cfg.model_dir)
     reader = CheckpointReader(cfg.model_dir)
+    reader.check(REGISTRY[spec.architecture](spec, reader).tensor_shapes())
     _check_block_size(spec, cfg)
     if cfg.quant.calib is not None:
         calib = Tokenizer.from_file(str(tok_files[0])).encode(cfg.quant.calib.read_text(errors="replace")).ids

@@ -22,6 +22,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
 SUPPORTED_ROPE_SCALING = ("llama3", "linear")
 _DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64,
            "I64": np.int64, "I32": np.int32, "I8": np.int8, "U8": np.uint8}
+FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")   # what a weight may be stored as (widened to fp32 when read)
 
 
 @dataclass(frozen=True)
@@ -109,14 +110,38 @@ class SafetensorsFile:
     def __init__(self, path: Path):
         self.path = path
         try:
+            size = path.stat().st_size
             with open(path, "rb") as f:
                 (n,) = struct.unpack("<Q", f.read(8))
+                # A header length past the file's end is not a safetensors file (reading it: MemoryError).
+                if n > size - 8:
+                    raise CheckpointError(f"{path} is not a safetensors file (header length {n} exceeds the "
+                                          f"file's {size} bytes)")
                 header = json.loads(f.read(n))
         except (OSError, struct.error, json.JSONDecodeError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{path} is not a readable safetensors file: {e}") from None
+        if not isinstance(header, dict):
+            raise CheckpointError(f"{path} is not a safetensors file (its header is not a JSON object)")
         header.pop("__metadata__", None)
         self.header, self.offset = header, 8 + n
+        for name, info in header.items():
+            self._check_entry(name, info, size - self.offset)
         self._map = np.memmap(path, dtype=np.uint8, mode="r")
+
+    def _check_entry(self, name: str, info, data_size: int) -> None:
+        """The header's claims fit the file: a shape of counts, and offsets that span exactly its bytes."""
+        try:
+            dtype, shape, (start, end) = info["dtype"], info["shape"], info["data_offsets"]
+            ok = (isinstance(dtype, str) and all(isinstance(d, int) and d >= 0 for d in shape)
+                  and isinstance(start, int) and isinstance(end, int) and 0 <= start <= end)
+        except (TypeError, KeyError, ValueError):
+            ok = False
+        if not ok:
+            raise CheckpointError(f"{self.path} is not a safetensors file (bad header entry for {name!r})")
+        if end > data_size:
+            raise CheckpointError(f"{self.path} is truncated (tensor {name} ends past the file)")
+        if dtype in _DTYPES and end - start != int(np.prod(shape)) * np.dtype(_DTYPES[dtype]).itemsize:
+            raise CheckpointError(f"{self.path}: tensor {name} has shape {shape} but {end - start} bytes of {dtype}")
 
     def names(self) -> list[str]:
         return list(self.header)
@@ -127,8 +152,6 @@ class SafetensorsFile:
         if dtype is None:
             raise CheckpointError(f"{self.path}: tensor {name} has unsupported dtype {info['dtype']}")
         start, end = (self.offset + o for o in info["data_offsets"])
-        if end > self._map.size:
-            raise CheckpointError(f"{self.path} is truncated (tensor {name} ends past the file)")
         raw = self._map[start:end].view(dtype).reshape(info["shape"])
         if info["dtype"] == "BF16":
             return (raw.astype(np.uint32) << 16).view(np.float32)
@@ -141,8 +164,13 @@ class CheckpointReader:
     def __init__(self, model_dir: Path):
         index = model_dir / "model.safetensors.index.json"
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            files = sorted(set(weight_map.values()))
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+                files = sorted(set(weight_map.values()))
+                if not all(isinstance(f, str) and Path(f).name == f for f in files):
+                    raise ValueError("shard names must be file names in the checkpoint folder")
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                raise CheckpointError(f"{index} is not a valid safetensors index ({type(e).__name__}: {e})") from None
         else:
             files = sorted(p.name for p in model_dir.glob("*.safetensors"))
         if not files:
@@ -160,6 +188,21 @@ class CheckpointReader:
         if name not in self._where:
             raise CheckpointError(f"checkpoint has no tensor {name!r}")
         return self._where[name].get(name)
+
+    def check(self, shapes: dict[str, tuple[int, ...]]) -> None:
+        """Every tensor the graph reads exists with the shape config.json implies and a float dtype: a mismatched
+        checkpoint fails here, in one line naming the tensor, instead of building an engine that fails at load."""
+        for name, want in shapes.items():
+            if name not in self._where:
+                raise CheckpointError(f"checkpoint has no tensor {name!r} (config.json implies it)")
+            f = self._where[name]
+            info = f.header[name]
+            if tuple(info["shape"]) != want:
+                raise CheckpointError(f"{f.path.name}: tensor {name} has shape {list(info['shape'])}, config.json "
+                                      f"implies {list(want)}")
+            if info["dtype"] not in FLOAT_DTYPES:
+                raise CheckpointError(f"{f.path.name}: tensor {name} has dtype {info['dtype']}, expected one of "
+                                      f"{', '.join(FLOAT_DTYPES)}")
 
     def dtypes(self) -> set[str]:
         return {f.header[n]["dtype"] for f in self.files for n in f.names()}

@@ -53,6 +53,23 @@ class LlamaArch:
     def __init__(self, spec: ModelSpec, reader: CheckpointReader):
         self.spec, self.reader = spec, reader
 
+    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every checkpoint tensor the graph reads, with the shape config.json implies (checked before building)."""
+        s = self.spec
+        h, q, kv, ffn = s.hidden_size, s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.intermediate_size
+        layer = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+                 "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
+                 "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, q),
+                 "mlp.gate_proj.weight": (ffn, h), "mlp.up_proj.weight": (ffn, h), "mlp.down_proj.weight": (h, ffn)}
+        if s.attention_bias:
+            layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)})
+        shapes = {"model.embed_tokens.weight": (s.vocab_size, h), "model.norm.weight": (h,)}
+        if not s.tie_word_embeddings and "lm_head.weight" in self.reader:
+            shapes["lm_head.weight"] = (s.vocab_size, h)
+        for i in range(s.num_layers):
+            shapes.update({f"model.layers.{i}.{k}": shape for k, shape in layer.items()})
+        return shapes
+
     def layer_weights(self, i: int, prefix: str, keys) -> dict[str, np.ndarray]:
         return {k: self.reader.get(f"model.layers.{i}.{prefix}.{k}") for k in keys}
 
