@@ -53,12 +53,20 @@ class Bridge:
         if model and model != self.model_name:
             raise InvalidRequest(f"unknown model {model!r}; this server serves {self.model_name!r}")
 
-    def check_limits(self, prompt, params: SamplingParams) -> None:
+    async def encode(self, text: str) -> list[int]:
+        """Tokenize off the event loop. `encode_batch` releases the GIL while it works (`encode` holds it for the
+        whole call, which would stall the loop even from another thread); same ids as `encode`."""
+        return (await asyncio.to_thread(self.tokenizer.encode_batch, [text]))[0].ids
+
+    async def decode(self, ids: list[int]) -> str:
+        return (await asyncio.to_thread(self.tokenizer.decode_batch, [ids]))[0]
+
+    def check_limits(self, prompt: list[int], params: SamplingParams) -> None:
         c = self.config
         if c.max_tokens_limit is not None and params.max_tokens > c.max_tokens_limit:
             raise InvalidRequest(f"max_tokens {params.max_tokens} exceeds this server's limit of {c.max_tokens_limit}")
         if c.max_prompt_tokens is not None:
-            n = len(prompt) if isinstance(prompt, list) else len(self.tokenizer.encode(prompt).ids)
+            n = len(prompt)
             if n > c.max_prompt_tokens:
                 raise InvalidRequest(f"prompt has {n} tokens; this server accepts at most {c.max_prompt_tokens}")
 
@@ -81,6 +89,8 @@ class Bridge:
         if len(tag) > MAX_TAG:
             raise InvalidRequest(f"request_id is {len(tag)} characters; at most {MAX_TAG}")
         self.check_priority(priority, priority_floor)
+        if isinstance(prompt, str):   # here, not on the engine thread, where encode would hold the GIL
+            prompt = await self.encode(prompt)
         self.check_limits(prompt, params)
         timeout = min(timeout_s or self.config.request_timeout_s, self.config.request_timeout_s)
         deadline = time.monotonic() + timeout

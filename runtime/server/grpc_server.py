@@ -103,7 +103,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
         if isinstance(request, Malformed):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {request.error}")
-        return pb.TokenizeResponse(token_ids=self.bridge.tokenizer.encode(request.text).ids)
+        return pb.TokenizeResponse(token_ids=await self.bridge.encode(request.text))
 
     async def ModelInfo(self, request, context) -> pb.ModelInfoResponse:
         engine = self.bridge.aengine.engine

@@ -171,11 +171,15 @@ class HttpApi:
             include_usage = flag(options, "include_usage")
             self.bridge.check_model(body.get("model"))
             params, n = sampling_from_json(body, chat)
-            prompt = self.chat_template(body.get("messages")) if chat else _prompt(body.get("prompt"))
+            # Templates, tokenization and decoding run in threads: a long prompt must not stall the event loop.
+            if chat:
+                prompt = await asyncio.to_thread(self.chat_template, body.get("messages"))
+            else:
+                prompt = _prompt(body.get("prompt"))
             if chat and body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
-                prompt, params = self._rest_of_context(prompt, params)
+                prompt, params = await self._rest_of_context(prompt, params)
             echo = "" if chat or not echo_prompt else (prompt if isinstance(prompt, str) else
-                                                             self.bridge.tokenizer.decode(prompt))
+                                                             await self.bridge.decode(prompt))
             if echo and params.logprobs is not None:
                 raise InvalidRequest("echo with logprobs is not supported (prompt log-probabilities are not computed)")
             priority = body.get("priority", 0)         # lower is more urgent, as vLLM's
@@ -209,10 +213,10 @@ class HttpApi:
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         return await self._collect(request, streams, firsts, shape, echo)
 
-    def _rest_of_context(self, prompt: str, params: SamplingParams) -> tuple[list[int], SamplingParams]:
+    async def _rest_of_context(self, prompt: str, params: SamplingParams) -> tuple[list[int], SamplingParams]:
         """OpenAI's chat default for max_tokens: what the context leaves after the prompt (within the server's cap).
         Returns the prompt's token ids too, so the engine does not tokenize it again."""
-        ids = self.bridge.tokenizer.encode(prompt).ids
+        ids = await self.bridge.encode(prompt)
         room, cap = self.bridge.max_model_len - len(ids), self.bridge.config.max_tokens_limit
         return ids, replace(params, max_tokens=max(1, room if cap is None else min(room, cap)))
 

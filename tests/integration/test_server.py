@@ -4,6 +4,7 @@ cancel, shed, honour deadlines, authenticate, speak TLS, report metrics and shut
 import concurrent.futures
 import json
 import math
+import random
 import re
 import signal
 import ssl
@@ -621,3 +622,38 @@ def test_request_ids_are_tags_not_engine_ids(server):
     with Client(server.grpc_target) as c, pytest.raises(grpc.RpcError) as err:
         list(c.generate(PROMPT, max_tokens=2, request_id="x" * 257))
     assert err.value.details() == "request_id is 257 characters; at most 256"
+
+
+def random_words(seed: int, n: int) -> str:
+    """Text of new words (the tokenizer caches words it has seen, so each call needs its own)."""
+    r = random.Random(seed)
+    return " ".join("".join(r.choice("abcdefghijklmnopqrstuvwxyzé") for _ in range(r.randint(3, 12))) for _ in range(n))
+
+
+def loop_stall(server, action) -> tuple[float, float, object]:
+    """Run `action` in a thread while pinging /health; returns (slowest ping, action's seconds, its result)."""
+    worst = 0.0
+    with concurrent.futures.ThreadPoolExecutor(1) as pool, httpx.Client() as h:
+        t0 = time.monotonic()
+        fut = pool.submit(lambda: (action(), time.monotonic() - t0))
+        while not fut.done():
+            t = time.monotonic()
+            assert h.get(f"{server.http_url}/health").status_code == 200
+            worst = max(worst, time.monotonic() - t)
+        result, seconds = fut.result()
+    return worst, seconds, result
+
+
+def test_tokenization_does_not_block_the_event_loop(server):
+    """gRPC Tokenize and a long chat prompt's tokenization run off the event loop: /health keeps answering."""
+    tok = server.server.engine.tokenizer
+    text = random_words(1, 80_000)                                  # ≈ 600 kB, under the 1 MiB message limit
+    with Client(server.grpc_target) as c:
+        worst, seconds, ids = loop_stall(server, lambda: c.tokenize(text))
+    assert ids == tok.encode(text).ids
+    assert seconds > 0.3 and worst < 0.4 * seconds, (worst, seconds)
+    chat = {"messages": [{"role": "user", "content": random_words(2, 80_000)}]}       # no max_tokens: counted here
+    worst, seconds, r = loop_stall(server, lambda: httpx.post(f"{server.http_url}/v1/chat/completions", json=chat,
+                                                              timeout=60))
+    assert r.status_code == 400 and "exceeds the context length" in r.json()["error"]["message"]
+    assert seconds > 0.3 and worst < 0.4 * seconds, (worst, seconds)
