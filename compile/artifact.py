@@ -21,6 +21,22 @@ from .hf_source import SUPPORTED_ARCHITECTURES
 FORMAT = "quicksilver-engine"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
+# What the stages read from a manifest, by section: field → accepted types (dimensions must also be ≥ 1).
+FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
+    "": {"target": str, "compiler_version": str, "created": str, "precision": dict, "model": dict, "graph": dict,
+         "kv_cache": dict, "tokenizer": dict, "source": dict},
+    "precision": {"weights": str, "compute": str, "kv_cache": str},
+    "model": {"architecture": str, "num_layers": int, "hidden_size": int, "num_heads": int, "num_kv_heads": int,
+              "head_dim": int, "intermediate_size": int, "vocab_size": int, "max_seq_len": int,
+              "num_parameters": int, "rope_theta": (int, float), "rope_scaling": (dict, type(None))},
+    "graph": {"file": str, "inputs": dict, "outputs": dict},
+    "kv_cache": {"layout": str, "dtype": str, "num_layers": int, "num_kv_heads": int, "head_dim": int,
+                 "max_seq_len": int},
+    "tokenizer": {"files": list, "eos_token_ids": list},
+    "source": {"path": str, "fingerprint": str, "dtypes": list},
+}
+DIMENSIONS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size", "vocab_size",
+              "max_seq_len")
 
 
 def sha256_file(path: Path) -> str:
@@ -111,11 +127,63 @@ def read_manifest(engine_dir: Path) -> dict:
                             f"Quicksilver reads version {FORMAT_VERSION}; rebuild it with `compile build`")
     if not isinstance(manifest.get("files"), dict) or not manifest["files"]:
         raise ArtifactError(f"{path} lists no files")
-    arch = (manifest.get("model") or {}).get("architecture")
+    _check_fields(manifest, path)
+    arch = manifest["model"]["architecture"]
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ArtifactError(f"{engine_dir} holds a {arch!r} model, which this Quicksilver cannot run "
                             f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+    _check_consistent(manifest, path)
     return manifest
+
+
+def _check_fields(manifest: dict, path: Path) -> None:
+    """Every field of FIELDS is present with its type, so nothing fails later with a KeyError."""
+    for section, fields in FIELDS.items():
+        record = manifest[section] if section else manifest
+        for name, kind in fields.items():
+            field = f"{section}.{name}" if section else name
+            if name not in record:
+                raise ArtifactError(f"{path} is invalid: field {field} is missing; rebuild the engine")
+            value = record[name]
+            if not isinstance(value, kind) or isinstance(value, bool) or (name in DIMENSIONS and value < 1):
+                raise ArtifactError(f"{path} is invalid: field {field} is {value!r}; rebuild the engine")
+
+
+def _check_consistent(manifest: dict, path: Path) -> None:
+    """The model's dimensions agree with the KV cache record and with the graph's declared inputs and outputs."""
+    model, kv, graph = manifest["model"], manifest["kv_cache"], manifest["graph"]
+    for name in ("num_layers", "num_kv_heads", "head_dim", "max_seq_len"):
+        if kv[name] != model[name]:
+            raise ArtifactError(f"{path} is invalid: field kv_cache.{name} is {kv[name]} but model.{name} is "
+                                f"{model[name]}; rebuild the engine")
+    logits = graph["outputs"].get("logits") or {}
+    if (logits.get("shape") or [None])[-1] != model["vocab_size"]:
+        raise ArtifactError(f"{path} is invalid: graph.outputs.logits has shape {logits.get('shape')}, field "
+                            f"model.vocab_size is {model['vocab_size']}; rebuild the engine")
+    for kind in ("inputs", "outputs"):
+        for name, info in graph[kind].items():
+            shape = info.get("shape") if isinstance(info, dict) else None
+            if "{layer}" in name and (not shape or shape[-1] != model["head_dim"]
+                                      or model["num_kv_heads"] not in shape or info.get("dtype") != kv["dtype"]):
+                raise ArtifactError(f"{path} is invalid: graph.{kind}.{name} is {info}, but the fields model.num_kv_heads "
+                                    f"{model['num_kv_heads']}, model.head_dim {model['head_dim']} and kv_cache.dtype "
+                                    f"{kv['dtype']!r} say otherwise; rebuild the engine")
+
+
+def check_graph_io(manifest: dict, engine_dir: Path, inputs: list[str], outputs: list[str]) -> None:
+    """The graph file's input and output names are the manifest's interface, `{layer}` expanded for every layer
+    of model.num_layers; the stage that opens the graph calls this (the manifest itself is not hashed)."""
+    layers = range(manifest["model"]["num_layers"])
+    for kind, names in (("inputs", inputs), ("outputs", outputs)):
+        declared = manifest["graph"][kind]
+        want = {n.replace("{layer}", str(i)) for n in declared for i in (layers if "{layer}" in n else [0])}
+        if set(names) == want:
+            continue
+        missing, extra = sorted(want - set(names)), sorted(set(names) - want)
+        what = (f"the graph has no {kind[:-1]} {missing[0]}" if missing else
+                f"the graph has {kind[:-1]} {extra[0]}, which graph.{kind} does not declare")
+        raise ArtifactError(f"{engine_dir}/{MANIFEST} does not match {manifest['graph']['file']}: {what} (field "
+                            f"model.num_layers is {len(layers)}); rebuild the engine")
 
 
 def verify_files(engine_dir: Path, manifest: dict) -> None:

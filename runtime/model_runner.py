@@ -59,6 +59,8 @@ class ModelRunner:
         except Exception as e:  # ORT raises its own exception types for any bad graph
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ArtifactError(f"{engine_dir}: ONNX Runtime cannot load the graph: {first}") from None
+        artifact.check_graph_io(self.manifest, self.engine_dir, [i.name for i in self.session.get_inputs()],
+                                [o.name for o in self.session.get_outputs()])
         m = self.manifest["model"]
         self.num_layers, self.vocab_size = m["num_layers"], m["vocab_size"]
         self.kv_heads, self.head_dim, self.max_seq_len = m["num_kv_heads"], m["head_dim"], m["max_seq_len"]

@@ -57,13 +57,27 @@ def corrupt(kind, path):
         (path / "manifest.json").write_text("{not json")
     elif kind == "no manifest":
         (path / "manifest.json").unlink()
+    elif kind == "missing field":
+        m = json.loads((path / "manifest.json").read_text())
+        del m["model"]["num_layers"]
+        (path / "manifest.json").write_text(json.dumps(m))
+    elif kind == "wrong type":
+        edit_manifest(path, **{"kv_cache.head_dim": "16"})
+    elif kind == "inconsistent field":
+        edit_manifest(path, **{"model.num_layers": 3})
+    elif kind == "graph disagrees":
+        edit_manifest(path, **{"model.head_dim": 8, "kv_cache.head_dim": 8})
 
 
 KINDS = ["flipped byte", "truncated", "missing file", "wrong format version", "wrong architecture", "foreign",
-         "corrupt manifest", "no manifest"]
+         "corrupt manifest", "no manifest", "missing field", "wrong type", "inconsistent field", "graph disagrees"]
 MESSAGES = {"flipped byte": "sha256", "truncated": "truncated", "missing file": "missing",
             "wrong format version": "format version", "wrong architecture": "GPT2LMHeadModel",
-            "foreign": "not a Quicksilver engine", "corrupt manifest": "corrupted", "no manifest": "no manifest"}
+            "foreign": "not a Quicksilver engine", "corrupt manifest": "corrupted", "no manifest": "no manifest",
+            "missing field": "invalid: field model.num_layers is missing",
+            "wrong type": "invalid: field kv_cache.head_dim is '16'",
+            "inconsistent field": "invalid: field kv_cache.num_layers is 2 but model.num_layers is 3",
+            "graph disagrees": "invalid: graph.inputs.past_key_values.{layer}.key is"}
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -98,3 +112,21 @@ def test_intact_engine_loads_and_inspects(engine):
     assert result.exit_code == 0 and "sha256 verified" in result.output
     result = CliRunner().invoke(compile_main, ["inspect", str(path), "--json"])
     assert json.loads(result.output)["kv_cache"]["layout"] == "BNSH"
+
+
+def test_manifest_layers_checked_against_the_graph(damaged):
+    """model.num_layers and kv_cache.num_layers changed together still disagree with the graph's inputs: the
+    runtime's loader says so in one line (was an IndexError at generate)."""
+    path = damaged()
+    edit_manifest(path, **{"model.num_layers": 3, "kv_cache.num_layers": 3})
+    load(path)   # consistent in itself; only the graph can tell
+    with pytest.raises(ArtifactError, match=r"does not match model.onnx: the graph has no input "
+                                            r"past_key_values.2.key \(field model.num_layers is 3\)"):
+        ModelRunner(path)
+    edit_manifest(path, **{"model.num_layers": 1, "kv_cache.num_layers": 1})
+    with pytest.raises(ArtifactError, match=r"the graph has input past_key_values.1.key, which graph.inputs does "
+                                            r"not declare \(field model.num_layers is 1\)"):
+        ModelRunner(path)
+    result = CliRunner().invoke(runtime_main, ["generate", str(path), "x"])
+    assert result.exit_code == 2, result.output
+    assert result.output.strip().splitlines() == [result.output.strip()] and "past_key_values.1.key" in result.output
