@@ -19,7 +19,8 @@ class Metrics:
         h = lambda name, doc: Histogram(name, doc, registry=r, buckets=LATENCY_BUCKETS)  # noqa: E731
         self.ttft = h("quicksilver_time_to_first_token_seconds", "Request arrival to first token")
         self.tpot = h("quicksilver_time_per_output_token_seconds", "Mean time per output token after the first, per request")
-        self.itl = h("quicksilver_inter_token_latency_seconds", "Time between consecutive streamed messages")
+        self.itl = h("quicksilver_inter_token_latency_seconds", "Time between consecutive output tokens (a message "
+                     "carrying k speculated tokens counts k tokens, each 1/k of the wait)")
         self.e2e = h("quicksilver_e2e_request_latency_seconds", "Request arrival to last token")
         self.queue = h("quicksilver_request_queue_time_seconds", "Request arrival to first schedule")
         self.prefill_step = h("quicksilver_prefill_step_seconds", "Engine steps that computed prompt tokens")
@@ -67,6 +68,12 @@ class Metrics:
         """A request refused or failed, counted once by the transport that answered it (code: invalid_argument,
         overloaded, deadline_exceeded, unavailable, unauthenticated, not_found, …, the names HTTP error.code uses)."""
         self.errors.labels(code=code).inc()
+
+    def observe_itl(self, gap_s: float, num_tokens: int) -> None:
+        """A streamed message that came `gap_s` after the previous one with `num_tokens` tokens: one sample per
+        token, the gap shared among them (speculation delivers several tokens per message)."""
+        for _ in range(num_tokens):
+            self.itl.observe(gap_s / num_tokens)
 
     def on_finish(self, finish_reason: str, usage) -> None:
         self.finished.labels(finish_reason=finish_reason).inc()

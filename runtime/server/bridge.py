@@ -80,10 +80,12 @@ class Bridge:
                                  f"(lowest allowed: {floor})")
 
     async def stream(self, prompt: str | list[int], params: SamplingParams, tag: str = "", priority: int = 0,
-                     timeout_s: float | None = None, priority_floor: int = 0) -> AsyncIterator[RequestOutput]:
+                     timeout_s: float | None = None, priority_floor: int = 0,
+                     arrival: float | None = None) -> AsyncIterator[RequestOutput]:
         """Validate, admit and stream one request; the request is aborted if the consumer stops early.
         The engine names the request itself (unguessable, so no client can take or collide with another's id);
-        `tag` is the client's own name for it (a gRPC request_id, an HTTP response id), only logged here."""
+        `tag` is the client's own name for it (a gRPC request_id, an HTTP response id), only logged here.
+        `arrival` (time.monotonic) is when the transport received the request: TTFT and queue time count from it."""
         if self.draining:
             raise Draining("the server is shutting down")
         if len(tag) > MAX_TAG:
@@ -94,9 +96,9 @@ class Bridge:
         self.check_limits(prompt, params)
         timeout = min(timeout_s or self.config.request_timeout_s, self.config.request_timeout_s)
         deadline = time.monotonic() + timeout
-        gen = self.aengine.generate(prompt, params, "", priority)
+        gen = self.aengine.generate(prompt, params, "", priority, arrival)
         self.in_flight += 1
-        last, rid, finished, refused, failed = time.monotonic(), tag, None, None, None
+        last, rid, finished, refused, failed = None, tag, None, None, None
         try:
             while True:
                 remaining = deadline - time.monotonic()
@@ -113,8 +115,11 @@ class Bridge:
                 except StopAsyncIteration:
                     return
                 now = time.monotonic()
-                self.metrics.itl.observe(now - last)
-                last, rid = now, f"{out.request_id} ({tag})" if tag else out.request_id
+                if last is not None:          # the first message's wait is a TTFT, not an inter-token latency
+                    self.metrics.observe_itl(now - last, len(out.token_ids))
+                if out.token_ids:
+                    last = now
+                rid = now, f"{out.request_id} ({tag})" if tag else out.request_id
                 if out.error is not None:
                     failed = out
                     raise Failed(out.error)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -69,7 +70,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self.bridge = bridge
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
-        b = self.bridge
+        arrival, b = time.monotonic(), self.bridge          # TTFT counts from here
         try:
             if isinstance(request, Malformed):
                 raise InvalidRequest(f"malformed request: {request.error}")
@@ -81,7 +82,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             params = sampling_from_pb(request.sampling)
             floor = priority_floor(dict(context.invocation_metadata() or ()).get("authorization"), b.config)
             async for out in b.stream(prompt, params, request.request_id, request.priority, context.time_remaining(),
-                                      floor):
+                                      floor, arrival):
                 yield response_to_pb(out, request.request_id or out.request_id)   # the client's tag, if any
         except InvalidRequest as e:
             b.metrics.on_error("invalid_argument")

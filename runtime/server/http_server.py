@@ -23,6 +23,7 @@ from .bridge import Bridge, Draining, Failed, Overloaded
 from .token_text import TokenText
 
 OPEN_PATHS = ("/health", "/metrics")
+ARRIVAL = "quicksilver.arrival"   # scope key: time.monotonic() when the request's headers arrived
 MAX_CHOICES = 16          # most completions (n) one request may ask for
 
 
@@ -193,7 +194,7 @@ class HttpApi:
             def open_choice(i: int):
                 seeded = replace(params, seed=params.seed + i) if params.seed is not None and i else params
                 streams.append(self.bridge.stream(prompt, seeded, rid if n == 1 else f"{rid}-{i}", priority, timeout,
-                                                  floor))
+                                                  floor, request.scope.get(ARRIVAL)))
                 return streams[-1].__anext__()    # surfaces validation, shedding and deadline errors as statuses
 
             # Choice 0 first: once it has a token its prompt blocks are in the prefix cache, so the other
@@ -409,6 +410,7 @@ class _Guard:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        scope[ARRIVAL] = time.monotonic()       # TTFT counts from the request's headers, before its body is read
 
         async def counted_send(message):        # every error answer counts once in quicksilver_request_errors
             if message["type"] == "http.response.start" and message["status"] in CODES:

@@ -657,3 +657,53 @@ def test_tokenization_does_not_block_the_event_loop(server):
                                                               timeout=60))
     assert r.status_code == 400 and "exceeds the context length" in r.json()["error"]["message"]
     assert seconds > 0.3 and worst < 0.4 * seconds, (worst, seconds)
+
+
+def test_itl_is_per_token_after_the_first(server):
+    """The ITL histogram gets one sample per token after the first message (whose wait is the TTFT)."""
+    count = server.metric("quicksilver_inter_token_latency_seconds_count")
+    with Client(server.grpc_target) as c:
+        msgs = list(c.generate(PROMPT, max_tokens=10, ignore_eos=True))
+    assert [len(m.token_ids) for m in msgs] == [1] * 10
+    assert server.metric("quicksilver_inter_token_latency_seconds_count") - count == 9
+
+
+def test_ttft_counts_from_the_transport_receiving_the_request(server):
+    """HTTP TTFT starts when the request's headers arrive: a body that takes 0.5 s to come is in it."""
+    def slow_body():
+        time.sleep(0.5)
+        yield json.dumps({"prompt": PROMPT, "max_tokens": 1}).encode()
+
+    count = server.metric("quicksilver_time_to_first_token_seconds_count")
+    total = server.metric("quicksilver_time_to_first_token_seconds_sum")
+    t0 = time.monotonic()
+    r = httpx.post(f"{server.http_url}/v1/completions", content=slow_body(), headers={"Content-Type": "application/json"})
+    waited = time.monotonic() - t0
+    assert r.status_code == 200
+    assert wait_until(lambda: server.metric("quicksilver_time_to_first_token_seconds_count") == count + 1)
+    ttft = server.metric("quicksilver_time_to_first_token_seconds_sum") - total
+    assert 0.5 <= ttft <= waited, (ttft, waited)
+
+
+def test_draft_speculation_metrics(engine, server):
+    """A server with a draft model: greedy output equals the plain server's; the speculation counters move by
+    exactly what the request's usage reports; ITL still counts one sample per token after the first message."""
+    s = ServerThread(engine("llama"), EngineConfig(SchedulerConfig(max_num_seqs=2), CacheConfig(kv_budget_bytes=32 << 20),
+                                                   draft=engine("llama"), speculation="draft"))
+    try:
+        names = ("quicksilver_spec_proposed_tokens_total", "quicksilver_spec_accepted_tokens_total",
+                 "quicksilver_inter_token_latency_seconds_count")
+        before = [s.metric(n) for n in names]
+        body = {"prompt": PROMPT, "max_tokens": 40, "temperature": 0, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", f"{s.http_url}/v1/completions", json=body) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        spec = events[-1]["usage"]["completion_tokens_details"]
+        proposed, accepted = spec["speculative_proposed_tokens"], spec["speculative_accepted_tokens"]
+        plain = httpx.post(f"{server.http_url}/v1/completions", json={**body, "stream": False}).json()
+        assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == plain["choices"][0]["text"]
+        assert 0 < accepted <= proposed
+        assert wait_until(lambda: [s.metric(n) - b for n, b in zip(names, before)] == [proposed, accepted, 39]), \
+            ([s.metric(n) - b for n, b in zip(names, before)], proposed, accepted)
+    finally:
+        s.stop()
