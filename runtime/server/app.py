@@ -63,7 +63,7 @@ class Server:
         except BaseException:
             if http_sock is not None:
                 http_sock.close()
-            self.aengine.shutdown()
+            await asyncio.to_thread(self.aengine.shutdown)
             raise
         if http_sock is not None:
             api = HttpApi(self.bridge, load_chat_template(self.engine.runner.engine_dir))
@@ -93,14 +93,13 @@ class Server:
         deadline = time.monotonic() + self.config.grace_s
         while b.in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        for rid in list(self.engine.requests):
-            self.aengine.abort(rid)
+        b.abort_all()
         if self.grpc is not None:
             await grpc_stop
         if self.http is not None:
             self.http.should_exit = True
             await self._http_task
-        self.aengine.shutdown()
+        await asyncio.to_thread(self.aengine.shutdown)     # joins the engine thread: not on the event loop
 
 
 def check_config(c: ServerConfig) -> None:

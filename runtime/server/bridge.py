@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator
 
@@ -47,7 +48,16 @@ class Bridge:
         self.max_model_len = engine.max_model_len
         self.tokenizer = engine.tokenizer
         self.draining = False
-        self.in_flight = 0
+        self.active: set[str] = set()   # engine ids of the requests being streamed (touched on the event loop only)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.active)
+
+    def abort_all(self) -> None:
+        """Abort every request being streamed (through the engine's inbox: no engine state is read here)."""
+        for rid in list(self.active):
+            self.aengine.abort(rid)
 
     def check_model(self, model: str | None) -> None:
         if model and model != self.model_name:
@@ -83,7 +93,7 @@ class Bridge:
                      timeout_s: float | None = None, priority_floor: int = 0,
                      arrival: float | None = None) -> AsyncIterator[RequestOutput]:
         """Validate, admit and stream one request; the request is aborted if the consumer stops early.
-        The engine names the request itself (unguessable, so no client can take or collide with another's id);
+        The bridge names the request itself (unguessable, so no client can take or collide with another's id);
         `tag` is the client's own name for it (a gRPC request_id, an HTTP response id), only logged here.
         `arrival` (time.monotonic) is when the transport received the request: TTFT and queue time count from it."""
         if self.draining:
@@ -94,11 +104,15 @@ class Bridge:
         if isinstance(prompt, str):   # here, not on the engine thread, where encode would hold the GIL
             prompt = await self.encode(prompt)
         self.check_limits(prompt, params)
+        if self.draining:             # checked again: the server may have begun to stop while we tokenized
+            raise Draining("the server is shutting down")
         timeout = min(timeout_s or self.config.request_timeout_s, self.config.request_timeout_s)
         deadline = time.monotonic() + timeout
-        gen = self.aengine.generate(prompt, params, "", priority, arrival)
-        self.in_flight += 1
-        last, rid, finished, refused, failed = None, tag, None, None, None
+        rid = f"req-{secrets.token_hex(12)}"
+        gen = self.aengine.generate(prompt, params, rid, priority, arrival)
+        self.active.add(rid)
+        last, finished, refused, failed = None, None, None, None
+        name = f"{rid} ({tag})" if tag else rid      # for the log lines
         try:
             while True:
                 remaining = deadline - time.monotonic()
@@ -119,7 +133,6 @@ class Bridge:
                     self.metrics.observe_itl(now - last, len(out.token_ids))
                 if out.token_ids:
                     last = now
-                rid = now, f"{out.request_id} ({tag})" if tag else out.request_id
                 if out.error is not None:
                     failed = out
                     raise Failed(out.error)
@@ -129,19 +142,19 @@ class Bridge:
                 if out.finished:
                     return
         finally:
-            self.in_flight -= 1
+            self.active.discard(rid)
             await gen.aclose()        # aborts the request (and frees its KV) if it did not finish
             if finished is not None:
                 self.metrics.on_finish(finished.finish_reason, finished.usage)
                 u = finished.usage
-                log.info("%s prompt=%d cached=%d completion=%d ttft_ms=%.1f e2e_ms=%.1f finish=%s", rid,
+                log.info("%s prompt=%d cached=%d completion=%d ttft_ms=%.1f e2e_ms=%.1f finish=%s", name,
                          u.prompt_tokens, u.cached_tokens, u.completion_tokens, 1e3 * (u.ttft_s or 0),
                          1e3 * (u.e2e_s or 0), finished.finish_reason)
             elif failed is not None:
                 self.metrics.on_finish("error", None)
-                log.info("%s failed: %s", rid, failed.error)
+                log.info("%s failed: %s", name, failed.error)
             elif refused is not None:
-                log.info("%s refused: %s", tag or "request", refused)
-            elif rid:
+                log.info("%s refused: %s", name, refused)
+            else:
                 self.metrics.on_finish("abort", None)
-                log.info("%s aborted (client gone, deadline or shutdown)", rid)
+                log.info("%s aborted (client gone, deadline or shutdown)", name)

@@ -1,6 +1,7 @@
 """Real servers on 127.0.0.1: gRPC and HTTP behave like the in-process engine, fail cleanly on bad input,
 cancel, shed, honour deadlines, authenticate, speak TLS, report metrics and shut down gracefully."""
 
+import asyncio
 import concurrent.futures
 import json
 import math
@@ -707,3 +708,39 @@ def test_draft_speculation_metrics(engine, server):
             ([s.metric(n) - b for n, b in zip(names, before)], proposed, accepted)
     finally:
         s.stop()
+
+
+def test_stop_does_not_block_the_event_loop(engine):
+    """Server.stop aborts through the engine's inbox and joins the engine thread off the event loop: a step that
+    takes 2 s does not stall the loop while the server stops."""
+    s = ServerThread(engine("llama"), grace_s=0.0)
+    runner, decode = s.server.engine.runner, s.server.engine.runner.decode
+
+    def slow_decode(*args, **kwargs):
+        time.sleep(2.0)
+        return decode(*args, **kwargs)
+
+    async def stop_watching_the_loop() -> float:
+        gaps, last = [], [time.monotonic()]
+
+        async def tick():
+            while True:
+                await asyncio.sleep(0.01)
+                gaps.append(time.monotonic() - last[0])
+                last[0] = time.monotonic()
+
+        ticker = asyncio.create_task(tick())
+        await s.server.stop()
+        gaps.append(time.monotonic() - last[0])               # a stall at the very end counts too
+        ticker.cancel()
+        return max(gaps)
+
+    with Client(s.grpc_target) as c:
+        stream = c.generate(PROMPT, max_tokens=400, ignore_eos=True)
+        next(stream)
+        runner.decode = slow_decode
+        time.sleep(0.1)                                       # the engine thread is inside a slow step
+        worst = s._run(stop_watching_the_loop())
+    s.loop.call_soon_threadsafe(s.loop.stop)
+    assert not s.server.aengine._thread.is_alive()
+    assert worst < 0.3, worst
