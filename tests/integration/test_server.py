@@ -40,7 +40,7 @@ def test_grpc_stream_equals_engine(server, engine):
         [PROMPT], SamplingParams(max_tokens=20, ignore_eos=True))[0]
     with Client(server.grpc_target) as c:
         msgs = list(c.generate(PROMPT, max_tokens=20, ignore_eos=True, temperature=0.0))
-        assert c.tokenize("def x")
+        assert c.tokenize("def x") == server.server.engine.tokenizer.encode("def x").ids
         info = c.model_info()
     assert [t for m in msgs for t in m.token_ids] == want["token_ids"]
     assert "".join(m.text for m in msgs) == want["text"]
@@ -57,7 +57,9 @@ def test_openai_client(server):
     streamed = "".join(c.choices[0].text for c in client.completions.create(
         model=model, prompt=PROMPT, max_tokens=12, temperature=0, stream=True) if c.choices)
     assert done.choices[0].text == streamed and done.usage.completion_tokens == 12
-    assert done.usage.prompt_tokens_details.cached_tokens >= 0
+    ids = list(range(400, 440))                 # 40 tokens no other test sends: 2 full 16-token blocks to reuse
+    first, again = (client.completions.create(model=model, prompt=ids, max_tokens=2) for _ in range(2))
+    assert (first.usage.prompt_tokens_details.cached_tokens, again.usage.prompt_tokens_details.cached_tokens) == (0, 32)
     chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=5)
     assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 5
     chunks = list(client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
@@ -744,3 +746,68 @@ def test_stop_does_not_block_the_event_loop(engine):
     s.loop.call_soon_threadsafe(s.loop.stop)
     assert not s.server.aengine._thread.is_alive()
     assert worst < 0.3, worst
+
+
+class SlowSteps:
+    """Makes every decode step of a server take at least `seconds` (the engine thread sleeps, the loop is free)."""
+
+    def __init__(self, server, seconds: float):
+        self.runner, decode = server.server.engine.runner, server.server.engine.runner.decode
+
+        def slow(*args, **kwargs):
+            time.sleep(seconds)
+            return decode(*args, **kwargs)
+        self.runner.decode = slow
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        del self.runner.decode
+
+
+def test_sse_timeout_event(server):
+    """A stream that outlives its timeout ends with an OpenAI error event and [DONE], counts as deadline_exceeded,
+    and its request is aborted."""
+    errors = server.metric("quicksilver_request_errors_total", code="deadline_exceeded")
+    with SlowSteps(server, 0.05), httpx.stream("POST", f"{server.http_url}/v1/completions", json={
+            "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True, "timeout": 0.5}) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert r.status_code == 200 and 2 < len(lines) < 20
+    assert lines[-2:] == ['data: {"error":{"message":"request timed out and was aborted","type":"timeout_error",'
+                          '"code":"deadline_exceeded"}}', "data: [DONE]"]
+    assert server.metric("quicksilver_request_errors_total", code="deadline_exceeded") - errors == 1
+    assert wait_until(lambda: not server.server.engine.requests)
+
+
+def test_non_streaming_disconnect_aborts(server):
+    """A non-streaming client that hangs up gets its request aborted (the server answers 499 to nobody)."""
+    aborts = server.metric("quicksilver_requests_finished_total", finish_reason="abort")
+    with SlowSteps(server, 0.05):
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{server.http_url}/v1/completions", timeout=0.5,
+                       json={"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True})
+        assert wait_until(lambda: not server.server.engine.requests, timeout=2.0)
+    assert server.metric("quicksilver_requests_finished_total", finish_reason="abort") - aborts == 1
+    assert wait_until(lambda: server.metric("quicksilver_kv_cache_usage_percent") == 0)
+
+
+def test_draining_refuses_new_requests(engine):
+    """While a stopping server drains, in-flight requests finish and new ones get 503 (and /health says so)."""
+    s = ServerThread(engine("llama"), grace_s=20.0)
+    try:
+        with SlowSteps(s, 0.02), Client(s.grpc_target) as c:
+            stream = c.generate(PROMPT, max_tokens=60, ignore_eos=True)
+            first = next(stream)
+            stopping = asyncio.run_coroutine_threadsafe(s.server.stop(), s.loop)
+            assert wait_until(lambda: s.server.bridge.draining)
+            r = httpx.post(f"{s.http_url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+            assert (r.status_code, r.json()) == (503, {"error": {"message": "the server is shutting down",
+                                                                 "type": "unavailable_error", "code": "unavailable"}})
+            health = httpx.get(f"{s.http_url}/health")
+            assert (health.status_code, health.json()) == (503, {"status": "draining"})
+            rest = list(stream)
+        assert sum(len(m.token_ids) for m in [first, *rest]) == 60 and rest[-1].finish_reason == "length"
+        stopping.result(30)
+    finally:
+        s.loop.call_soon_threadsafe(s.loop.stop)
