@@ -126,20 +126,35 @@ def inspect(engine_dir: Path, as_json: bool, no_verify: bool) -> None:
 @click.argument("engine_dir", type=click.Path(path_type=Path))
 @click.option("--model", "model_dir", required=True, type=click.Path(path_type=Path),
               help="The checkpoint the engine was built from.")
-@click.option("--prompt-len", type=int, default=64, show_default=True, help="Random prompt tokens.")
-@click.option("--steps", type=int, default=16, show_default=True, help="Single-token decode steps after the prompt.")
+@click.option("--prompt-len", type=click.IntRange(min=1), default=64, show_default=True, help="Random prompt tokens.")
+@click.option("--steps", type=click.IntRange(min=0), default=16, show_default=True,
+              help="Single-token decode steps after the prompt (prompt + steps must fit the engine's context).")
 @click.option("--tolerance", type=float, default=None,
               help="Fail (exit 1) if max |Δlogit| exceeds this [default: 1e-3 fp32, 5e-2 fp16 or an int8 KV cache; "
                    "none when the weights are quantized].")
 def verify(engine_dir: Path, model_dir: Path, prompt_len: int, steps: int, tolerance: float | None) -> None:
-    """Compare the engine's logits with a float64 reference forward pass of the checkpoint."""
+    """Compare the engine's logits with a float64 reference forward pass of the checkpoint.
+
+    \b
+    fp32 and fp16 weights pass when max |Δlogit| is within --tolerance and every greedy token agrees.
+    Quantized weights flip near-tied choices, so they pass on bounds instead, over all compared positions:
+      int8  top-1 agreement ≥ 60 %, relative logit error ≤ 0.35
+      int4  top-1 agreement ≥ 50 %, relative logit error ≤ 0.35
+      fp8   top-1 agreement ≥ 75 %, relative logit error ≤ 0.10
+    (relative error: ‖engine − reference‖ / ‖reference‖, each position's logits centred). Worst seen on the
+    bundled models and the test checkpoints: int8 75 % / 0.18, int4 70 % / 0.17, fp8 92 % / 0.044.
+    """
     from .artifact import load
-    from .verify import prompt_ids, verify as run_verify
+    from .verify import QUANTIZED_BOUNDS, prompt_ids, verify as run_verify
 
     try:
         manifest = load(engine_dir)
+        context = manifest["model"]["max_seq_len"]
+        if prompt_len + steps > context:
+            raise click.UsageError(f"--prompt-len {prompt_len} + --steps {steps} exceed the engine's context of "
+                                   f"{context} tokens")
         result = run_verify(engine_dir, model_dir, prompt_ids(manifest["model"]["vocab_size"], prompt_len), steps)
-    except QuicksilverError as e:
+    except (QuicksilverError, click.UsageError) as e:
         fail(str(e))
     weights = manifest["precision"]["weights"]
     tol = {"fp32": 1e-3, "fp16": 5e-2}.get(weights, float("inf"))
@@ -148,9 +163,16 @@ def verify(engine_dir: Path, model_dir: Path, prompt_len: int, steps: int, toler
         # where they sit on a boundary (one step is ~1 % of a channel's range).
         tol = max(tol, 5e-2)
     tol = tolerance if tolerance is not None else tol
-    # Quantized engines legitimately flip near-tied greedy choices; their quality is the accuracy report.
-    ok = result.max_abs_diff <= tol and (result.greedy_match or weights not in ("fp32", "fp16"))
-    click.echo(f"max |Δlogit| {result.max_abs_diff:.3g} (prefill {result.prefill_max_abs_diff:.3g}, decode "
-               f"{result.decode_max_abs_diff:.3g}) over {result.tokens} tokens; greedy tokens "
-               f"{'identical' if result.greedy_match else 'DIFFER'}; tolerance {tol:g}: {'PASS' if ok else 'FAIL'}")
+    ok = result.max_abs_diff <= tol
+    line = (f"max |Δlogit| {result.max_abs_diff:.3g} (prefill {result.prefill_max_abs_diff:.3g}, decode "
+            f"{result.decode_max_abs_diff:.3g}) over {result.tokens} tokens; ")
+    if weights in QUANTIZED_BOUNDS:
+        min_top1, max_rel = QUANTIZED_BOUNDS[weights]
+        ok = ok and result.top1_agreement >= min_top1 and result.relative_error <= max_rel
+        line += (f"top-1 agreement {100 * result.top1_agreement:.1f} % (≥ {100 * min_top1:.0f} %), relative logit "
+                 f"error {result.relative_error:.3g} (≤ {max_rel:g})" + (f"; tolerance {tol:g}" if tol < float("inf") else ""))
+    else:
+        ok = ok and result.greedy_match
+        line += f"greedy tokens {'identical' if result.greedy_match else 'DIFFER'}; tolerance {tol:g}"
+    click.echo(f"{line}: {'PASS' if ok else 'FAIL'}")
     sys.exit(0 if ok else 1)

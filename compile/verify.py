@@ -3,7 +3,8 @@
 The engine runs the prompt as one prefill step and then `decode_steps` single-token steps through its
 KV cache (greedy on the engine's own logits), exactly as the runtime will; the reference sees the same
 tokens (and, for an int8 KV cache, reads the same quantized K/V). Reported: max |Δlogit| over all compared
-positions and whether the greedy tokens agree.
+positions, whether the greedy tokens agree, top-1 agreement and the relative logit error (what judges
+quantized weights, which legitimately flip near-tied choices: QUANTIZED_BOUNDS).
 """
 
 from __future__ import annotations
@@ -18,6 +19,13 @@ from .quantize import kv_int8
 from .reference import ReferenceModel
 
 
+# Quantized weights cannot match the reference exactly; they pass on (min top-1 agreement, max relative logit error).
+# Worst seen with the default 64 + 16 tokens on the bundled pair and the tiny test checkpoints (int8 with and
+# without --batch-invariant, int4 with AWQ, --embeddings, --kv-cache int8): int8 0.75 / 0.18, int4 0.70 / 0.17,
+# fp8 0.92 / 0.044 (random-weight checkpoints; the trained bundled pair: ≥ 0.84 and ≤ 0.10). Bounds: ~2× margin.
+QUANTIZED_BOUNDS: dict[str, tuple[float, float]] = {"int8": (0.6, 0.35), "int4": (0.5, 0.35), "fp8": (0.75, 0.1)}
+
+
 @dataclass
 class VerifyResult:
     max_abs_diff: float
@@ -25,10 +33,19 @@ class VerifyResult:
     decode_max_abs_diff: float
     greedy_match: bool
     tokens: int
+    top1_agreement: float       # fraction of compared positions whose argmax equals the reference's
+    relative_error: float       # ‖Δ‖ / ‖reference‖ over all positions, each row centred (softmax ignores shifts)
 
 
 def prompt_ids(vocab_size: int, length: int, seed: int = 0) -> list[int]:
     return np.random.default_rng(seed).integers(0, vocab_size, size=length).tolist()
+
+
+def compare(got: np.ndarray, want: np.ndarray) -> tuple[float, float]:
+    """(top-1 agreement, relative logit error) of engine logits `got` against reference `want`, both [n, vocab]."""
+    centred = [x - x.mean(-1, keepdims=True) for x in (got.astype(np.float64), want)]
+    rel = float(np.linalg.norm(centred[0] - centred[1]) / max(np.linalg.norm(centred[1]), 1e-30))
+    return float((got.argmax(-1) == want.argmax(-1)).mean()), rel
 
 
 def verify(engine_dir: Path, model_dir: Path, prompt: list[int], decode_steps: int = 16) -> VerifyResult:
@@ -45,12 +62,15 @@ def verify(engine_dir: Path, model_dir: Path, prompt: list[int], decode_steps: i
     got = runner.prefill(pool, 0, prompt, 0, all_logits=True)
     want = ref.forward(prompt)
     prefill = float(np.abs(got - want).max())
-    decode, match = 0.0, bool((got.argmax(-1) == want.argmax(-1)).all())
+    gots, wants = [got], [want]
     token = int(got[-1].argmax())
     for step in range(decode_steps):
         got = runner.decode(pool, [(0, token, n + step)], set())
         want = ref.forward([token])
-        decode = max(decode, float(np.abs(got - want).max()))
-        match &= int(got[0].argmax()) == int(want[0].argmax())
+        gots.append(got)
+        wants.append(want)
         token = int(got[0].argmax())
-    return VerifyResult(max(prefill, decode), prefill, decode, match, n + decode_steps)
+    got, want = np.concatenate(gots), np.concatenate(wants)
+    decode = float(np.abs(got[n:] - want[n:]).max()) if decode_steps else 0.0
+    top1, rel = compare(got, want)
+    return VerifyResult(max(prefill, decode), prefill, decode, top1 == 1.0, n + decode_steps, top1, rel)
