@@ -88,6 +88,15 @@ def _precision_record(cfg: CompileConfig) -> dict:
     return record
 
 
+def _check_head_dim(spec: ModelSpec, cfg: CompileConfig) -> None:
+    """The cpu graph's attention is ONNX Runtime's GroupQueryAttention, whose CPU kernel takes only head sizes
+    that are multiples of 16: refuse such a model before building, not with a traceback at its first run."""
+    if cfg.target == "cpu" and spec.head_dim % 16:
+        raise CheckpointError(f"head_dim {spec.head_dim} (hidden_size / num_attention_heads, or config.json's "
+                              "head_dim) is not a multiple of 16, which ONNX Runtime's GroupQueryAttention on the "
+                              "CPU requires; --target cpu cannot run this model")
+
+
 def _check_block_size(spec: ModelSpec, cfg: CompileConfig) -> None:
     from .quantize.int4 import check_block_size
 
@@ -126,6 +135,7 @@ def build(cfg: CompileConfig, log=print) -> dict:
     t0 = time.time()
     check_destination(cfg.out_dir, cfg.overwrite)   # before the work, not only at the swap
     spec = read_spec(cfg.model_dir)
+    _check_head_dim(spec, cfg)
     tok_files = tokenizer_files(cfg.model_dir)
     reader = CheckpointReader(cfg.model_dir)
     reader.check(REGISTRY[spec.architecture](spec, reader).tensor_shapes())

@@ -149,3 +149,11 @@ def test_overwrite_replaces_an_engine_or_an_empty_folder(checkpoint, tmp_path):
     assert run_build(checkpoint("llama"), out, "--overwrite", "--no-report", "--precision", "fp16").exit_code == 0
     assert json.loads((out / "manifest.json").read_text())["precision"]["weights"] == "fp16"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]   # no staging or old folder left beside it
+
+
+def test_head_dim_not_a_multiple_of_16(broken, tmp_path):
+    """8 heads over hidden 64 (tensor shapes still consistent): GroupQueryAttention's traceback came in the report."""
+    model = broken(set_config(num_attention_heads=8, num_key_value_heads=4))
+    assert_clean_failure(run_build(model, tmp_path / "out"), tmp_path / "out",
+                         "head_dim 8 (hidden_size / num_attention_heads, or config.json's head_dim) is not a "
+                         "multiple of 16")
