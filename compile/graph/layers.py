@@ -98,7 +98,7 @@ def row_quantized_matmul(ctx: Ctx, x: str, weight: str, scale: str, k: int, bias
     the other rows of the step (DynamicQuantizeMatMul takes one scale for the whole tensor):
 
         x ─▶ Abs ─▶ ReduceMax(last axis) ─▶ ·1/127 = s                                    [..., 1]
-        x ─▶ QuantizeLinear(s, zero point 128, block = K) ─▶ u8 ─▶ MatMulIntegerToFloat(a_scale = s) (+bias)
+        x ─▶ QuantizeLinear(s, zero point 128, block = K) ─▶ u8 ─▶ MatMulIntegerToFloat(a_scale = s) ─▶ +bias
 
     x: [..., K]   weight: [K, N] int8 in ±int8.WEIGHT_LEVELS   scale: [N] per output channel   → [..., N]
     The integer product is exact (7-bit weights cannot saturate MLAS's int16 pair sums; a u8·u8 kernel would be
@@ -115,8 +115,10 @@ def row_quantized_matmul(ctx: Ctx, x: str, weight: str, scale: str, k: int, bias
     if key not in ctx.shared:
         ctx.shared[key] = b.op("Expand", [zp, b.op("Shape", [s], f"{n}/Shape")], f"{n}/ZeroPoint")
     xq = b.op("QuantizeLinear", [x, s, ctx.shared[key]], f"{n}/QuantizeLinear", axis=-1, block_size=k)
-    return b.node("MatMulIntegerToFloat", [xq, weight, s, scale, zp, ""] + ([bias] if bias else []),
-                  f"{name}/MatMulIntegerToFloat", domain=MS_DOMAIN, outputs=[output] if output else None)[0]
+    # The bias is added apart: with a per-row a_scale, ONNX Runtime scales its bias input by a_scale too.
+    y = b.node("MatMulIntegerToFloat", [xq, weight, s, scale, zp], f"{name}/MatMulIntegerToFloat", domain=MS_DOMAIN,
+               outputs=[output] if output and not bias else None)[0]
+    return b.node("Add", [y, bias], f"{name}/Add", outputs=[output] if output else None)[0] if bias else y
 
 
 def nbits_matmul(ctx: Ctx, x: str, inputs: list[str], k: int, n: int, name: str, rows: str = "tokens",

@@ -81,9 +81,10 @@ def test_fp8_engine_is_exact_on_fp8_weights(checkpoint, tmp_path):
     assert np.abs(logits(out, prompt) - want).max() < 1e-3
 
 
-def test_int8_engine_error_is_activation_quantization_only(checkpoint, tmp_path):
+@pytest.mark.parametrize("name", ["llama", "qwen2"])       # qwen2: q/k/v biases
+def test_int8_engine_error_is_activation_quantization_only(checkpoint, tmp_path, name):
     """On weights the int8 grid represents exactly, the only error left is the activations' (per row, 8 bits)."""
-    model = exact_checkpoint(checkpoint("llama"), tmp_path / "ck", partial(int8.quantize, levels=int8.WEIGHT_LEVELS))
+    model = exact_checkpoint(checkpoint(name), tmp_path / "ck", partial(int8.quantize, levels=int8.WEIGHT_LEVELS))
     out = tmp_path / "int8"
     build(CompileConfig(model, out, "int8", report=False), log=lambda _: None)
     prompt = list(range(5, 60))
