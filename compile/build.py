@@ -145,7 +145,7 @@ def build(cfg: CompileConfig, log=print) -> dict:
         reader = awq_reader(spec, reader, calib[:CALIB_TOKENS], cfg.quant.block_size, log)
     max_len = cfg.max_seq_len or spec.max_position_embeddings
     if max_len > spec.max_position_embeddings:
-        raise CheckpointError(f"--max-seq-len {max_len} exceeds the model's max_position_embeddings "
+        raise CheckpointError(f"--max-model-len {max_len} exceeds the model's max_position_embeddings "
                               f"{spec.max_position_embeddings}")
     log(f"building {spec.architecture} ({spec.num_layers} layers, hidden {spec.hidden_size}, "
         f"{spec.num_heads}/{spec.num_kv_heads} heads) at {cfg.precision} → {cfg.out_dir}")

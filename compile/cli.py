@@ -35,7 +35,7 @@ def main() -> None:
               help="Execution target: cpu (ONNX Runtime CPU); cuda (fp16 graph with paged attention for "
                    "onnxruntime-gpu; fp16, int4, fp8); tensorrt (standard ops + our QsPagedAttention plugin, "
                    "for TensorRT; fp16, fp8, int8).")
-@click.option("--max-seq-len", type=int, default=None,
+@click.option("--max-model-len", "--max-seq-len", "max_seq_len", type=int, default=None,
               help="Longest context the engine serves [default: the model's max_position_embeddings].")
 @click.option("--block-size", type=int, default=32, show_default=True, help="int4: weights per scale along the input dimension.")
 @click.option("--calib", type=click.Path(path_type=Path), default=None,

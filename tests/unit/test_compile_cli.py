@@ -157,3 +157,17 @@ def test_head_dim_not_a_multiple_of_16(broken, tmp_path):
     assert_clean_failure(run_build(model, tmp_path / "out"), tmp_path / "out",
                          "head_dim 8 (hidden_size / num_attention_heads, or config.json's head_dim) is not a "
                          "multiple of 16")
+
+
+def test_context_option_has_the_runtime_name_too(checkpoint, tmp_path):
+    """`compile build --max-model-len` (the name `runtime serve` uses) and the older `--max-seq-len` both set it."""
+    from click.testing import CliRunner
+
+    from compile.cli import main as cli
+
+    for flag in ("--max-model-len", "--max-seq-len"):
+        out = tmp_path / flag.strip("-")
+        r = CliRunner().invoke(cli, ["build", "--model", str(checkpoint("llama")), "--out", str(out), flag, "96",
+                                     "--no-report"])
+        assert r.exit_code == 0, r.output
+        assert json.loads((out / "manifest.json").read_text())["model"]["max_seq_len"] == 96
