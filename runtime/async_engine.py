@@ -123,9 +123,10 @@ class AsyncEngine:
             with self._wake:
                 while not self._inbox and not self._stopping and not self.engine.has_work():
                     self._wake.wait()
-                if self._stopping:
-                    return
-            self._drain_inbox()
+                stopping = self._stopping
+            self._drain_inbox()           # at shutdown too: aborts posted just before it still free their KV
+            if stopping:
+                return
             try:
                 outputs = self.engine.step()
             except Exception as e:  # a bug must not kill the loop: fail the running requests, keep serving

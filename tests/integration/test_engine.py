@@ -367,3 +367,21 @@ def test_ttft_counts_from_when_the_request_arrived(engine):
         assert measured > 0.5 and abs(measured - reported) < 0.05, (measured, reported)
     finally:
         aeng.shutdown()
+
+
+def test_shutdown_processes_aborts_posted_before_it(engine):
+    """Aborts posted just before shutdown are handled (the loop drains its inbox before it exits)."""
+    eng = make(engine("llama"))
+    aeng = AsyncEngine(eng)
+
+    async def main():
+        gen = aeng.generate(prompts(1, seed=80)[0], SamplingParams(max_tokens=10_000 // 100, ignore_eos=True))
+        await gen.__anext__()
+        with aeng._wake:                 # hold the loop, then post the abort and the stop together
+            await gen.aclose()
+            aeng._stopping = True
+            aeng._wake.notify()
+    asyncio.run(main())
+    aeng._thread.join()
+    assert not eng.requests
+    assert_no_leaks(eng)
