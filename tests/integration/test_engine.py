@@ -375,7 +375,7 @@ def test_shutdown_processes_aborts_posted_before_it(engine):
     aeng = AsyncEngine(eng)
 
     async def main():
-        gen = aeng.generate(prompts(1, seed=80)[0], SamplingParams(max_tokens=10_000 // 100, ignore_eos=True))
+        gen = aeng.generate(prompts(1, seed=80)[0], SamplingParams(max_tokens=100, ignore_eos=True))
         await gen.__anext__()
         with aeng._wake:                 # hold the loop, then post the abort and the stop together
             await gen.aclose()
