@@ -60,10 +60,13 @@ def test_openai_client(server):
     ids = list(range(400, 440))                 # 40 tokens no other test sends: 2 full 16-token blocks to reuse
     first, again = (client.completions.create(model=model, prompt=ids, max_tokens=2) for _ in range(2))
     assert (first.usage.prompt_tokens_details.cached_tokens, again.usage.prompt_tokens_details.cached_tokens) == (0, 32)
-    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=5)
+    greedy = dict(temperature=0, extra_body={"ignore_eos": True})     # OpenAI's default samples at T=1: may stop early
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=5,
+                                          **greedy)
     assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 5
     chunks = list(client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
-                                                 max_tokens=5, stream=True, stream_options={"include_usage": True}))
+                                                 max_tokens=5, stream=True, stream_options={"include_usage": True},
+                                                 **greedy))
     assert chunks[-1].usage.completion_tokens == 5
 
 

@@ -4,6 +4,8 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
+
 from compile.hf_source import fingerprint
 from runtime import defaults
 
@@ -11,8 +13,16 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_bundled_root_is_the_checkout_from_any_folder(tmp_path, monkeypatch):
+    """Installed from the checkout (editable), models/ is found from any folder; a non-editable install (CI's
+    `pip install .`) cannot know the checkout and says how to point at it. QUICKSILVER_HOME wins either way."""
     monkeypatch.delenv("QUICKSILVER_HOME", raising=False)
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(defaults, "REPO", REPO)                   # editable: the package runs from the checkout
+    assert defaults.bundled_root() == REPO
+    monkeypatch.setattr(defaults, "REPO", tmp_path / "site-packages")   # non-editable: it does not
+    with pytest.raises(FileNotFoundError, match="QUICKSILVER_HOME"):
+        defaults.bundled_root()
+    monkeypatch.chdir(REPO)                                       # run from the checkout: found there
     assert defaults.bundled_root() == REPO
     monkeypatch.setenv("QUICKSILVER_HOME", str(tmp_path))
     assert defaults.bundled_root() == tmp_path
