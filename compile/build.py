@@ -65,8 +65,8 @@ def _precision_record(cfg: CompileConfig) -> dict:
     record = {"weights": p, "compute": "fp16" if gpu else "fp32", "kv_cache": "fp16" if gpu else cfg.kv_cache,
               "embeddings": q.embeddings, "session_config": {}}
     if cfg.target == "cpu" and p in ("int8", "int4"):
-        record["batch_invariant"] = q.batch_invariant
-    if p == "int8" and not q.batch_invariant:
+        record["batch_invariant"] = cfg.batch_invariant
+    if p == "int8" and not cfg.batch_invariant:
         record.update(scheme="int8 symmetric, per output channel; DynamicQuantizeMatMul (activations uint8, one "
                              "scale per step: not batch-invariant)")
     elif p == "int8":
@@ -74,7 +74,7 @@ def _precision_record(cfg: CompileConfig) -> dict:
                              "(batch-invariant); MatMulIntegerToFloat")
     elif p == "int4":
         record.update(scheme=f"int4 symmetric, block {q.block_size} along K; MatMulNBits accuracy_level 4"
-                             + ("; one-row steps padded to two (batch-invariant)" if q.batch_invariant and not gpu else ""),
+                             + ("; one-row steps padded to two (batch-invariant)" if cfg.batch_invariant else ""),
                       block_size=q.block_size, awq=q.calib is not None)
     elif p == "fp8":
         record.update(scheme="float8 e4m3fn, per output channel scale, 1 byte per weight")
@@ -154,7 +154,7 @@ def build(cfg: CompileConfig, log=print) -> dict:
         try:
             arch = REGISTRY[spec.architecture](spec, reader)
             ctx = Ctx(builder, spec, cfg.precision, cfg.quant.block_size, cfg.quant.embeddings, cfg.target, max_len,
-                      _kv_scales(spec, reader, cfg, tok_files[0], log), cfg.quant.batch_invariant)
+                      _kv_scales(spec, reader, cfg, tok_files[0], log), cfg.batch_invariant)
             with tqdm(total=spec.num_layers, desc="export", unit="layer", leave=False) as bar:
                 arch.emit(ctx, max_len, progress=bar.update)
         finally:

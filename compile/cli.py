@@ -151,10 +151,9 @@ def verify(engine_dir: Path, model_dir: Path, prompt_len: int, steps: int, toler
         manifest = load(engine_dir)
         context = manifest["model"]["max_seq_len"]
         if prompt_len + steps > context:
-            raise click.UsageError(f"--prompt-len {prompt_len} + --steps {steps} exceed the engine's context of "
-                                   f"{context} tokens")
+            fail(f"--prompt-len {prompt_len} + --steps {steps} exceed the engine's context of {context} tokens")
         result = run_verify(engine_dir, model_dir, prompt_ids(manifest["model"]["vocab_size"], prompt_len), steps)
-    except (QuicksilverError, click.UsageError) as e:
+    except QuicksilverError as e:
         fail(str(e))
     weights = manifest["precision"]["weights"]
     tol = {"fp32": 1e-3, "fp16": 5e-2}.get(weights, float("inf"))

@@ -45,6 +45,12 @@ class CompileConfig:
     report: bool = True             # measure the accuracy report (perplexity vs the fp32 build)
     kv_cache: str = "fp32"          # KV cache storage: fp32, or int8 with calibrated per-channel scales (cpu)
 
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether the graph keeps each row's result independent of its batch (a cpu graph's choice; the GPU
+        targets' kernels have no per-step scale or one-row special case to hide)."""
+        return self.quant.batch_invariant and self.target == "cpu"
+
     def __post_init__(self):
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, not {self.precision!r}")

@@ -3,7 +3,6 @@ when their checkpoint changes."""
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -53,7 +52,10 @@ def engine_dir(role: str = "target", root: Path | None = None) -> Path:
 
 def _built_from(engine: Path) -> str | None:
     """The source fingerprint an engine's manifest records, or None (no engine, or an unreadable manifest)."""
+    from compile.artifact import read_manifest
+    from compile.errors import ArtifactError
+
     try:
-        return json.loads((engine / "manifest.json").read_text())["source"]["fingerprint"]
-    except (OSError, ValueError, KeyError, TypeError):
+        return read_manifest(engine)["source"]["fingerprint"]
+    except (ArtifactError, KeyError, TypeError):
         return None

@@ -27,6 +27,19 @@ def check_same_tokenizer(target: "ModelRunner", draft: "ModelRunner") -> None:
                             f"({target.engine_dir}); speculative decoding needs the same tokenizer.json")
 
 
+def open_session(engine_dir: Path, manifest: dict, so: ort.SessionOptions, providers: list[str]) -> ort.InferenceSession:
+    """The engine's graph as an ONNX Runtime session, checked against the manifest's declared inputs and outputs;
+    any load failure is one ArtifactError line (ORT raises its own exception types for a bad graph)."""
+    try:
+        session = ort.InferenceSession(str(engine_dir / manifest["graph"]["file"]), so, providers=providers)
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ArtifactError(f"{engine_dir}: ONNX Runtime cannot load the graph: {first}") from None
+    artifact.check_graph_io(manifest, engine_dir, [i.name for i in session.get_inputs()],
+                            [o.name for o in session.get_outputs()])
+    return session
+
+
 def session_options(threads: int | None, config: dict[str, str] | None = None, spin: bool = False) -> ort.SessionOptions:
     """min(2, cores) intra-op threads, spinning off unless asked (spinning burns a core between ops; see README)."""
     so = ort.SessionOptions()
@@ -52,15 +65,8 @@ class ModelRunner:
             raise ArtifactError(f"{engine_dir} targets {target!r}: the continuous-batching engine runs cpu engines; "
                                 "a cuda engine runs through runtime.paged_runner.PagedModelRunner (the GPU serving "
                                 "loop is not wired yet), or rebuild with --target cpu")
-        graph = self.engine_dir / self.manifest["graph"]["file"]
-        try:
-            self.session = ort.InferenceSession(str(graph), session_options(threads, self.manifest["precision"].get("session_config"), spin),
-                                                providers=["CPUExecutionProvider"])
-        except Exception as e:  # ORT raises its own exception types for any bad graph
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise ArtifactError(f"{engine_dir}: ONNX Runtime cannot load the graph: {first}") from None
-        artifact.check_graph_io(self.manifest, self.engine_dir, [i.name for i in self.session.get_inputs()],
-                                [o.name for o in self.session.get_outputs()])
+        so = session_options(threads, self.manifest["precision"].get("session_config"), spin)
+        self.session = open_session(self.engine_dir, self.manifest, so, ["CPUExecutionProvider"])
         m = self.manifest["model"]
         self.num_layers, self.vocab_size = m["num_layers"], m["vocab_size"]
         self.kv_heads, self.head_dim, self.max_seq_len = m["num_kv_heads"], m["head_dim"], m["max_seq_len"]

@@ -20,6 +20,7 @@ from compile import artifact
 from compile.errors import ArtifactError, QuicksilverError
 
 from .kv.paged import PagedBatch
+from .model_runner import open_session
 
 
 class BackendUnavailable(QuicksilverError):
@@ -63,12 +64,7 @@ class PagedModelRunner:
         so.log_severity_level = 3
         if custom_ops_library:
             so.register_custom_ops_library(custom_ops_library)
-        graph = self.engine_dir / self.manifest["graph"]["file"]
-        try:
-            self.session = ort.InferenceSession(str(graph), so, providers=providers)
-        except Exception as e:  # ORT raises its own exception types for any bad graph
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise ArtifactError(f"{engine_dir}: ONNX Runtime cannot load the graph: {first}") from None
+        self.session = open_session(self.engine_dir, self.manifest, so, providers)
         m = self.manifest["model"]
         self.num_layers, self.vocab_size, self.max_seq_len = m["num_layers"], m["vocab_size"], m["max_seq_len"]
         self.num_blocks, self.block_size = num_blocks, block_size

@@ -92,6 +92,13 @@ class Sampler:
     def forget(self, req: Request) -> None:
         self._rngs.pop(req.request_id, None)
 
+    def draw(self, probs: np.ndarray, req: Request, position: int) -> int:
+        """A sample from `probs` for the token at `position`: by (seed, position) for seeded requests, else from
+        the request's own generator. Plain decoding, draft guesses and seeded verification all draw here."""
+        if req.params.seed is not None:
+            return seeded_choice(probs, req.params.seed, position)
+        return int(self.rng(req).choice(probs.size, p=probs))
+
     def sample(self, logits: np.ndarray, req: Request) -> SampleResult:
         """logits [vocab] float32 for one request → its next token."""
         p = req.params
@@ -99,11 +106,8 @@ class Sampler:
             token = int(logits.argmax())
         elif p.greedy:
             token = int(adjust_logits(logits.astype(np.float64), req).argmax())
-        elif p.seed is not None:
-            token = seeded_choice(filtered_probs(logits, req), p.seed, req.num_tokens)
         else:
-            probs = filtered_probs(logits, req)
-            token = int(self.rng(req).choice(probs.size, p=probs))
+            token = self.draw(filtered_probs(logits, req), req, req.num_tokens)
         return self.result(token, logits, req)
 
     def result(self, token: int, logits: np.ndarray, req: Request) -> SampleResult:

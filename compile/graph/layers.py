@@ -30,7 +30,7 @@ class Ctx:
                                # standard ops + the QsPagedAttention plugin
     max_seq_len: int = 0       # the engine's context (sizes the TensorRT plugin's workspace)
     kv_scales: list[tuple[np.ndarray, np.ndarray]] | None = None  # cpu int8 KV cache: (k, v) scales per layer
-    batch_invariant: bool = True  # int8/int4 on cpu: row-local activation quantization, no one-row MatMulNBits
+    batch_invariant: bool = True  # row-local int8 activation quantization, no one-row MatMulNBits (cpu graphs)
     shared: dict[str, str] = field(default_factory=dict)  # values built once per graph (per-row shapes)
 
     @property
@@ -134,7 +134,7 @@ def nbits_matmul(ctx: Ctx, x: str, inputs: list[str], k: int, n: int, name: str,
     """
     b, axis = ctx.b, 1 if rows == "tokens" else 0
     attrs = dict(domain=MS_DOMAIN, K=k, N=n, bits=4, block_size=ctx.block_size, accuracy_level=4)
-    if ctx.target != "cpu" or not ctx.batch_invariant:     # GPU kernels: no GEMV special case to hide
+    if not ctx.batch_invariant:
         return b.node("MatMulNBits", [x] + inputs, f"{name}/MatMulNBits", outputs=[output] if output else None, **attrs)[0]
     if f"{rows}/pads" not in ctx.shared:
         shape = b.op("Shape", [x], f"{name}/PadRows/Shape")

@@ -44,9 +44,14 @@ class BlockPool:
             return None
         return block
 
+    def hit_limit(self, num_tokens: int) -> int:
+        """Most blocks a sequence of `num_tokens` may take from the cache: its last two tokens are always computed
+        (one gives the logits; two keep the prompt out of one-row attention, see scheduler.prompt_chunk)."""
+        return max(0, num_tokens - 2) // self.block_size
+
     def acquire_prefix(self, keys: list[int], ids: Sequence[int], limit: int) -> list[int]:
-        """Acquire the cached blocks of the longest prefix of `ids` (chained `keys`, at most `limit` blocks);
-        returns them in order. Callers keep the last token out of `limit`: it must be computed for logits."""
+        """Acquire the cached blocks of the longest prefix of `ids` (chained `keys`, at most `limit` blocks,
+        normally `hit_limit(len(ids))`); returns them in order."""
         bs, blocks, parent = self.block_size, [], 0
         for i in range(min(len(keys), limit)):
             block = self.lookup(keys[i], parent, tuple(ids[i * bs:(i + 1) * bs]))

@@ -85,10 +85,7 @@ class KVCacheManager:
         req.slot = heapq.heappop(self._free_slots)
         held = self._held.setdefault(req.request_id, [])
         assert not held, "a request is allocated only while it holds nothing"
-        # At least two tokens are computed (one for logits; two keep the prompt out of one-row attention, see
-        # scheduler.prompt_chunk), so the last two tokens are never served from cache.
-        limit = max(0, req.num_tokens - 2) // self.block_size
-        held.extend(self.blocks.acquire_prefix(self._keys_for(req), req.all_ids, limit))
+        held.extend(self.blocks.acquire_prefix(self._keys_for(req), req.all_ids, self.blocks.hit_limit(req.num_tokens)))
         self._copy_in(req.slot, held)
         req.num_computed = req.num_computed_draft = len(held) * self.block_size
         self.stats.queries += len(req.prompt_ids)

@@ -134,7 +134,7 @@ class PagedKVManager:
         if not self._free_slots:
             return False
         bs = self.block_size
-        table = self.blocks.acquire_prefix(self._keys_for(req), req.all_ids, max(0, req.num_tokens - 2) // bs)
+        table = self.blocks.acquire_prefix(self._keys_for(req), req.all_ids, self.blocks.hit_limit(req.num_tokens))
         self._tables[req.request_id] = table
         self._registered[req.request_id] = hits = len(table)
         if not self.reserve(req, self.worst_case_tokens(req)):

@@ -177,15 +177,16 @@ class HttpApi:
                 prompt = await asyncio.to_thread(self.chat_template, body.get("messages"))
             else:
                 prompt = _prompt(body.get("prompt"))
+            text = prompt if isinstance(prompt, str) else None
+            if text is not None:                       # once for every choice and the chat default below
+                prompt = await self.bridge.encode(text)
             if chat and body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
-                prompt, params = await self._rest_of_context(prompt, params)
-            echo = "" if chat or not echo_prompt else (prompt if isinstance(prompt, str) else
-                                                             await self.bridge.decode(prompt))
+                params = self._rest_of_context(prompt, params)
+            echo = "" if chat or not echo_prompt else (text if text is not None else await self.bridge.decode(prompt))
             if echo and params.logprobs is not None:
                 raise InvalidRequest("echo with logprobs is not supported (prompt log-probabilities are not computed)")
             priority = body.get("priority", 0)         # lower is more urgent, as vLLM's
-            floor = priority_floor(request.headers.get("authorization"), self.bridge.config)
-            self.bridge.check_priority(priority, floor)
+            floor = priority_floor(request.headers.get("authorization"), self.bridge.config)  # checked by the bridge
             timeout = body.get("timeout")
             if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
                 raise InvalidRequest("timeout must be a positive number of seconds")
@@ -214,12 +215,10 @@ class HttpApi:
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         return await self._collect(request, streams, firsts, shape, echo)
 
-    async def _rest_of_context(self, prompt: str, params: SamplingParams) -> tuple[list[int], SamplingParams]:
-        """OpenAI's chat default for max_tokens: what the context leaves after the prompt (within the server's cap).
-        Returns the prompt's token ids too, so the engine does not tokenize it again."""
-        ids = await self.bridge.encode(prompt)
+    def _rest_of_context(self, ids: list[int], params: SamplingParams) -> SamplingParams:
+        """OpenAI's chat default for max_tokens: what the context leaves after the prompt (within the server's cap)."""
         room, cap = self.bridge.max_model_len - len(ids), self.bridge.config.max_tokens_limit
-        return ids, replace(params, max_tokens=max(1, room if cap is None else min(room, cap)))
+        return replace(params, max_tokens=max(1, room if cap is None else min(room, cap)))
 
     async def _sse(self, streams, firsts, shape, include_usage: bool, echo: str = ""):
         """Server-sent events, the choices' chunks interleaved as they come; if the client goes away Starlette

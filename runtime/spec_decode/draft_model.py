@@ -14,7 +14,7 @@ import numpy as np
 from ..kv.slots import SlotPool
 from ..model_runner import ModelRunner
 from ..request import Request
-from ..sampler import Sampler, filtered_probs, seeded_choice
+from ..sampler import Sampler, filtered_probs
 from .proposer import Proposal
 
 
@@ -24,9 +24,7 @@ def choose(logits: np.ndarray, req: Request, sampler: Sampler, position: int) ->
     if req.params.greedy:
         return int(logits.argmax()), None
     q = filtered_probs(logits, req)
-    if req.params.seed is not None:
-        return seeded_choice(q, req.params.seed, position), q
-    return int(sampler.rng(req).choice(q.size, p=q)), q
+    return sampler.draw(q, req, position), q
 
 
 class DraftModelProposer:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..request import Request
-from ..sampler import SampleResult, Sampler, filtered_probs, seeded_choice
+from ..sampler import SampleResult, Sampler, filtered_probs
 from .proposer import Proposal
 
 
@@ -32,7 +32,7 @@ def verify(target_logits: np.ndarray, proposal: Proposal, req: Request, sampler:
         start = req.num_tokens
         for i in range(gamma + 1):
             token = int(target_logits[i].argmax()) if req.params.greedy else \
-                seeded_choice(filtered_probs(target_logits[i], req), req.params.seed, start + i)
+                sampler.draw(filtered_probs(target_logits[i], req), req, start + i)
             emitted.append(sampler.result(token, target_logits[i], req))
             if i == gamma or token != proposal.tokens[i]:
                 return emitted, i

@@ -66,12 +66,12 @@ def run(engine: Engine, prompts: list[list[int]], join_steps: list[int] | None =
         while pending and pending[0][0] <= step:
             k = pending.pop(0)[1]
             ids[k] = engine.add_request(prompts[k], params).request_id
-            tokens[k] = []
+            tokens[ids[k]] = []
         for out in engine.step():
-            tokens[next(k for k, rid in ids.items() if rid == out.request_id)] += out.token_ids
+            tokens[out.request_id] += out.token_ids
         step += 1
     assert not engine.requests and engine.kv.num_free_slots == engine.kv.slots.num_slots   # nothing leaked
-    return [(tokens[k], np.stack(tap.rows[ids[k]][:len(tokens[k])])) for k in range(len(prompts))]
+    return [(tokens[ids[k]], np.stack(tap.rows[ids[k]][:len(tokens[ids[k]])])) for k in range(len(prompts))]
 
 
 def assert_identical(got, want, label: str) -> None:
