@@ -329,7 +329,7 @@ def test_async_client_that_gives_up_before_admission_is_aborted(engine):
         deadline = time.monotonic() + 10
         while (eng.has_work() or eng.requests) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert eng.stats.generation_tokens < 4 + 200 and steps_seen
+        assert eng.stats.generation_tokens <= 4 + 1 and steps_seen   # the given-up one: at most the token of a step it was in
         assert_no_leaks(eng)
     finally:
         aeng.shutdown()

@@ -745,10 +745,13 @@ def test_stop_does_not_block_the_event_loop(engine):
         next(stream)
         runner.decode = slow_decode
         time.sleep(0.1)                                       # the engine thread is inside a slow step
+        t0 = time.monotonic()
         worst = s._run(stop_watching_the_loop())
+        stopping = time.monotonic() - t0
     s.loop.call_soon_threadsafe(s.loop.stop)
     assert not s.server.aengine._thread.is_alive()
-    assert worst < 0.3, worst
+    assert stopping > 1.5, stopping                           # stop really waited for the slow step...
+    assert worst < 0.3, worst                                 # ...without stalling the event loop
 
 
 class SlowSteps:
