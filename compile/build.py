@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from . import __version__
 from .archs import REGISTRY
-from .artifact import check_destination, staging_dir, write_manifest
+from runtime.artifact import check_destination, staging_dir, write_manifest
 from .config import CompileConfig, QuantConfig
 from .quantize import report
 from .quantize.awq import awq_reader

@@ -1,13 +1,10 @@
-"""User-facing errors of the compile stage: the CLI prints them as one line and exits with code 2."""
+"""User-facing errors of the compile stage: the CLI prints them as one line and exits with code 2. The base class
+and ArtifactError live with the artifact format, in runtime/errors.py."""
 
+from runtime.errors import ArtifactError, QuicksilverError
 
-class QuicksilverError(Exception):
-    """Base class: a problem with the user's input, explained in the message."""
+__all__ = ["ArtifactError", "CheckpointError", "QuicksilverError"]
 
 
 class CheckpointError(QuicksilverError):
     """The Hugging Face checkpoint is missing, incomplete or of an unsupported kind."""
-
-
-class ArtifactError(QuicksilverError):
-    """An engine artifact is missing, corrupted, truncated, foreign or of another format version."""

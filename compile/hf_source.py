@@ -16,9 +16,10 @@ from pathlib import Path
 
 import numpy as np
 
+from runtime.artifact import SUPPORTED_ARCHITECTURES
+
 from .errors import CheckpointError
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 SUPPORTED_ROPE_SCALING = ("llama3", "linear")
 _DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64,
            "I64": np.int64, "I32": np.int32, "I8": np.int8, "U8": np.uint8}

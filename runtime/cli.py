@@ -46,7 +46,7 @@ def generate(args: tuple[str, ...], max_tokens: int, temperature: float, top_k: 
              repetition_penalty: float, seed: int | None, stop: tuple[str, ...], threads: int | None, draft: Path | None,
              speculation: str, server: str | None, api_key: str | None, tls_ca: Path | None, stats: bool) -> None:
     """Stream a completion of PROMPT from a local engine (default: the bundled target, with the bundled draft)."""
-    from compile.errors import QuicksilverError
+    from .errors import QuicksilverError
 
     from .config import CacheConfig, EngineConfig, SchedulerConfig
     from .defaults import engine_dir
@@ -196,7 +196,7 @@ def serve(engine: Path | None, draft: Path | None, speculation: str, host: str, 
     import asyncio
     import logging
 
-    from compile.errors import QuicksilverError
+    from .errors import QuicksilverError
 
     from .config import CacheConfig, EngineConfig, SchedulerConfig, ServerConfig
     from .defaults import engine_dir

@@ -52,8 +52,8 @@ def engine_dir(role: str = "target", root: Path | None = None) -> Path:
 
 def _built_from(engine: Path) -> str | None:
     """The source fingerprint an engine's manifest records, or None (no engine, or an unreadable manifest)."""
-    from compile.artifact import read_manifest
-    from compile.errors import ArtifactError
+    from .artifact import read_manifest
+    from .errors import ArtifactError
 
     try:
         return read_manifest(engine)["source"]["fingerprint"]

@@ -1,8 +1,14 @@
-"""Engine: submit / abort / step over one engine artifact. Each step is three calls:
+"""Engine: submit / abort / step over one engine artifact, on whichever backend its target needs. Each step:
 
-    plan = scheduler.schedule();  logits = self._execute(plan);  outputs = self._update(plan, logits)
+    plan = scheduler.schedule()                       # who computes how many tokens (guesses included), KV reserved
+    inp = ModelInput.from_plan(plan, guesses)         # the proposer's guesses for those that speculate
+    out = backend.run(inp)                            # logits
+    results = self._results(inp, out)                 # sampled tokens, or verified guesses
+    scheduler.update(plan, results); stream the tokens
 
-The Engine is single-threaded by design (AsyncEngine runs it on one loop thread); it never imports torch.
+The loop is written once: the backend (runtime/backends) is a KV manager + a model runner + a proposer behind
+declared protocols, and nothing here knows which one runs. The Engine is single-threaded by design
+(AsyncEngine runs it on one loop thread); it never imports torch.
 """
 
 from __future__ import annotations
@@ -15,21 +21,13 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-from compile import artifact
-
+from .backends import load_backend
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer, StopStringFilter
-from .kv.manager import KVCacheManager, KVLayout
-from .kv.paged import PagedKVManager
-from .model_runner import ModelRunner, check_same_tokenizer
-from .outputs import RequestOutput, SchedulePlan, Usage
-from .paged_executor import PagedExecutor, load_paged_runners
+from .outputs import ModelInput, RequestOutput, RunnerOutput, StepResult, Usage
 from .request import InvalidRequest, Request, RequestStatus, SamplingParams
 from .sampler import Sampler
 from .scheduler import Scheduler
-from .spec_decode.draft_model import DraftModelProposer
-from .spec_decode.ngram import NgramProposer
-from .spec_decode.paged_draft import PagedDraftProposer
 from .spec_decode.speculator import Speculator
 
 
@@ -66,89 +64,26 @@ class EngineStats:
 class Engine:
     def __init__(self, engine_dir: str | Path, config: EngineConfig | None = None):
         self.config = config = config or EngineConfig()
-        self.paged = artifact.load(Path(engine_dir), verify=False).get("target") == "cuda"
-        if self.paged:
-            self.runner, self.draft = load_paged_runners(Path(engine_dir), config)
-        else:
-            self.runner = ModelRunner(engine_dir, threads=config.threads, verify=config.verify_artifact, spin=config.spin)
-            self.draft = (ModelRunner(config.draft, threads=config.threads, verify=config.verify_artifact, spin=config.spin)
-                          if config.draft else None)
+        self.sampler = Sampler()
+        self.backend = backend = load_backend(engine_dir, config, self.sampler)
+        self.runner, self.draft, self.kv = backend.runner, backend.draft, backend.kv
+        self.max_model_len = backend.max_model_len
         manifest = self.runner.manifest
         self.tokenizer = Tokenizer.from_file(str(Path(engine_dir) / "tokenizer.json"))
         self.eos_ids = frozenset(manifest["tokenizer"]["eos_token_ids"])
-        self.max_model_len = min(config.cache.max_model_len or self.runner.max_seq_len, self.runner.max_seq_len)
-        if self.draft is not None:
-            check_same_tokenizer(self.runner, self.draft)
-            self.max_model_len = min(self.max_model_len, self.draft.max_seq_len)
-        if self.paged:
-            self.kv = PagedKVManager(self.runner.num_blocks, self.runner.block_size, config.scheduler.max_num_seqs,
-                                     self.max_model_len, with_draft=self.draft is not None)
-        else:
-            layouts = [self.runner.kv_layout] + ([self.draft.kv_layout] if self.draft is not None else [])
-            self.kv = self._make_kv(config, layouts)
-        self.scheduler = Scheduler(config.scheduler, self.kv)
-        self.sampler = Sampler()
         self.speculator = None
-        if config.speculation is not None:
-            if config.speculation == "ngram":
-                proposer = NgramProposer()
-            elif self.paged:
-                proposer = PagedDraftProposer(self.draft, self.kv, self.sampler)
-            else:
-                proposer = DraftModelProposer(self.draft, self.kv.pools[1], self.sampler)
-            self.speculator = Speculator(config.spec, proposer, self.runner, self.sampler)
+        planner = None
+        if backend.proposer is not None:
+            self.speculator = Speculator(config.spec, backend.proposer, self.sampler, backend.cost)
+            planner = self._plan_speculation
+        self.scheduler = Scheduler(config.scheduler, self.kv, planner)
         self.requests: dict[str, Request] = {}
-        if self.paged:
-            self.paged_executor = PagedExecutor(self.runner, self.draft, self.kv, self.speculator, self.requests,
-                                                self.max_model_len)
         self._streams: dict[str, _Stream] = {}
-        self._uncached: set[str] = set()   # requests whose new full blocks go to the prefix cache next step
         self.stats = EngineStats()
-        self._warm_up()
+        backend.warm_up()
 
-    def _warm_up(self) -> None:
-        """ONNX Runtime's first runs pay for allocation and weight prepacking: pay it here, not in a user's TTFT.
-        With speculation, also measure the step costs its decisions are based on."""
-        if self.paged:
-            self.paged_executor.warm_up()
-            return
-        models = [(self.runner, self.kv.slots)] + ([(self.draft, self.kv.pools[1])] if self.draft else [])
-        self.kv.blocks.prefault()
-        for runner, pool in models:
-            pool.prefault()
-            for n in (8, 1):
-                runner.prefill(pool, 0, [0] * n, 0)
-        if self.speculator is None:
-            return
-        cost, sizes = self.speculator.cost, [b for b in (1, 2, 4, 8, 16, 32) if b <= self.kv.slots.num_slots]
-
-        def timed(fn) -> float:
-            times = []
-            for _ in range(3):
-                t0 = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t0)
-            return float(np.median(times))
-
-        for b in sizes:
-            rows = [(s, 0, 16) for s in range(b)]
-            cost.record("dec", b, timed(lambda: self.runner.decode(self.kv.slots, rows, set())))
-            if self.draft is not None:
-                cost.record("draft", b, timed(lambda: self.draft.decode(self.kv.pools[1], rows, set())))
-        for g in range(1, self.config.spec.max_gamma + 1):
-            cost.record("ver", g + 1, timed(lambda: self.runner.prefill(self.kv.slots, 0, [0] * (g + 1), 16, True)))
-
-    def _make_kv(self, config: EngineConfig, layouts: list[KVLayout]) -> KVCacheManager:
-        c = config.cache
-        token_bytes = sum(m.token_bytes for m in layouts)
-        budget = c.budget()
-        slot_budget = budget * (1 - c.prefix_cache_fraction if c.enable_prefix_cache else 1)
-        num_slots = min(config.scheduler.max_num_seqs, int(slot_budget // (token_bytes * self.max_model_len)))
-        if num_slots < 1:
-            raise ValueError(f"KV budget {budget / 2**20:.0f} MiB cannot hold one sequence of {self.max_model_len} "
-                             "tokens; raise the budget or lower max_model_len")
-        num_blocks = int(budget * c.prefix_cache_fraction // (token_bytes * c.block_size)) if c.enable_prefix_cache else 0
-        return KVCacheManager(layouts, num_slots, self.max_model_len, num_blocks, c.block_size)
+    def _plan_speculation(self, decodes: list[Request], budget: int) -> dict[str, int]:
+        return self.speculator.plan(decodes, self.max_model_len, budget, self.backend.step_cost(len(decodes)))
 
     # -- requests ---------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str = "",
@@ -175,10 +110,9 @@ class Engine:
         req = Request([int(t) for t in ids], params, request_id, priority)
         if arrival is not None:
             req.arrival = arrival
-        if self.paged and not self.kv.can_ever_fit(req):
-            raise InvalidRequest(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) needs more KV blocks "
-                                 f"than the cache has ({self.kv.blocks.num_blocks} × {self.kv.block_size} tokens); "
-                                 "lower max_tokens or raise the KV budget")
+        if not self.kv.can_ever_fit(req):
+            raise InvalidRequest(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) needs more KV memory "
+                                 "than the cache has; lower max_tokens or raise the KV budget")
         self.requests[req.request_id] = req
         self._streams[req.request_id] = _Stream(IncrementalDetokenizer(self.tokenizer, req.prompt_ids),
                                                 StopStringFilter(params.stop))
@@ -211,80 +145,57 @@ class Engine:
     # -- the step ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
-        self._cache_blocks()
         plan = self.scheduler.schedule()
         self.stats.preemptions += len(plan.preempted)
         if not plan:
             return []
         try:
-            outputs = self._update(plan, self._execute(plan))
+            proposals = {}
+            if plan.gammas:
+                spec = [r for r in plan.decodes if r.request_id in plan.gammas]
+                proposals = self.speculator.propose(spec, [plan.gammas[r.request_id] for r in spec])
+            inp = ModelInput.from_plan(plan, proposals)
+            out = self.backend.run(inp)
+            self._feed_draft(inp)
+            results = self._results(inp, out)
         except Exception as e:      # a failed run fails the requests it carried; the others keep running
             log.exception("engine step failed")
             self.stats.failed_steps += 1
-            return self._fail(plan.decodes + [r for r, _ in plan.chunks], f"internal error: {type(e).__name__}: {e}")
+            return self._fail(plan.requests, f"internal error: {type(e).__name__}: {e}")
+        prompt_before = {r.request_id: min(r.num_computed, len(r.prompt_ids)) for r in plan.requests}
+        self.scheduler.update(plan, results)
+        outputs = []
+        for req in plan.requests:
+            self.stats.prompt_tokens += min(req.num_computed, len(req.prompt_ids)) - prompt_before[req.request_id]
+            emitted = results[req.request_id].tokens
+            if emitted:
+                outputs.append(self._append(req, emitted))
         self.stats.steps += 1
-        self.stats.last_step_s, self.stats.last_batch = time.perf_counter() - t0, len(plan.decodes) + len(plan.chunks)
+        self.stats.last_step_s, self.stats.last_batch = time.perf_counter() - t0, len(plan.requests)
         self.scheduler.observe(plan, self.stats.last_step_s)
         self.stats.last_step_prefill = bool(plan.chunks)
         return outputs
 
-    def _cache_blocks(self) -> None:
-        """Copy last step's newly full blocks into the prefix cache. Done at the start of the next step, after
-        the outputs went out, so the copy never delays a token; a finishing request is cached in _finish."""
-        for rid in self._uncached:
-            req = self.requests.get(rid)
-            if req is not None and req.slot is not None:
-                self.kv.cache_computed(req)
-        self._uncached.clear()
+    def _feed_draft(self, inp: ModelInput) -> None:
+        """A draft reads the prompt chunks the target just computed (when it is level with them), so its first
+        guesses need no catch-up."""
+        if self.speculator is None:
+            return
+        chunks = [s for s in inp.seqs if s.proposal is None and not s.is_decode and s.req.num_computed_draft == s.start]
+        if chunks:
+            self.speculator.proposer.feed([s.req for s in chunks], [s.tokens for s in chunks])
 
-    def _execute(self, plan: SchedulePlan) -> tuple[dict[str, np.ndarray], dict[str, tuple]]:
-        """Run the plan. Returns (logits [vocab] for every request that catches up without speculating,
-        {request id: (emitted tokens, target KV length)} for the ones that speculated)."""
-        if self.paged:
-            return self.paged_executor.execute(plan)
-        pool, logits = self.kv.slots, {}
-        running = {r.slot for r in self.scheduler.running}
-        gammas = self.speculator.plan(plan.decodes, self.max_model_len) if self.speculator else {}
-        spec = [r for r in plan.decodes if r.request_id in gammas]
-        plain = [r for r in plan.decodes if r.request_id not in gammas]
-        if plain:
-            t0 = time.perf_counter()
-            rows = [(r.slot, r.tokens(r.num_computed, r.num_computed + 1)[0], r.num_computed) for r in plain]
-            out = self.runner.decode(pool, rows, running - {r.slot for r in plain})
-            if self.speculator:
-                self.speculator.cost.record("dec", len(plain), time.perf_counter() - t0)
-            logits.update((r.request_id, row) for r, row in zip(plain, out))
-        for req, n in plan.chunks:
-            start, tokens = req.num_computed, req.tokens(req.num_computed, req.num_computed + n)
-            last = self.runner.prefill(pool, req.slot, tokens, start)
-            if self.draft is not None and req.num_computed_draft == start:   # the draft reads the prompt too
-                self.draft.prefill(self.kv.pools[1], req.slot, tokens, start)
-                req.num_computed_draft = start + n
-            if start + n == req.num_tokens:
-                logits[req.request_id] = last[0]
-        speculated = {}
-        if spec:
-            busy = running - {r.slot for r in spec}
-            speculated = self.speculator.run(spec, [gammas[r.request_id] for r in spec], busy, pool)
-        return logits, speculated
-
-    def _update(self, plan: SchedulePlan, results: tuple[dict[str, np.ndarray], dict[str, tuple]]) -> list[RequestOutput]:
-        logits, speculated = results
-        outputs = []
-        for req, n in [(r, 1) for r in plan.decodes] + plan.chunks:
-            before = req.num_computed
-            if req.request_id in speculated:
-                emitted, req.num_computed = speculated[req.request_id]
+    def _results(self, inp: ModelInput, out: RunnerOutput) -> dict[str, StepResult]:
+        """Tokens from logits: a sample where a sequence caught up, verified guesses where it speculated."""
+        results = {}
+        for s, logits in zip(inp.seqs, out.logits):
+            if s.proposal is not None:
+                emitted, length = self.speculator.verify(s.req, s.proposal, logits)
+                results[s.req.request_id] = StepResult(length, emitted)
             else:
-                req.num_computed += n
-                row = logits.get(req.request_id)
-                emitted = [self.sampler.sample(row, req)] if row is not None else []
-            self.stats.prompt_tokens += max(0, min(req.num_computed, len(req.prompt_ids)) - before)
-            if self.config.cache.enable_prefix_cache:
-                self._uncached.add(req.request_id)
-            if emitted:
-                outputs.append(self._append(req, emitted))
-        return outputs
+                sampled = [self.sampler.sample(logits[-1], s.req)] if s.num_logits else []
+                results[s.req.request_id] = StepResult(s.start + len(s.tokens), sampled)
+        return results
 
     def _append(self, req: Request, results: list) -> RequestOutput:
         """Add sampled tokens to `req` (stopping at the first that finishes it); one output message for them."""
@@ -322,10 +233,7 @@ class Engine:
         stream = self._streams.pop(req.request_id)
         if not stop_string_hit:   # release text held back for a stop string that never completed
             text += stream.stops.feed(stream.detok.flush())[0] + stream.stops.flush()
-        if self.config.cache.enable_prefix_cache and req.slot is not None and reason != "error":
-            self.kv.cache_computed(req)      # its KV is complete and about to be freed: keep the reusable part
-        self._uncached.discard(req.request_id)
-        self.scheduler.remove(req)
+        self.scheduler.remove(req, cache=reason != "error")   # complete KV stays reusable in the prefix cache
         self.sampler.forget(req)
         if self.speculator:
             self.speculator.forget(req)

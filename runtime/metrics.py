@@ -27,7 +27,7 @@ class Metrics:
         self.decode_step = h("quicksilver_decode_step_seconds", "Engine steps that only decoded")
         self.running = Gauge("quicksilver_requests_running", "Requests holding a KV slot", registry=r)
         self.waiting = Gauge("quicksilver_requests_waiting", "Requests queued for a slot", registry=r)
-        self.kv_usage = Gauge("quicksilver_kv_cache_usage_percent", "KV slots in use, percent", registry=r)
+        self.kv_usage = Gauge("quicksilver_kv_cache_usage_percent", "KV memory in use (CPU: resident slot tokens of the budget; GPU: blocks), percent", registry=r)
         self.prefix_blocks = Gauge("quicksilver_prefix_cache_blocks_in_use", "Prefix-cache blocks referenced", registry=r)
         self.batch = Gauge("quicksilver_batch_size", "Sequences in the last engine step", registry=r)
         self.prefix_queries = Counter("quicksilver_prefix_cache_queries_tokens", "Prompt tokens looked up", registry=r)

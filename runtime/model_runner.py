@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from compile import artifact
-from compile.errors import ArtifactError
+from . import artifact
+from .errors import ArtifactError
 
 from .kv.manager import KVLayout
 from .kv.slots import SlotPool, SlotRange

@@ -1,22 +1,102 @@
-"""The step contracts: what the scheduler plans, and what a request's stream receives."""
+"""The step contracts, in the order a step passes through them:
+
+    SchedulePlan (scheduler) → ModelInput (engine: tokens and draft guesses) → RunnerOutput (backend: logits)
+    → StepResult per request (engine: sampled / verified tokens) → Scheduler.update → RequestOutput (client)
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from .request import Request
 
 
 @dataclass
 class SchedulePlan:
-    """One engine step. Every scheduled request catches up `num_tokens` of its pending tokens."""
+    """One engine step, inside the scheduler's token budget: decodes (1 token each, plus `gammas[id]` guesses for
+    those that speculate) and prompt chunks (request, tokens). KV for all of it is reserved before the plan is
+    returned; `preempted` lists the requests that gave their KV back to make room."""
 
-    decodes: list[Request] = field(default_factory=list)               # 1 token each, batched by slot range
-    chunks: list[tuple[Request, int]] = field(default_factory=list)    # (request, tokens) one ONNX run each
+    decodes: list[Request] = field(default_factory=list)
+    chunks: list[tuple[Request, int]] = field(default_factory=list)
+    gammas: dict[str, int] = field(default_factory=dict)     # request id → guesses to verify this step
     preempted: list[Request] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.decodes or self.chunks)
+
+    @property
+    def requests(self) -> list[Request]:
+        return self.decodes + [r for r, _ in self.chunks]
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens computed by the target this step (what the token budget bounds)."""
+        return len(self.decodes) + sum(self.gammas.values()) + sum(n for _, n in self.chunks)
+
+
+@dataclass
+class SeqInput:
+    """One sequence's share of a step: `tokens` fed at positions [start, start + len(tokens)), and which logits
+    come back — none (a prompt chunk that does not finish the prompt), the last row, or every row (verification
+    of `proposal`, whose guesses are the tail of `tokens`)."""
+
+    req: Request
+    start: int
+    tokens: list[int]
+    num_logits: int                       # 0, 1, or len(tokens)
+    proposal: object | None = None        # spec_decode.proposer.Proposal
+
+    @property
+    def is_decode(self) -> bool:
+        """One token, one logits row, nothing to verify: batched with the other decodes."""
+        return len(self.tokens) == 1 and self.num_logits == 1 and self.proposal is None
+
+
+@dataclass
+class ModelInput:
+    """What a backend runs for one step: decodes first, then prompt chunks, then verifications."""
+
+    seqs: list[SeqInput]
+
+    @classmethod
+    def from_plan(cls, plan: SchedulePlan, proposals: dict[str, object]) -> "ModelInput":
+        seqs = []
+        for req in plan.decodes:
+            start = req.num_computed
+            prop = proposals.get(req.request_id)
+            tokens = req.tokens(start, start + 1) + (list(prop.tokens) if prop is not None else [])
+            seqs.append(SeqInput(req, start, tokens, len(tokens) if prop is not None else 1, prop))
+        for req, n in plan.chunks:
+            start = req.num_computed
+            seqs.append(SeqInput(req, start, req.tokens(start, start + n), int(start + n == req.num_tokens)))
+        seqs.sort(key=lambda s: 0 if s.is_decode else 2 if s.proposal is not None else 1)
+        return cls(seqs)
+
+    @property
+    def decodes(self) -> list[SeqInput]:
+        return [s for s in self.seqs if s.is_decode]
+
+    @property
+    def others(self) -> list[SeqInput]:
+        return [s for s in self.seqs if not s.is_decode]
+
+
+@dataclass
+class RunnerOutput:
+    """Logits of one step: logits[i] is [seqs[i].num_logits, vocab] (None where no row was asked for)."""
+
+    logits: list[np.ndarray | None]
+
+
+@dataclass
+class StepResult:
+    """What one step did for one request: its target KV length now, and the tokens it emits."""
+
+    num_computed: int
+    tokens: list = field(default_factory=list)     # sampler.SampleResult, in order
 
 
 @dataclass

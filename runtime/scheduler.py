@@ -1,4 +1,8 @@
-"""Token-budget scheduler: continuous batching, chunked prefill, admission by KV slots, priority preemption.
+"""Token-budget scheduler: continuous batching, chunked prefill, speculation inside the budget, admission and
+KV growth through the backend's KV manager, preemption.
+
+The scheduler is the one place a request's `num_computed` (tokens with KV) is written: at admission (its cached
+prefix), after each step (`update`) and at preemption (back to 0).
 
 There are no prefill or decode phases, only requests catching up: each step, every running request with
 one pending token joins the decode batch, requests with more pending tokens (new prompts, recompute after
@@ -15,29 +19,41 @@ should cost at most `mixed_step_ratio` plain decode steps (attention makes the s
 grows), so after each such step the chunk is scaled by target / measured time (at most doubling) — keeping
 the TPOT of running requests bounded while a 4k prompt prefills beside them.
 
-Order: lower `priority` first, then arrival (FCFS). A waiting request that finds no free slot may take the
-slot of the running request of the lowest priority (strictly lower than its own); the victim is
-preempted — its computed blocks go to the prefix cache, its slot is freed, and it is recomputed (mostly
-from that cache) when readmitted.
+Speculative guesses count against the same budget: after the decodes, the speculation planner may spend what is
+left on guesses (priced by the backend's measured step costs), and prompt chunks get the rest.
+
+Order: lower `priority` first, then arrival (FCFS). A waiting request that finds no room (no free sequence index
+or not enough KV memory) may take the room of the running request of the lowest priority (strictly lower than
+its own). A running request whose KV cannot grow takes memory from the running requests behind it (lower
+priority, or later arrival), else gives its own back and waits. A victim is preempted — its computed blocks go
+to the prefix cache, its KV is freed, and it is recomputed (mostly from that cache) when readmitted.
 """
 
 from __future__ import annotations
 
 import heapq
 import time
+from collections.abc import Callable
 
+from .backends.base import KVManager
 from .config import SchedulerConfig
-from .kv.manager import KVCacheManager
-from .outputs import SchedulePlan
+from .outputs import SchedulePlan, StepResult
 from .request import Request, RequestStatus
+
+# (decodes, guesses left in the budget) → γ per request id that should speculate
+SpecPlanner = Callable[[list[Request], int], dict[str, int]]
+
+
+def _order(req: Request) -> tuple[int, int]:
+    return req.priority, req.seq_no
 
 
 class Scheduler:
     MIN_CHUNK = 16
     MAX_SAT_OUT = 4       # consecutive steps a long prompt yields to short prompts before it gets a MIN_CHUNK
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
-        self.config, self.kv = config, kv
+    def __init__(self, config: SchedulerConfig, kv: KVManager, plan_speculation: SpecPlanner | None = None):
+        self.config, self.kv, self.plan_speculation = config, kv, plan_speculation
         self.waiting: list[tuple[int, int, Request]] = []     # heap of (priority, seq_no, request)
         self.running: list[Request] = []
         self.long_chunk = config.prefill_chunk                # adapted by observe()
@@ -60,8 +76,9 @@ class Scheduler:
     def add(self, req: Request) -> None:
         heapq.heappush(self.waiting, (req.priority, req.seq_no, req))
 
-    def remove(self, req: Request) -> None:
-        """Drop a request wherever it is and free its KV (abort, error, finish)."""
+    def remove(self, req: Request, cache: bool = True) -> None:
+        """Drop a request wherever it is and free its KV (abort, error, finish); `cache`: its computed blocks may
+        stay in the prefix cache (not after an error, whose KV may be incomplete)."""
         if req in self.running:
             self.running.remove(req)
         else:
@@ -69,45 +86,83 @@ class Scheduler:
             if len(entries) != len(self.waiting):
                 self.waiting = entries
                 heapq.heapify(self.waiting)
-        self.kv.free(req)
+        self.kv.free(req, cache)
 
-    def _preempt_for(self, req: Request) -> Request | None:
-        victims = [r for r in self.running if r.priority > req.priority]
-        if not victims:
-            return None
-        victim = max(victims, key=lambda r: (r.priority, r.seq_no))
-        self.kv.cache_computed(victim)
+    def update(self, plan: SchedulePlan, results: dict[str, StepResult]) -> None:
+        """After a step: each planned request's KV length is what the step left (verification may keep fewer
+        tokens than it computed); its newly full blocks go to the prefix cache at the next step."""
+        for req in plan.requests:
+            result = results.get(req.request_id)
+            if result is not None:
+                req.num_computed = result.num_computed
+                self.kv.computed(req)
+
+    # -- preemption and admission -----------------------------------------------------------------
+    def _preempt(self, victim: Request, plan: SchedulePlan) -> None:
+        if victim in plan.decodes:                  # planned earlier this step (a prompt chunk ahead of it needs room)
+            plan.decodes.remove(victim)
+            plan.gammas.pop(victim.request_id, None)
+        plan.chunks = [(r, n) for r, n in plan.chunks if r is not victim]
         self.running.remove(victim)
-        self.kv.free(victim)
+        self.kv.free(victim, cache=True)
         victim.num_computed = victim.num_computed_draft = 0
         victim.status = RequestStatus.PREEMPTED
         self.add(victim)
-        return victim
+        plan.preempted.append(victim)
+
+    def _victim(self, req: Request) -> Request | None:
+        """The running request that gives way to `req`: the last in (priority, arrival) order behind it."""
+        behind = [r for r in self.running if _order(r) > _order(req)]
+        return max(behind, key=_order) if behind else None
 
     def _admit(self, plan: SchedulePlan) -> None:
-        """Move waiting requests into free slots (preempting lower priorities when none is free)."""
+        """Move waiting requests into the KV manager (preempting strictly lower priorities when there is no room)."""
         while self.waiting:
             req = self.waiting[0][2]
-            if len(self.running) >= self.config.max_num_seqs or not self.kv.allocate(req):
-                victim = self._preempt_for(req)
-                if victim is None or not self.kv.allocate(req):
+            hit = self.kv.allocate(req) if len(self.running) < self.config.max_num_seqs else None
+            if hit is None:
+                victims = [r for r in self.running if r.priority > req.priority]
+                if not victims:
                     return
-                plan.preempted.append(victim)
+                self._preempt(max(victims, key=_order), plan)
+                hit = self.kv.allocate(req) if len(self.running) < self.config.max_num_seqs else None
+                if hit is None:
+                    return
             heapq.heappop(self.waiting)
+            req.num_computed = req.num_computed_draft = hit
             if req.status is RequestStatus.WAITING:
-                req.num_cached = req.num_computed
+                req.num_cached = hit
                 req.first_scheduled = time.monotonic()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
 
+    def _reserve(self, req: Request, num_tokens: int, plan: SchedulePlan) -> bool:
+        """KV for `req`'s first `num_tokens` tokens, taken from the requests behind it if need be; False if `req`
+        itself had to give way (it is preempted then)."""
+        while not self.kv.reserve(req, num_tokens):
+            victim = self._victim(req)
+            self._preempt(victim or req, plan)
+            if victim is None:
+                return False
+        return True
+
+    # -- the plan ---------------------------------------------------------------------------------
     def schedule(self) -> SchedulePlan:
+        self.kv.flush()
         plan = SchedulePlan()
         self._admit(plan)
         budget = self.config.token_budget
         chunk = self.config.prefill_chunk
-        by_priority = sorted(self.running, key=lambda r: (r.priority, r.seq_no))
-        plan.decodes = [r for r in by_priority if r.num_pending == 1]
+        for req in sorted((r for r in self.running if r.num_pending == 1), key=_order):
+            if req.status is RequestStatus.RUNNING and self._reserve(req, req.num_tokens, plan):
+                plan.decodes.append(req)
         budget -= len(plan.decodes)
+        if self.plan_speculation is not None and plan.decodes and budget > 0:
+            for req_id, gamma in self.plan_speculation(plan.decodes, budget).items():
+                req = next(r for r in plan.decodes if r.request_id == req_id)
+                if gamma > 0 and self.kv.reserve(req, req.num_tokens + gamma):    # guesses never preempt anyone
+                    plan.gammas[req_id] = gamma
+                    budget -= gamma
         # Prefills shortest-remaining first; while any short prompt (≤ one chunk) waits for its first token,
         # long prompts sit this step out (but one aged one gets MIN_CHUNK tokens), so a short request's TTFT
         # includes at most a sliver of a long prompt.
@@ -119,6 +174,8 @@ class Scheduler:
         for req in prefills:
             if budget <= 0:
                 break
+            if req.status is not RequestStatus.RUNNING:     # gave way to an earlier request's KV this step
+                continue
             limit = chunk
             if short_waiting and req.num_pending > chunk:
                 if aged_served or req.steps_sat_out < self.MAX_SAT_OUT:
@@ -129,7 +186,7 @@ class Scheduler:
             if req.num_pending > chunk and plan.decodes:     # a long prompt beside decodes: the time-bounded chunk
                 limit = min(limit, self.long_chunk)
             n = prompt_chunk(req.num_pending, min(limit, budget))
-            if n:
+            if n and self._reserve(req, req.num_computed + n, plan):
                 plan.chunks.append((req, n))
                 budget -= n
         return plan

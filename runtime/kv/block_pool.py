@@ -5,6 +5,9 @@ the cache (the target, and the draft when speculating; [kv_heads, block_size, he
 reference count 0 sits in the free queue in least-recently-released order and keeps its contents until
 it is reused, so it can still be hit; allocation takes the oldest. The tokens and parent key of each
 block are stored and compared on lookup, so a hash collision can never return the wrong KV.
+
+The storage is reserved address space (kv/memory.py): blocks become resident as they are first handed out
+(populated a chunk of blocks ahead, so the copy into a block never page-faults) and stay resident while cached.
 """
 
 from __future__ import annotations
@@ -14,12 +17,16 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from .memory import ReservedArray
+
 
 class BlockPool:
     def __init__(self, layer_shapes: list[tuple[int, int, str]], num_blocks: int, block_size: int):
         """layer_shapes: (kv_heads, head_dim, dtype) of every layer of every model sharing the cache (target, draft)."""
-        self.keys = [np.zeros((num_blocks, h, block_size, d), t) for h, d, t in layer_shapes]    # [blocks, kvh, bs, hd]
-        self.values = [np.zeros((num_blocks, h, block_size, d), t) for h, d, t in layer_shapes]  # [blocks, kvh, bs, hd]
+        self._maps = [ReservedArray((num_blocks, h, block_size, d), t) for _ in range(2) for h, d, t in layer_shapes]
+        self.keys = [m.array for m in self._maps[:len(layer_shapes)]]      # [blocks, kvh, bs, hd]
+        self.values = [m.array for m in self._maps[len(layer_shapes):]]    # [blocks, kvh, bs, hd]
+        self._populated = 0                # blocks [0, _populated) are resident
         self.num_blocks, self.block_size = num_blocks, block_size
         self.ref = [0] * num_blocks
         self.key: list[int | None] = [None] * num_blocks
@@ -28,11 +35,18 @@ class BlockPool:
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self.evictions = 0                 # cached blocks overwritten to make room
 
-    def prefault(self) -> None:
-        """Touch every page now, as SlotPool.prefault does for the slots: otherwise the first copy into each cached
-        block pays its page faults inside a request's step (~8 % of a batch-16 decode step while the cache fills)."""
-        for array in self.keys + self.values:
-            array.fill(0)
+    POPULATE_BLOCKS = 64
+
+    def _populate(self, block: int) -> None:
+        """Make `block` resident (with the next POPULATE_BLOCKS - 1 never-used ones): free blocks are handed out in
+        index order until every block has been used once."""
+        if block < self._populated:
+            return
+        end = min(self.num_blocks, max(block + 1, self._populated + self.POPULATE_BLOCKS))
+        for m in self._maps:
+            per_block = m.array[0].nbytes
+            m.populate(self._populated * per_block, end * per_block)
+        self._populated = end
 
     @property
     def num_in_use(self) -> int:
@@ -79,6 +93,7 @@ class BlockPool:
         if not self.free:
             return None
         block, _ = self.free.popitem(last=False)
+        self._populate(block)
         if self.key[block] is not None:
             del self.by_key[self.key[block]]
             self.evictions += 1

@@ -1,14 +1,18 @@
-"""KVCacheManager: the one owner of KV memory — running sequences' slots and the prefix cache's blocks.
+"""KVCacheManager: the CPU backend's one owner of KV memory — running sequences' slots and the prefix cache's blocks.
 
-Running sequences each own one slot of the SlotPool (what GroupQueryAttention reads and writes in
-place). Full blocks of computed tokens are copied into the BlockPool under their chained hash; a new
-sequence whose prompt starts with cached blocks gets them copied into its slot (a memcpy instead of a
-prefill) and starts computing after them. No other module frees or copies KV.
+Running sequences each own one slot of the SlotPool (what GroupQueryAttention reads and writes in place). A
+slot is reserved address space for a whole context; its memory becomes resident as the sequence grows
+(`reserve`, a granule ahead of the writes) and goes back to the OS when it ends, and the budget counts resident
+tokens — so concurrency follows the tokens actually held, not slots × context. Full blocks of computed tokens
+are copied into the BlockPool under their chained hash; a new sequence whose prompt starts with cached blocks
+gets them copied into its slot (a memcpy instead of a prefill) and starts computing after them. No other
+module frees or copies KV.
 """
 
 from __future__ import annotations
 
 import heapq
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,51 +50,113 @@ class CacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, layouts: list[KVLayout], num_slots: int, slot_capacity: int, num_blocks: int, block_size: int):
-        """layouts[0] is the target; further layouts (the draft) get slots with the same indices."""
+    def __init__(self, layouts: list[KVLayout], num_slots: int, slot_capacity: int, num_blocks: int, block_size: int,
+                 budget_tokens: int | None = None):
+        """layouts[0] is the target; further layouts (the draft) get slots with the same indices. `budget_tokens`:
+        tokens that may be resident in slots at once (None: every slot full); num_blocks 0: no prefix cache."""
         self.pools = [SlotPool(m.num_layers, num_slots, m.kv_heads, slot_capacity, m.head_dim, m.dtype) for m in layouts]
         self.slots = self.pools[0]
         self.blocks = BlockPool([(m.kv_heads, m.head_dim, m.dtype) for m in layouts for _ in range(m.num_layers)],
                                 num_blocks, block_size)
         # (pool, layer) of every block-pool layer, in the block pool's order
         self._layers = [(pool, layer) for pool in self.pools for layer in range(pool.num_layers)]
-        self.block_size = block_size
+        self.block_size, self.num_slots, self.capacity = block_size, num_slots, slot_capacity
+        self.budget_tokens = budget_tokens if budget_tokens is not None else num_slots * slot_capacity
+        self.granule = max(pool.granule for pool in self.pools)
+        self._resident = [0] * num_slots                    # tokens resident per slot (a granule multiple)
+        self.resident_tokens = 0
         self._free_slots = list(range(num_slots))          # min-heap: lowest slot first keeps batches dense
+        self._busy: set[int] = set()
         self._held: dict[str, list[int]] = {}               # request id → blocks it references, in order
         self._keys: dict[str, list[int]] = {}               # request id → chained keys of its full blocks
+        self._pending: dict[str, Request] = {}              # computed since the last flush
         self.stats = CacheStats()
 
     # -- capacity ---------------------------------------------------------------------------------
-    @property
-    def num_slots(self) -> int:
-        return self.slots.num_slots
-
     @property
     def num_free_slots(self) -> int:
         return len(self._free_slots)
 
     @property
     def usage(self) -> float:
-        """Fraction of sequence slots in use (the KV usage reported in metrics)."""
-        return 1.0 - len(self._free_slots) / self.slots.num_slots
+        """Fraction of the slot budget resident (the KV usage reported in metrics)."""
+        return self.resident_tokens / self.budget_tokens
+
+    def busy_slots(self) -> set[int]:
+        """Slots held by running sequences (a batched call must not write into them for another sequence)."""
+        return self._busy
+
+    def _rounded(self, num_tokens: int) -> int:
+        return min(self.capacity, -(-num_tokens // self.granule) * self.granule)
+
+    def can_ever_fit(self, req: Request) -> bool:
+        worst = min(self.capacity, req.num_tokens + req.params.max_tokens)
+        return self._rounded(worst) <= self.budget_tokens
 
     def _keys_for(self, req: Request) -> list[int]:
         return extend_keys(self._keys.setdefault(req.request_id, []), req.all_ids, self.block_size)
 
     # -- lifecycle --------------------------------------------------------------------------------
-    def allocate(self, req: Request) -> bool:
-        """Give `req` a slot and copy its cached prefix into it; False if no slot is free."""
-        if not self._free_slots:
-            return False
+    def allocate(self, req: Request) -> int | None:
+        """Give `req` a slot with memory for its tokens and one more, and copy its cached prefix into it; returns
+        the cached tokens, or None (holding nothing) if no slot or not enough budget is free."""
+        need = self._rounded(req.num_tokens + 1)
+        if not self._free_slots or self.resident_tokens + need > self.budget_tokens:
+            return None
         req.slot = heapq.heappop(self._free_slots)
+        self._busy.add(req.slot)
+        self._grow(req.slot, need)
         held = self._held.setdefault(req.request_id, [])
         assert not held, "a request is allocated only while it holds nothing"
         held.extend(self.blocks.acquire_prefix(self._keys_for(req), req.all_ids, self.blocks.hit_limit(req.num_tokens)))
         self._copy_in(req.slot, held)
-        req.num_computed = req.num_computed_draft = len(held) * self.block_size
+        hit = len(held) * self.block_size
         self.stats.queries += len(req.prompt_ids)
-        self.stats.hits += min(req.num_computed, len(req.prompt_ids))
+        self.stats.hits += min(hit, len(req.prompt_ids))
+        return hit
+
+    def reserve(self, req: Request, num_tokens: int) -> bool:
+        """Memory for `req`'s first `num_tokens` tokens in its slot (every model's), populated a granule ahead;
+        False if the budget cannot supply it now. The common case — still inside the granule — is a comparison."""
+        slot = req.slot
+        if num_tokens <= self._resident[slot]:
+            return True
+        target = self._rounded(num_tokens)
+        if self.resident_tokens + target - self._resident[slot] > self.budget_tokens:
+            return False
+        self._grow(slot, target)
         return True
+
+    def _grow(self, slot: int, tokens: int) -> None:
+        for pool in self.pools:
+            pool.ensure(slot, tokens)
+        self.resident_tokens += tokens - self._resident[slot]
+        self._resident[slot] = tokens
+
+    @contextmanager
+    def scratch_slots(self, num_slots: int, num_tokens: int):
+        """Slots [0, num_slots) with `num_tokens` resident for warm-up runs, given back afterwards (outside the
+        budget: nothing runs yet)."""
+        assert len(self._free_slots) == self.num_slots, "scratch slots only before anything runs"
+        try:
+            for slot in range(num_slots):
+                for pool in self.pools:
+                    pool.ensure(slot, num_tokens)
+            yield
+        finally:
+            for slot in range(num_slots):
+                for pool in self.pools:
+                    pool.release(slot)
+
+    def computed(self, req: Request) -> None:
+        if self.blocks.num_blocks:
+            self._pending[req.request_id] = req
+
+    def flush(self) -> None:
+        for req in self._pending.values():
+            if req.slot is not None:
+                self.cache_computed(req)
+        self._pending.clear()
 
     def cache_computed(self, req: Request) -> None:
         """Copy newly completed full blocks of `req` — tokens every model (target, draft) has computed — into the
@@ -114,12 +180,21 @@ class KVCacheManager:
                 self._copy_out(req.slot, i, block)
             held.append(block)
 
-    def free(self, req: Request) -> None:
-        """Release `req`'s slot and block references (idempotent)."""
+    def free(self, req: Request, cache: bool = True) -> None:
+        """Release `req`'s slot (its memory back to the OS) and block references (idempotent); with `cache`, its
+        computed full blocks go to the prefix cache first."""
+        self._pending.pop(req.request_id, None)
+        if cache and req.slot is not None and self.blocks.num_blocks and req.request_id in self._held:
+            self.cache_computed(req)
         for block in self._held.pop(req.request_id, []):
             self.blocks.release(block)
         self._keys.pop(req.request_id, None)
         if req.slot is not None:
+            for pool in self.pools:
+                pool.release(req.slot)
+            self.resident_tokens -= self._resident[req.slot]
+            self._resident[req.slot] = 0
+            self._busy.discard(req.slot)
             heapq.heappush(self._free_slots, req.slot)
             req.slot = None
 

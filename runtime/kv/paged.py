@@ -88,15 +88,14 @@ class PagedKVManager:
 
     Admission reserves a request's worst case (prompt + max_tokens, capped at max_model_len) up front, so a
     running sequence never runs out of blocks mid-generation (no eviction, as TensorRT-LLM's guaranteed-no-
-    evict policy); cached blocks nobody references count as free and are evicted LRU when needed. It offers
-    the same interface as the CPU path's KVCacheManager (allocate / cache_computed / free, `req.slot` marks a
-    holder), so the scheduler drives both.
+    evict policy); cached blocks nobody references count as free and are evicted LRU when needed. It implements
+    the backends' KVManager protocol, as the CPU backend's KVCacheManager does, so the scheduler drives both.
     """
 
     def __init__(self, num_blocks: int, block_size: int, num_slots: int | None = None, max_model_len: int | None = None,
-                 with_draft: bool = False):
+                 with_draft: bool = False, prefix_cache: bool = True):
         """with_draft: a draft model keeps its KV under the same tables; a block is cached only once both
-        models have computed it."""
+        models have computed it. prefix_cache False: blocks are never made findable."""
         self.blocks = BlockPool([], num_blocks, block_size)
         self.block_size = block_size
         self.num_slots = num_slots or num_blocks
@@ -106,7 +105,8 @@ class PagedKVManager:
         self._keys: dict[str, list[int]] = {}       # request id → chained keys of its full blocks
         self._registered: dict[str, int] = {}       # request id → leading blocks that are findable
         self.stats = CacheStats()
-        self.with_draft = with_draft
+        self.with_draft, self.prefix_cache = with_draft, prefix_cache
+        self._pending: dict[str, Request] = {}      # computed since the last flush
 
     @property
     def usage(self) -> float:
@@ -127,24 +127,24 @@ class PagedKVManager:
     def _keys_for(self, req: Request) -> list[int]:
         return extend_keys(self._keys.setdefault(req.request_id, []), req.all_ids, self.block_size)
 
-    def allocate(self, req: Request) -> bool:
-        """Start `req`: reference its cached prefix blocks, set num_computed after them and reserve blocks for
-        its worst case; False (holding nothing) if no sequence index or not enough blocks are free."""
+    def allocate(self, req: Request) -> int | None:
+        """Start `req`: reference its cached prefix blocks and reserve blocks for its worst case; returns the
+        cached tokens, or None (holding nothing) if no sequence index or not enough blocks are free."""
         assert req.request_id not in self._tables, "a request is allocated only while it holds nothing"
         if not self._free_slots:
-            return False
-        bs = self.block_size
-        table = self.blocks.acquire_prefix(self._keys_for(req), req.all_ids, self.blocks.hit_limit(req.num_tokens))
+            return None
+        limit = self.blocks.hit_limit(req.num_tokens) if self.prefix_cache else 0
+        table = self.blocks.acquire_prefix(self._keys_for(req), req.all_ids, limit)
         self._tables[req.request_id] = table
         self._registered[req.request_id] = hits = len(table)
         if not self.reserve(req, self.worst_case_tokens(req)):
-            self.free(req)
-            return False
+            self.free(req, cache=False)
+            return None
         req.slot = heapq.heappop(self._free_slots)
-        req.num_computed = req.num_computed_draft = hits * bs
+        hit = hits * self.block_size
         self.stats.queries += len(req.prompt_ids)
-        self.stats.hits += min(req.num_computed, len(req.prompt_ids))
-        return True
+        self.stats.hits += min(hit, len(req.prompt_ids))
+        return hit
 
     def worst_case_tokens(self, req: Request) -> int:
         """Tokens `req` reserves blocks for at admission: prompt + max_tokens, capped by the context."""
@@ -167,6 +167,15 @@ class PagedKVManager:
         table.extend(self.blocks.allocate() for _ in range(need))
         return True
 
+    def computed(self, req: Request) -> None:
+        if self.prefix_cache:
+            self._pending[req.request_id] = req
+
+    def flush(self) -> None:
+        for req in self._pending.values():
+            self.cache_computed(req)
+        self._pending.clear()
+
     def cache_computed(self, req: Request) -> None:
         """Register the blocks `req` has completely computed, so later prompts can share them (no copy: the
         blocks it holds become findable)."""
@@ -182,8 +191,12 @@ class PagedKVManager:
             self.blocks.register(table[i], keys[i], keys[i - 1] if i else 0, tuple(req.tokens(i * bs, (i + 1) * bs)))
         self._registered[req.request_id] = max(done, self._registered[req.request_id])
 
-    def free(self, req: Request) -> None:
-        """Release every block of `req` (idempotent); registered blocks stay cached until evicted."""
+    def free(self, req: Request, cache: bool = True) -> None:
+        """Release every block of `req` (idempotent); registered blocks stay cached until evicted, and with
+        `cache` its newly computed blocks are registered first."""
+        self._pending.pop(req.request_id, None)
+        if cache and self.prefix_cache:
+            self.cache_computed(req)
         for block in self._tables.pop(req.request_id, []):
             self.blocks.release(block)
         self._keys.pop(req.request_id, None)

@@ -4,6 +4,10 @@ One array per layer and per K/V (float32, or int8 for --kv-cache int8 engines), 
 [num_slots, kv_heads, capacity, head_dim] (BNSH). A
 running sequence owns one slot; a step over sequences in the contiguous slot range [start, start+count)
 binds the pool at that offset, so ONNX Runtime writes new K/V in place and nothing is copied per step.
+
+The arrays are reserved address space (kv/memory.py): a slot's rows become resident when `ensure` asks for them
+(a granule of tokens ahead of the writes, so decode steps take no page faults) and go back to the OS on
+`release`. What is resident is what the KV manager counts against the budget.
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
+from .memory import PAGE, ReservedArray
 
 
 @dataclass(frozen=True)
@@ -20,22 +26,61 @@ class SlotRange:
 
 
 class SlotPool:
+    GRANULE_TOKENS = 64     # at least this many tokens per populate: one call per 64 decode steps
+
     def __init__(self, num_layers: int, num_slots: int, kv_heads: int, capacity: int, head_dim: int,
                  dtype: str = "float32"):
         shape = (num_slots, kv_heads, capacity, head_dim)
         self.dtype = np.dtype(dtype)
-        self.keys = [np.zeros(shape, self.dtype) for _ in range(num_layers)]    # [slots, kvh, cap, hd] each
-        self.values = [np.zeros(shape, self.dtype) for _ in range(num_layers)]  # [slots, kvh, cap, hd] each
-        self.num_slots, self.capacity, self.num_layers = num_slots, capacity, num_layers
+        self._maps = [ReservedArray(shape, self.dtype) for _ in range(2 * num_layers)]
+        self.keys = [m.array for m in self._maps[:num_layers]]      # [slots, kvh, cap, hd] each
+        self.values = [m.array for m in self._maps[num_layers:]]    # [slots, kvh, cap, hd] each
+        self.num_slots, self.capacity, self.num_layers, self.kv_heads = num_slots, capacity, num_layers, kv_heads
         self.slot_shape = shape[1:]
-        self.slot_bytes = int(np.prod(shape[1:])) * self.dtype.itemsize
+        self.row_bytes = head_dim * self.dtype.itemsize
+        self.slot_bytes = kv_heads * capacity * self.row_bytes
+        rows_per_page = max(1, PAGE // self.row_bytes)
+        self.granule = rows_per_page * -(-self.GRANULE_TOKENS // rows_per_page)
+        self.token_bytes = 2 * num_layers * kv_heads * self.row_bytes      # one token of one slot, all layers
+        self._resident = [0] * num_slots
 
-    def prefault(self) -> None:
-        """Touch every page now. GroupQueryAttention writes across a slot's whole capacity the first time the slot
-        is used, so untouched (lazily allocated) slots cost up to a second of page faults inside a request;
-        the budget is reserved up front instead, as GPU servers reserve theirs."""
-        for array in self.keys + self.values:
-            array.fill(0)
+    def rounded(self, num_tokens: int) -> int:
+        """The resident tokens `ensure(slot, num_tokens)` leaves: a granule multiple, at most the capacity."""
+        return min(self.capacity, -(-num_tokens // self.granule) * self.granule)
+
+    def resident_tokens(self, slot: int) -> int:
+        return self._resident[slot]
+
+    @property
+    def resident_bytes(self) -> int:
+        return sum(self._resident) * self.token_bytes
+
+    def _head_ranges(self, slot: int):
+        """(first byte, bytes) of the slot's region of each kv head."""
+        for h in range(self.kv_heads):
+            yield (slot * self.kv_heads + h) * self.capacity * self.row_bytes
+
+    def ensure(self, slot: int, num_tokens: int) -> int:
+        """Rows [0, num_tokens) of `slot` resident in every layer, K and V (populated up to `rounded`); returns the
+        slot's resident tokens. A comparison when they already are."""
+        have = self._resident[slot]
+        if num_tokens <= have:
+            return have
+        want = self.rounded(num_tokens)
+        for m in self._maps:
+            for start in self._head_ranges(slot):
+                m.populate(start + have * self.row_bytes, start + want * self.row_bytes)
+        self._resident[slot] = want
+        return want
+
+    def release(self, slot: int) -> None:
+        """Give the slot's rows back to the OS (they read as zeros afterwards)."""
+        if not self._resident[slot]:
+            return
+        for m in self._maps:
+            for start in self._head_ranges(slot):
+                m.release(start, start + self.capacity * self.row_bytes)
+        self._resident[slot] = 0
 
     def pointer(self, array: np.ndarray, slots: SlotRange) -> int:
         assert 0 <= slots.start and slots.start + slots.count <= self.num_slots, slots

@@ -1,6 +1,6 @@
 """Draft-model proposer: a small model with the target's tokenizer guesses γ tokens autoregressively.
 
-The draft has its own KV slots (same slot index as the target's, owned by the KVCacheManager) and tracks
+The draft has its own KV slots (same slot index as the target's, owned and reserved by the KVCacheManager) and tracks
 how many tokens of each sequence it has computed in `req.num_computed_draft`. Before proposing it catches
 up on tokens it has not seen (one batched step for the usual single token, a chunk for more), then takes
 γ-1 more batched single-token steps. Rejected guesses need no undo: the next round starts writing at the
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..kv.slots import SlotPool
+from ..kv.manager import KVCacheManager
 from ..model_runner import ModelRunner
 from ..request import Request
 from ..sampler import Sampler, filtered_probs
@@ -30,9 +30,13 @@ def choose(logits: np.ndarray, req: Request, sampler: Sampler, position: int) ->
 class DraftModelProposer:
     name = "draft"
 
-    def __init__(self, runner: ModelRunner, pool: SlotPool, sampler: Sampler):
-        self.runner, self.pool, self.sampler = runner, pool, sampler
-        self.step_cost_s = 0.0          # set by the engine's warm-up measurement
+    def __init__(self, runner: ModelRunner, kv: KVCacheManager, sampler: Sampler):
+        self.runner, self.kv, self.pool, self.sampler = runner, kv, kv.pools[1], sampler
+
+    def feed(self, reqs: list[Request], tokens: list[list[int]]) -> None:
+        for req, toks in zip(reqs, tokens):
+            self.runner.prefill(self.pool, req.slot, toks, req.num_computed_draft)
+            req.num_computed_draft += len(toks)
 
     def catch_up(self, req: Request, upto: int) -> np.ndarray:
         """Feed tokens [num_computed_draft, upto) as one chunk; returns the last position's logits."""
@@ -41,7 +45,8 @@ class DraftModelProposer:
         req.num_computed_draft = upto
         return logits[0]
 
-    def propose(self, reqs: list[Request], gammas: list[int], busy: set[int]) -> list[Proposal]:
+    def propose(self, reqs: list[Request], gammas: list[int]) -> list[Proposal]:
+        busy = self.kv.busy_slots() - {r.slot for r in reqs}     # batches of guesses must not span these
         tokens: list[list[int]] = [[] for _ in reqs]
         probs: list[list[np.ndarray]] = [[] for _ in reqs]
         # First guess: sequences behind by several tokens catch up in a chunk, the rest in one batch.

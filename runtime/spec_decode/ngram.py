@@ -9,12 +9,11 @@ from .proposer import Proposal
 
 class NgramProposer:
     name = "ngram"
-    step_cost_s = 0.0
 
     def __init__(self, max_n: int = 4, min_n: int = 2):
         self.max_n, self.min_n = max_n, min_n
 
-    def propose(self, reqs: list[Request], gammas: list[int], busy: set[int]) -> list[Proposal]:
+    def propose(self, reqs: list[Request], gammas: list[int]) -> list[Proposal]:
         return [Proposal(self.lookup(r.all_ids, g)) for r, g in zip(reqs, gammas)]
 
     def lookup(self, ids: list[int], gamma: int) -> list[int]:
@@ -27,6 +26,9 @@ class NgramProposer:
                     if follow:
                         return follow
         return []
+
+    def feed(self, reqs: list[Request], tokens: list[list[int]]) -> None:
+        pass                        # looks at the tokens themselves when proposing
 
     def rollback(self, req: Request, num_valid: int) -> None:
         pass

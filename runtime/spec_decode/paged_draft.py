@@ -8,8 +8,6 @@ has not seen yet. Rejected guesses need no undo: the next round writes from the 
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
 from ..kv.paged import PagedKVManager, build_paged_batch
@@ -25,11 +23,10 @@ class PagedDraftProposer:
 
     def __init__(self, runner: PagedModelRunner, kv: PagedKVManager, sampler: Sampler):
         self.runner, self.kv, self.sampler = runner, kv, sampler
-        self.step_cost_s = 0.0
 
     def feed(self, reqs: list[Request], feeds: list[list[int]]) -> np.ndarray:
         """One packed draft call: feeds[i] continues reqs[i] after its num_computed_draft; returns the logits of
-        each sequence's last fed token."""
+        each sequence's last fed token (the engine feeds prompt chunks through it too)."""
         batch = build_paged_batch([(self.kv.table(r), r.num_computed_draft, len(f)) for r, f in zip(reqs, feeds)],
                                   self.kv.block_size, self.runner.max_blocks_per_seq)
         logits = self.runner.step(np.asarray([t for f in feeds for t in f], np.int64), batch,
@@ -38,15 +35,13 @@ class PagedDraftProposer:
             r.num_computed_draft += len(f)
         return logits
 
-    def propose(self, reqs: list[Request], gammas: list[int], busy: set[int]) -> list[Proposal]:
+    def propose(self, reqs: list[Request], gammas: list[int]) -> list[Proposal]:
         tokens: list[list[int]] = [[] for _ in reqs]
         probs: list[list[np.ndarray]] = [[] for _ in reqs]
         feeds = [r.tokens(r.num_computed_draft, r.num_tokens) for r in reqs]
         for k in range(max(gammas, default=0)):
             active = [i for i, g in enumerate(gammas) if g > k]
-            t0 = time.perf_counter()
             logits = self.feed([reqs[i] for i in active], [feeds[i] for i in active])
-            self.step_cost_s = time.perf_counter() - t0
             for i, row in zip(active, logits):
                 t, q = choose(row, reqs[i], self.sampler, reqs[i].num_tokens + k)
                 tokens[i].append(t)

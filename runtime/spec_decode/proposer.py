@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
@@ -16,12 +16,17 @@ class Proposal:
     probs: np.ndarray | None = None   # [gamma, vocab] the distribution each guess was drawn from; None: point mass
 
 
+@runtime_checkable
 class Proposer(Protocol):
-    name: str
-    step_cost_s: float                # measured cost of one proposal step for one sequence (0 for n-gram)
+    name: str                         # "draft" (a model: its steps are timed for the planner) or "ngram"
 
-    def propose(self, reqs: list[Request], gammas: list[int], busy: set[int]) -> list[Proposal]:
+    def propose(self, reqs: list[Request], gammas: list[int]) -> list[Proposal]:
         """One proposal per request (gammas[i] tokens, may be fewer if the proposer has nothing)."""
+        ...
+
+    def feed(self, reqs: list[Request], tokens: list[list[int]]) -> None:
+        """Read prompt chunks the target computed this step (tokens[i] continues reqs[i] after its
+        num_computed_draft), so a draft's first guesses need no catch-up and its blocks can be cached."""
         ...
 
     def rollback(self, req: Request, num_valid: int) -> None:

@@ -1,26 +1,26 @@
-"""Speculator: decides who speculates and how far (from measured costs and acceptance), then runs
-propose → verify → roll back for those sequences.
+"""Speculator: decides who speculates and how far (from measured costs and acceptance), asks the proposer for
+guesses, and verifies them against the target's logits (rolling the proposer back).
 
-Cost model (seconds, measured at warm-up and refreshed by every step that runs): t_dec(B) for a batched
-plain decode of B sequences, t_ver(S) for verifying S tokens of one sequence, t_draft(B) for one batched
-draft step. With acceptance α (per sequence, moving average) a round of γ guesses yields on average
-E(α, γ) = (1 − α^(γ+1)) / (1 − α) tokens. Sequences are added to the speculating set, best marginal
-gain first, only while doing so raises the step's tokens per second; so speculation switches itself off
-where it does not pay (low acceptance, or large batches where a plain decode step is cheap per token).
+Costs are the backend's (`Backend.step_cost`: seconds of a decode step as a function of the guesses of the
+sequences that speculate, from measurements at warm-up refreshed by every step). With acceptance α (per
+sequence, moving average) a round of γ guesses yields on average E(α, γ) = (1 − α^(γ+1)) / (1 − α) tokens.
+Sequences join the speculating set, best acceptance first, each with the γ that maximises the step's expected
+tokens per second, only while joining raises it; so speculation switches itself off where it does not pay
+(low acceptance, or large batches where a plain decode step is cheap per token).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..model_runner import ModelRunner
 from ..request import Request
 from ..sampler import SampleResult, Sampler, adjusts_logits
 from . import rejection_sampler
-from .proposer import Proposer
+from .proposer import Proposal, Proposer
 
 
 @dataclass(frozen=True)
@@ -71,9 +71,9 @@ def expected_tokens(alpha: float, gamma: int) -> float:
 
 
 class Speculator:
-    def __init__(self, config: SpecConfig, proposer: Proposer, target: ModelRunner, sampler: Sampler):
-        self.config, self.proposer, self.target, self.sampler = config, proposer, target, sampler
-        self.cost = CostModel()
+    def __init__(self, config: SpecConfig, proposer: Proposer, sampler: Sampler, cost: CostModel):
+        """`cost`: the backend's measured step costs; the proposer's timed steps are recorded there as "draft"."""
+        self.config, self.proposer, self.sampler, self.cost = config, proposer, sampler, cost
         self.stats = SpecStats()
 
     def eligible(self, req: Request) -> bool:
@@ -85,96 +85,58 @@ class Speculator:
         left = min(req.params.max_tokens - len(req.output_ids), capacity - req.num_tokens) - 1
         return max(0, min(self.config.max_gamma, left))
 
-    def _candidates(self, decodes: list[Request], capacity: int) -> list[tuple[Request, int]]:
-        """(request, largest γ it may take) for the decodes that can speculate at all."""
-        cands = [(r, self.max_gamma(r, capacity)) for r in decodes if self.eligible(r)]
-        return [(r, g) for r, g in cands if g > 0]
-
     def _alpha(self, req: Request) -> float:
         """The request's smoothed acceptance rate (the prior until it has speculated)."""
         return self.stats.acceptance.get(req.request_id, self.config.prior_acceptance)
 
-    def plan(self, decodes: list[Request], capacity: int) -> dict[str, int]:
-        """γ per request id for the sequences that should speculate this step (others decode plainly)."""
-        cands = self._candidates(decodes, capacity)
+    def plan(self, decodes: list[Request], capacity: int, budget: int,
+             step_cost: Callable[[Sequence[int]], float]) -> dict[str, int]:
+        """γ per request id for the decodes that should speculate this step, at most `budget` guesses in all
+        (the scheduler's token budget left after the decodes); `step_cost(guesses)` prices the step."""
+        cands = [(r, self.max_gamma(r, capacity)) for r in decodes if self.eligible(r)]
+        cands = [(r, g) for r, g in cands if g > 0]
+        chosen: dict[str, int] = {}
         if not self.config.adaptive:
-            return {r.request_id: g for r, g in cands}
-        n = len(decodes)
-        draft_per_seq = self.cost("draft", max(1, len(cands))) / max(1, len(cands))
-        round_cost = [0.0] + [self.cost("ver", g + 1) + g * draft_per_seq for g in range(1, self.config.max_gamma + 1)]
-        options = []
-        for r, gmax in cands:
-            alpha = self._alpha(r)
-            best = max(range(1, gmax + 1), key=lambda g: expected_tokens(alpha, g) / round_cost[g])
-            options.append((r, best, expected_tokens(alpha, best), round_cost[best]))
-        # Greedy: add the best marginal gains while they raise the step's tokens per second.
-        plain_time = self.cost("dec", n)
-        marginal = plain_time - self.cost("dec", n - 1) if n > 1 else plain_time
-        options.sort(key=lambda o: (o[2] - 1) / max(o[3] - marginal, 1e-9), reverse=True)
-        tokens, seconds, chosen = float(n), plain_time, {}
-        for r, g, e, cost in options:
-            gain, extra = e - 1, cost - marginal
-            if gain <= 0.05:          # acceptance known to be ~0: nothing to win
-                continue
-            if extra > 0 and (tokens + gain) / (seconds + extra) <= tokens / seconds:
-                break
-            chosen[r.request_id] = g
-            tokens, seconds = tokens + gain, seconds + extra
-        return chosen
-
-    def plan_packed(self, decodes: list[Request], capacity: int, step_tokens: int) -> dict[str, int]:
-        """γ per request id for paged engines, whose verification rides in the step's one packed call: a guess
-        costs the step's marginal time per token ('step'(T): measured time of a step computing T tokens).
-        Sequences join best acceptance first while the step's expected tokens per second rises."""
-        cands = self._candidates(decodes, capacity)
-        if not self.config.adaptive:
-            return {r.request_id: g for r, g in cands}
-
-        def seconds(tokens: int, spec: dict[str, int]) -> float:
-            """The packed step plus the draft's guess steps (one per guess, all speculating sequences batched)."""
-            draft = max(spec.values(), default=0) * self.cost("draft", max(1, len(spec)))
-            return self.cost("step", tokens) + draft
-
-        if seconds(step_tokens, {}) <= 0:
-            return {}
-        alpha = {r.request_id: self._alpha(r) for r, _ in cands}
-        tokens, chosen = float(len(decodes)), {}
-        for r, gmax in sorted(cands, key=lambda c: alpha[c[0].request_id], reverse=True):
-            best, rate = 0, tokens / seconds(step_tokens, chosen)
-            for g in range(1, gmax + 1):
-                gain = expected_tokens(alpha[r.request_id], g) - 1
-                trial = (tokens + gain) / seconds(step_tokens + g, {**chosen, r.request_id: g})
+            for r, g in cands:
+                g = min(g, budget - sum(chosen.values()))
+                if g > 0:
+                    chosen[r.request_id] = g
+            return chosen
+        base = step_cost([])
+        if base <= 0:                 # nothing measured yet: no basis for a decision
+            return chosen
+        tokens, guesses, rate = float(len(decodes)), [], len(decodes) / base
+        for r, gmax in sorted(cands, key=lambda c: self._alpha(c[0]), reverse=True):
+            alpha, best = self._alpha(r), 0
+            for g in range(1, min(gmax, budget - sum(guesses)) + 1):
+                gain = expected_tokens(alpha, g) - 1
+                trial = (tokens + gain) / step_cost(guesses + [g])
                 if gain > 0.05 and trial > rate:
                     best, rate = g, trial
             if best:
                 chosen[r.request_id] = best
-                tokens += expected_tokens(alpha[r.request_id], best) - 1
-                step_tokens += best
+                guesses.append(best)
+                tokens += expected_tokens(alpha, best) - 1
         return chosen
 
-    def verify(self, req: Request, proposal, logits: np.ndarray) -> tuple[list[SampleResult], int]:
-        """Verify `req`'s guesses from the target's logits at its last token and each guess (its own run, or its
-        rows of a packed step), roll the proposer back and account; returns (tokens, target KV length)."""
+    def propose(self, reqs: list[Request], gammas: list[int]) -> dict[str, Proposal]:
+        """Guesses per request id; a draft model's batched guess steps are timed for the planner."""
+        if not reqs:
+            return {}
+        t0 = time.perf_counter()
+        proposals = self.proposer.propose(reqs, gammas)
+        if self.proposer.name == "draft":
+            self.cost.record("draft", len(reqs), (time.perf_counter() - t0) / max(1, max(gammas)))
+        return {r.request_id: p for r, p in zip(reqs, proposals)}
+
+    def verify(self, req: Request, proposal: Proposal, logits: np.ndarray) -> tuple[list[SampleResult], int]:
+        """Verify `req`'s guesses from the target's logits at its last token and each guess, roll the proposer
+        back and account; returns (tokens, target KV length)."""
         n = req.num_tokens
         emitted, accepted = rejection_sampler.verify(logits, proposal, req, self.sampler)
         self.proposer.rollback(req, n + accepted)
         self._account(req, len(proposal.tokens), accepted)
         return emitted, n + accepted
-
-    def run(self, reqs: list[Request], gammas: list[int], busy: set[int], pool) -> dict[str, tuple[list[SampleResult], int]]:
-        """Propose, verify (one target run per sequence) and roll back; returns id → (tokens, target KV length)."""
-        t0 = time.perf_counter()
-        proposals = self.proposer.propose(reqs, gammas, busy)
-        if self.proposer.name == "draft" and reqs:
-            self.cost.record("draft", len(reqs), (time.perf_counter() - t0) / max(1, max(gammas)))
-        results = {}
-        for req, prop in zip(reqs, proposals):
-            t1 = time.perf_counter()
-            logits = self.target.prefill(pool, req.slot, [req.last_token] + prop.tokens, req.num_tokens - 1,
-                                         all_logits=True)
-            self.cost.record("ver", len(prop.tokens) + 1, time.perf_counter() - t1)
-            results[req.request_id] = self.verify(req, prop, logits)
-        return results
 
     def _account(self, req: Request, proposed: int, accepted: int) -> None:
         if not proposed:

@@ -77,9 +77,12 @@ def run_all(engine, items, join_steps=None):
 
 
 def assert_no_leaks(engine):
+    """Every sequence index free, no block referenced, and (CPU) no slot memory resident."""
     assert not engine.has_work() and not engine.requests
-    assert engine.kv.num_free_slots == engine.kv.slots.num_slots
+    assert engine.kv.num_free_slots == engine.kv.num_slots
     assert engine.kv.blocks.num_in_use == 0 and all(r == 0 for r in engine.kv.blocks.ref)
+    if hasattr(engine.kv, "pools"):
+        assert engine.kv.resident_tokens == 0 and all(pool.resident_bytes == 0 for pool in engine.kv.pools)
 
 
 @pytest.mark.parametrize("name,kv_cache", [("llama", "fp32"), ("qwen2", "fp32"), ("llama", "int8")])
@@ -242,17 +245,47 @@ def test_async_stream_and_cancel(engine):
     assert_no_leaks(eng)
 
 
-def test_int8_kv_cache_holds_four_times_the_sequences_in_the_same_budget(engine):
+def test_int8_kv_cache_holds_four_times_the_tokens_in_the_same_budget(engine):
     cache = CacheConfig(kv_budget_bytes=4 << 20, max_model_len=256)
     engines = {kv: make(engine("llama", kv_cache=kv), max_num_seqs=256, token_budget=512, cache=cache) for kv in ("fp32", "int8")}
-    slots = {kv: e.kv.num_slots for kv, e in engines.items()}
-    assert slots["int8"] >= 4 * slots["fp32"] > 0, slots
-    for e in engines.values():
-        held = sum(a.nbytes for a in e.kv.slots.keys + e.kv.slots.values + e.kv.blocks.keys + e.kv.blocks.values)
-        assert held <= cache.kv_budget_bytes
+    tokens = {kv: e.kv.budget_tokens for kv, e in engines.items()}
+    assert tokens["int8"] >= 4 * tokens["fp32"] > 0, tokens
     out = run_all(engines["int8"], [(p, GREEDY) for p in prompts(3, seed=9)])
     assert all(len(r["token_ids"]) == GREEDY.max_tokens for r in out)
     assert_no_leaks(engines["int8"])
+
+
+def test_kv_memory_follows_the_tokens(engine):
+    """Admission and growth count resident tokens against the budget, not slots × context: a budget of a little
+    more than one full context runs many short sequences at once, never holds more than the budget resident,
+    preempts (and recomputes) when sequences outgrow it, gives every page back at the end, and every request
+    gets its alone output."""
+    cache = CacheConfig(kv_budget_bytes=None, max_model_len=256, enable_prefix_cache=False)
+    probe = make(engine("llama"), max_num_seqs=1, cache=cache)
+    token_bytes = probe.kv.slots.slot_bytes * probe.kv.slots.num_layers * 2 // 256
+    cache = CacheConfig(kv_budget_bytes=320 * token_bytes, max_model_len=256, enable_prefix_cache=False)
+    eng = make(engine("llama"), max_num_seqs=8, token_budget=128, cache=cache)
+    assert eng.kv.budget_tokens == 320
+    params = SamplingParams(max_tokens=60, ignore_eos=True, logprobs=2)
+    items = [(p, params) for p in prompts(8, seed=11)]
+    peak, steps = 0, eng.step
+
+    def watched():
+        nonlocal peak
+        out = steps()
+        assert eng.kv.resident_tokens <= eng.kv.budget_tokens
+        assert sum(pool.resident_bytes for pool in eng.kv.pools) == eng.kv.resident_tokens * token_bytes
+        peak = max(peak, len(eng.scheduler.running))
+        return out
+
+    eng.step = watched
+    batched = run_all(eng, items)
+    assert peak >= 3                                  # full-context slots would have allowed one
+    assert eng.stats.preemptions > 0                  # growth ran out of budget and the newest gave way
+    alone = [run_all(make(engine("llama"), max_num_seqs=1, cache=cache), [item])[0] for item in items]
+    for a, b in zip(alone, batched):
+        assert_same_greedy_across_attention_kernels(a, b)
+    assert_no_leaks(eng)
 
 
 def test_failed_step_fails_its_requests_and_keeps_the_others(engine):

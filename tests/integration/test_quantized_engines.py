@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 from safetensors.numpy import load_file, save_file
 
-from compile.artifact import load
+from runtime.artifact import load
 from compile.build import build
 from compile.cli import main
 from compile.config import CompileConfig, QuantConfig

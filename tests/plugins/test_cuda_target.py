@@ -16,7 +16,7 @@ import pytest
 
 from compile.build import build
 from compile.config import CompileConfig
-from compile.errors import ArtifactError
+from runtime.errors import ArtifactError
 from compile.hf_source import CheckpointReader, read_spec
 from compile.reference import ReferenceModel
 from runtime.kv.paged import PagedKVManager
@@ -122,7 +122,7 @@ def test_paged_engine_matches_reference_across_chunks_decode_and_shared_prefix(c
 
     # b shares a's first two blocks (8 tokens): they are referenced, not recomputed, in a mixed step with a.
     b = Request(prompt[:8] + rng.integers(0, 512, 4).tolist(), SamplingParams(max_tokens=8), request_id="b")
-    mgr.allocate(b)
+    b.num_computed = mgr.allocate(b)
     assert b.num_computed == 8 and mgr.table(b)[:2] == mgr.table(a)[:2]
     a.output_ids.append(int(logits[-1].argmax()))
     mixed = run([a, b], [1, 4])
@@ -290,7 +290,7 @@ def test_paged_request_that_can_never_fit_is_refused_at_admission(cpu_runnable):
                                             custom_ops_library=get_library_path(), verify_artifact=False))
     capacity = eng.kv.blocks.num_blocks * eng.kv.block_size
     assert capacity + 1 < eng.max_model_len - 20
-    with pytest.raises(InvalidRequest, match="more KV blocks than the cache has"):
+    with pytest.raises(InvalidRequest, match="needs more KV memory than the cache has"):
         eng.add_request(list(range(5, 25)), SamplingParams(max_tokens=capacity))
     assert not eng.has_work()
     out = eng.generate([list(range(5, 25))], SamplingParams(max_tokens=4, ignore_eos=True))[0]

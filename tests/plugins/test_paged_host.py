@@ -85,7 +85,7 @@ def _request(rid: str, ids: list[int]) -> Request:
 def test_manager_shares_cached_prefix_blocks_without_copies_and_frees_everything():
     mgr = PagedKVManager(num_blocks=8, block_size=4)
     a = _request("a", list(range(100, 110)))                       # 10 tokens: blocks 0,1 full, 2 partial
-    assert mgr.allocate(a) and a.num_computed == 0
+    assert mgr.allocate(a) == 0
     assert mgr.reserve(a, 10) and len(mgr.table(a)) == 3
     batch = mgr.step_batch([a], [10])
     assert batch.slot_mapping.tolist() == [mgr.table(a)[p // 4] * 4 + p % 4 for p in range(10)]
@@ -93,8 +93,8 @@ def test_manager_shares_cached_prefix_blocks_without_copies_and_frees_everything
     mgr.cache_computed(a)
 
     b = _request("b", list(range(100, 108)) + [7, 8, 9])           # shares a's first 2 full blocks
-    mgr.allocate(b)
-    assert b.num_computed == 8 and mgr.table(b)[:2] == mgr.table(a)[:2]   # same physical blocks, no copy
+    assert mgr.allocate(b) == 8 and mgr.table(b)[:2] == mgr.table(a)[:2]  # same physical blocks, no copy
+    b.num_computed = 8
     assert len(mgr.table(b)) == 3 and mgr.table(b)[2] not in mgr.table(a)  # its own block for what differs
     batch = mgr.step_batch([b], [3])
     assert batch.past_lens.tolist() == [8] and batch.positions.tolist() == [8, 9, 10]
@@ -102,8 +102,7 @@ def test_manager_shares_cached_prefix_blocks_without_copies_and_frees_everything
 
     # A prompt of exactly two full blocks reuses only one: its last token must be computed for logits.
     c = _request("c", list(range(100, 108)))
-    mgr.allocate(c)
-    assert c.num_computed == 4
+    assert mgr.allocate(c) == 4
 
     for r in (a, b, c):
         mgr.free(r)
@@ -114,10 +113,10 @@ def test_manager_shares_cached_prefix_blocks_without_copies_and_frees_everything
 def test_admission_reserves_the_worst_case_and_refuses_without_holding_anything():
     mgr = PagedKVManager(num_blocks=5, block_size=4, num_slots=4, max_model_len=64)
     a = _request("a", list(range(8)))                 # 8 prompt + 8 max_tokens → 4 blocks up front
-    assert mgr.allocate(a) and len(mgr.table(a)) == 4 and a.slot is not None
+    assert mgr.allocate(a) == 0 and len(mgr.table(a)) == 4 and a.slot is not None
     b = _request("b", list(range(50, 58)))
-    assert not mgr.allocate(b)                        # needs 4, 1 free: refused, nothing taken
+    assert mgr.allocate(b) is None                    # needs 4, 1 free: refused, nothing taken
     assert b.slot is None and mgr.num_free_blocks == 1 and mgr.num_free_slots == 3
     mgr.free(a)
-    assert mgr.allocate(b) and len(mgr.table(b)) == 4
+    assert mgr.allocate(b) == 0 and len(mgr.table(b)) == 4
     assert mgr.stats.queries == 16 and mgr.stats.hits == 0

@@ -6,9 +6,9 @@ import shutil
 import pytest
 from click.testing import CliRunner
 
-from compile.artifact import load
+from runtime.artifact import load
 from compile.cli import main as compile_main
-from compile.errors import ArtifactError
+from runtime.errors import ArtifactError
 from runtime.cli import main as runtime_main
 from runtime.model_runner import ModelRunner
 

@@ -42,7 +42,7 @@ def test_manager_copies_blocks_out_of_and_into_slots_for_every_model():
     target, draft = KVLayout(num_layers=2, kv_heads=2, head_dim=3), KVLayout(num_layers=1, kv_heads=1, head_dim=4)
     kv = KVCacheManager([target, draft], num_slots=2, slot_capacity=16, num_blocks=4, block_size=4)
     first = Request(list(range(10, 21)), SamplingParams(max_tokens=1), request_id="first")     # 11 tokens
-    assert kv.allocate(first) and first.num_computed == 0
+    assert kv.allocate(first) == 0                       # nothing cached yet
     rng = np.random.default_rng(0)
     for pool in kv.pools:                                # "compute" the slot's KV: random rows
         for arr in pool.keys + pool.values:
@@ -56,7 +56,7 @@ def test_manager_copies_blocks_out_of_and_into_slots_for_every_model():
                 np.testing.assert_array_equal(blocks[j][blk], slots[layer][first.slot, :, 4 * i:4 * i + 4])
     kv.free(first)
     second = Request(list(range(10, 20)) + [99, 98], SamplingParams(max_tokens=1), request_id="second")
-    assert kv.allocate(second) and second.num_computed == second.num_computed_draft == 8
+    assert kv.allocate(second) == 8                      # two cached blocks: rows [0, 8)
     assert second.slot == 0                              # the lowest free slot: the one `first` had
     for pool in kv.pools:                                # wipe, then the hit copies rows [0, 8) back in
         for arr in pool.keys + pool.values:

@@ -16,8 +16,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from .errors import ArtifactError
-from .hf_source import SUPPORTED_ARCHITECTURES
 
+# The architectures this format describes (the graph builder supports exactly these; compile reads the list here).
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 FORMAT = "quicksilver-engine"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"

@@ -1,0 +1,112 @@
+"""The CPU backend: GroupQueryAttention over contiguous KV slots, one ONNX Runtime session per model.
+
+Decodes run as one batched call per contiguous range of slots; a prompt chunk or a speculative verification
+runs as one call for its sequence (GroupQueryAttention refuses several new tokens on a past in a batch > 1).
+KV lives in KVCacheManager's slots (address space reserved per sequence, memory resident as tokens arrive)
+and its prefix-cache blocks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from ..config import EngineConfig
+from ..kv.manager import KVCacheManager
+from ..model_runner import ModelRunner, check_same_tokenizer
+from ..outputs import ModelInput, RunnerOutput
+from ..sampler import Sampler
+from ..spec_decode.draft_model import DraftModelProposer
+from ..spec_decode.ngram import NgramProposer
+from ..spec_decode.proposer import Proposer
+from ..spec_decode.speculator import CostModel
+from .base import context_length, timed
+
+
+class CpuBackend:
+    def __init__(self, engine_dir: Path, config: EngineConfig, sampler: Sampler):
+        opts = dict(threads=config.threads, verify=config.verify_artifact, spin=config.spin)
+        self.runner = ModelRunner(engine_dir, **opts)
+        self.draft = ModelRunner(config.draft, **opts) if config.draft else None
+        if self.draft is not None:
+            check_same_tokenizer(self.runner, self.draft)
+        self.max_model_len = context_length(config, self.runner, self.draft)
+        self.kv = self._make_kv(config)
+        self.cost = CostModel()
+        self.proposer: Proposer | None = None
+        if config.speculation == "ngram":
+            self.proposer = NgramProposer()
+        elif config.speculation == "draft":
+            self.proposer = DraftModelProposer(self.draft, self.kv, sampler)
+        self._max_gamma = config.spec.max_gamma
+
+    def _make_kv(self, config: EngineConfig) -> KVCacheManager:
+        """Slots for max_num_seqs sequences of the full context are only address space; the budget bounds the
+        tokens resident in them (and the prefix cache's blocks, a fixed share of it)."""
+        c = config.cache
+        layouts = [self.runner.kv_layout] + ([self.draft.kv_layout] if self.draft is not None else [])
+        token_bytes = sum(m.token_bytes for m in layouts)
+        budget = c.budget()
+        slot_tokens = int(budget * (1 - c.prefix_cache_fraction if c.enable_prefix_cache else 1) // token_bytes)
+        if slot_tokens < self.max_model_len:
+            raise ValueError(f"KV budget {budget / 2**20:.0f} MiB cannot hold one sequence of {self.max_model_len} "
+                             "tokens; raise the budget or lower max_model_len")
+        num_blocks = int(budget * c.prefix_cache_fraction // (token_bytes * c.block_size)) if c.enable_prefix_cache else 0
+        return KVCacheManager(layouts, config.scheduler.max_num_seqs, self.max_model_len, num_blocks, c.block_size,
+                              budget_tokens=slot_tokens)
+
+    def run(self, inp: ModelInput) -> RunnerOutput:
+        pool, logits = self.kv.slots, [None] * len(inp.seqs)
+        decodes = [i for i, s in enumerate(inp.seqs) if s.is_decode]
+        if decodes:
+            t0 = time.perf_counter()
+            rows = [(inp.seqs[i].req.slot, inp.seqs[i].tokens[0], inp.seqs[i].start) for i in decodes]
+            out = self.runner.decode(pool, rows, self.kv.busy_slots() - {r[0] for r in rows})
+            self.cost.record("dec", len(decodes), time.perf_counter() - t0)
+            for i, row in zip(decodes, out):
+                logits[i] = row[None]
+        for i, s in enumerate(inp.seqs):
+            if s.is_decode:
+                continue
+            t0 = time.perf_counter()
+            out = self.runner.prefill(pool, s.req.slot, s.tokens, s.start, all_logits=s.num_logits > 1)
+            if s.proposal is not None:
+                self.cost.record("ver", len(s.tokens), time.perf_counter() - t0)
+            logits[i] = out if s.num_logits else None
+        return RunnerOutput(logits)
+
+    def step_cost(self, num_decodes: int) -> Callable[[Sequence[int]], float]:
+        """Plain decodes batched, each verification its own call, the draft's guess steps batched."""
+        ver = [0.0] + [self.cost("ver", g + 1) for g in range(1, self._max_gamma + 1)]
+        memo: dict[tuple[str, int], float] = {}
+
+        def cost(kind: str, n: int) -> float:
+            if (kind, n) not in memo:
+                memo[kind, n] = self.cost(kind, n) if n else 0.0
+            return memo[kind, n]
+
+        def seconds(guesses: Sequence[int]) -> float:
+            k = len(guesses)
+            return cost("dec", num_decodes - k) + sum(ver[g] for g in guesses) + (max(guesses) * cost("draft", k) if k else 0.0)
+        return seconds
+
+    def warm_up(self) -> None:
+        """ONNX Runtime's first runs pay for allocation and weight prepacking: pay it here, not in a user's TTFT.
+        With speculation, also measure the step costs its decisions are based on. Runs in slots that are given
+        back afterwards, so warm-up leaves no KV memory resident."""
+        models = [(self.runner, self.kv.slots)] + ([(self.draft, self.kv.pools[1])] if self.draft else [])
+        sizes = [b for b in (1, 2, 4, 8, 16, 32) if b <= self.kv.num_slots] if self.proposer else [1]
+        with self.kv.scratch_slots(max(sizes), 16 + self._max_gamma + 1):
+            for runner, pool in models:
+                for n in (8, 1):
+                    runner.prefill(pool, 0, [0] * n, 0)
+            if self.proposer is None:
+                return
+            for b in sizes:
+                rows = [(s, 0, 16) for s in range(b)]
+                self.cost.record("dec", b, timed(lambda: self.runner.decode(self.kv.slots, rows, set())))
+                if self.draft is not None:
+                    self.cost.record("draft", b, timed(lambda: self.draft.decode(self.kv.pools[1], rows, set())))
+            for g in range(1, self._max_gamma + 1):
+                self.cost.record("ver", g + 1, timed(lambda: self.runner.prefill(self.kv.slots, 0, [0] * (g + 1), 16, True)))
