@@ -49,7 +49,7 @@ def generate(args: tuple[str, ...], max_tokens: int, temperature: float, top_k: 
     from .errors import QuicksilverError
 
     from .config import CacheConfig, EngineConfig, SchedulerConfig
-    from .defaults import engine_dir
+    from .bundled import engine_dir
     from .engine import Engine
     from .request import InvalidRequest, SamplingParams
 
@@ -101,7 +101,7 @@ def _print_stats(prompt, cached, completion, finish, ttft_s, tpot_s, proposed=0,
 
 def _speculation(draft: Path | None, method: str, bundled: bool) -> tuple[Path | None, str | None]:
     """Resolve --draft/--speculation: auto uses the given draft, or the bundled one with the bundled target."""
-    from .defaults import engine_dir
+    from .bundled import engine_dir
 
     if method == "off":
         return None, None
@@ -160,12 +160,12 @@ def _priority_keys(values: tuple[str, ...]) -> tuple[tuple[str, int], ...]:
               help="gRPC port (0: any free port; -1: no gRPC).")
 @click.option("--http-port", type=click.IntRange(-1, 65535), default=8000, show_default=True,
               help="HTTP port (0: any free port; -1: no HTTP).")
-@click.option("--max-num-seqs", type=int, default=16, show_default=True, help="Sequences decoded together (KV slots).")
+@click.option("--max-num-seqs", type=int, default=16, show_default=True, help="Most sequences running at once (each reserves address space for a whole context; memory follows its tokens).")
 @click.option("--max-waiting", type=int, default=64, show_default=True, help="Queued requests before shedding (429).")
 @click.option("--token-budget", type=int, default=512, show_default=True, help="Tokens computed per engine step.")
 @click.option("--prefill-chunk", type=int, default=128, show_default=True, help="Most prompt tokens per sequence per step.")
 @click.option("--max-model-len", type=int, default=None, help="Context per sequence [default: the engine's].")
-@click.option("--kv-budget-mib", type=int, default=None, help="KV memory (slots + prefix cache) [default: 25% of RAM, ≤ 8 GiB].")
+@click.option("--kv-budget-mib", type=int, default=None, help="KV memory resident at most: running sequences' tokens + the prefix cache (30 %) [default: 25% of RAM, ≤ 8 GiB].")
 @click.option("--no-prefix-cache", is_flag=True, help="Disable automatic prefix caching.")
 @click.option("--threads", type=click.IntRange(1), default=None, show_default="min(2, cores)",
               help="ONNX Runtime intra-op threads.")
@@ -199,7 +199,7 @@ def serve(engine: Path | None, draft: Path | None, speculation: str, host: str, 
     from .errors import QuicksilverError
 
     from .config import CacheConfig, EngineConfig, SchedulerConfig, ServerConfig
-    from .defaults import engine_dir
+    from .bundled import engine_dir
     from .server.app import serve as run_server
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

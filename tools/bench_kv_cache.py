@@ -3,7 +3,7 @@ build before and after a graph change (--batch-invariant vs --no-batch-invariant
 
 For each context length: prefill time of one sequence, and decode step time at batch 1 and 8 right after
 it, alternating the engines round by round so background load hits both alike (this machine is noisy:
-separate runs minutes apart disagree by more than the effect). Pools are prefaulted. Medians over rounds.
+separate runs minutes apart disagree by more than the effect). Pools are made resident up front. Medians over rounds.
 
     python tools/bench_kv_cache.py engines/smol-kvfp32 engines/smol-kvint8 --contexts 512 3072 --json kv.json
 """
@@ -36,7 +36,8 @@ def main() -> None:
         pools, times = {}, {}
         for name, r in runners.items():
             pools[name] = r.new_pool(8, ctx + args.steps + 1)
-            pools[name].prefault()
+            for slot in range(8):
+                pools[name].ensure(slot, ctx + args.steps + 1)
             for slot in range(8):
                 r.prefill(pools[name], slot, prompt, 0)
         for _ in range(args.rounds):

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from compile.hf_source import fingerprint
-from runtime import defaults
+from runtime import bundled as defaults
 
 REPO = Path(__file__).resolve().parents[2]
 

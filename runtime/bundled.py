@@ -1,5 +1,6 @@
-"""Where the runtime finds its engines when none is named: the bundled models, built on first use and rebuilt
-when their checkpoint changes."""
+"""CLI glue: where `runtime generate/serve` find their engines when none is named — the bundled models, built with
+`compile build` on first use and rebuilt when their checkpoint changes. The one runtime module besides cli.py that
+may import the compile stage (tests/unit/test_layering.py); the runtime core only ever loads engine artifacts."""
 
 from __future__ import annotations
 

@@ -1,0 +1,70 @@
+"""The import rules between the two stages, checked on the source (imports inside functions included):
+
+- runtime/artifact.py and runtime/errors.py (the artifact format both stages share) import neither stage, apart
+  from artifact → errors;
+- no runtime module imports `compile`, except the CLI glue that builds the bundled engines (cli.py, bundled.py);
+- nothing in runtime/ imports torch or transformers (the runtime ships without them);
+- the servers (runtime/server/) import no `compile` at all.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+FORMAT = {"runtime/artifact.py": {"runtime.errors"}, "runtime/errors.py": set()}
+GLUE = {"runtime/cli.py", "runtime/bundled.py"}
+
+
+def imports(path: Path, source: str | None = None) -> list[tuple[int, str]]:
+    """(line, absolute module name) of every import in a file of this repository."""
+    rel = path.relative_to(ROOT) if path.is_absolute() else path
+    package = list(rel.parent.parts)
+    found = []
+    for node in ast.walk(ast.parse(source if source is not None else path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package[:len(package) - node.level + 1] if node.level else []
+            module = ".".join(base + ([node.module] if node.module else []))
+            if node.module is None:               # `from . import artifact`
+                found += [(node.lineno, f"{module}.{alias.name}") for alias in node.names]
+            else:
+                found.append((node.lineno, module))
+    return found
+
+
+def violations(rel: str, source: str | None = None) -> list[str]:
+    path = ROOT / rel
+    bad = []
+    for line, name in imports(path, source):
+        top = name.split(".")[0]
+        where = f"{rel}:{line} imports {name}"
+        if rel in FORMAT and top in ("compile", "runtime") and name not in FORMAT[rel]:
+            bad.append(f"{where}: the artifact format imports neither stage")
+        elif rel.startswith("runtime/") and top == "compile" and rel not in GLUE:
+            bad.append(f"{where}: the runtime core never imports the compile stage")
+        elif rel.startswith("runtime/") and top in ("torch", "transformers"):
+            bad.append(f"{where}: the runtime never imports {top}")
+    return bad
+
+
+def test_the_stages_import_each_other_only_as_the_design_says():
+    files = sorted(p.relative_to(ROOT).as_posix() for d in ("runtime", "compile") for p in (ROOT / d).rglob("*.py"))
+    assert "runtime/engine.py" in files and "compile/build.py" in files
+    bad = [v for f in files for v in violations(f)]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_checker_reports_each_kind_of_violation():
+    assert violations("runtime/engine.py", "def f():\n    from compile.build import build\n") == \
+        ["runtime/engine.py:2 imports compile.build: the runtime core never imports the compile stage"]
+    assert violations("runtime/kv/manager.py", "from ...compile import artifact\n") == \
+        ["runtime/kv/manager.py:1 imports compile: the runtime core never imports the compile stage"]
+    assert violations("runtime/artifact.py", "from .kv import manager\nfrom .errors import ArtifactError\n") == \
+        ["runtime/artifact.py:1 imports runtime.kv: the artifact format imports neither stage"]
+    assert violations("runtime/server/app.py", "import torch\n") == \
+        ["runtime/server/app.py:1 imports torch: the runtime never imports torch"]
+    assert violations("runtime/bundled.py", "from compile.build import build\n") == []      # CLI glue may
+    assert violations("compile/verify.py", "from runtime.model_runner import ModelRunner\n") == []   # compile → runtime
