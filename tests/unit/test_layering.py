@@ -66,5 +66,9 @@ def test_the_checker_reports_each_kind_of_violation():
         ["runtime/artifact.py:1 imports runtime.kv: the artifact format imports neither stage"]
     assert violations("runtime/server/app.py", "import torch\n") == \
         ["runtime/server/app.py:1 imports torch: the runtime never imports torch"]
+    assert violations("runtime/server/http.py", "def f():\n    import compile.verify\n") == \
+        ["runtime/server/http.py:2 imports compile.verify: the runtime core never imports the compile stage"]
+    assert violations("runtime/cli.py", "import transformers\n") == \
+        ["runtime/cli.py:1 imports transformers: the runtime never imports transformers"]      # not even the glue
     assert violations("runtime/bundled.py", "from compile.build import build\n") == []      # CLI glue may
     assert violations("compile/verify.py", "from runtime.model_runner import ModelRunner\n") == []   # compile → runtime
