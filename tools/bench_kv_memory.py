@@ -1,6 +1,7 @@
-"""KV memory that follows the tokens: what it buys and what it costs. Three measurements, each printed and written
+"""KV memory that follows the tokens: what it buys and what it costs. Four measurements, each printed and written
 to JSON; `--code DIR` runs them on another checkout of Quicksilver (e.g. a `git worktree` of an older commit), so
-before/after comes from the same tool.
+before/after comes from the same tool. Without ENGINE, the bundled target is built once (int8 weights) under
+--build-dir.
 
   capacity   sequences of `--prompt` tokens (+ `--max-tokens`) admitted at once in a `--budget-mib` KV budget
              (max_num_seqs raised to `--requests`): one schedule() over `--requests` waiting requests.
@@ -8,10 +9,13 @@ before/after comes from the same tool.
              versions interleaved with `--ab`.
   rss        process RSS (RssAnon) idle after warm-up, at the peak of a burst of `--concurrency` requests, and
              after the burst; with the prefix cache's resident blocks listed apart (they stay: cached data).
+  costs      SlotPool alone, in the engine's KV layout: one `ensure` that is already resident (the per-step fast
+             path), one that populates a granule in every layer (K and V, every kv head), one `release`.
 
     python tools/bench_kv_memory.py capacity ENGINE --budget-mib 1024 --prompt 512 --max-tokens 64
     python tools/bench_kv_memory.py tpot ENGINE --ab /tmp/old-checkout --rounds 5 --json out.json
     python tools/bench_kv_memory.py rss ENGINE --draft DRAFT
+    python tools/bench_kv_memory.py costs --json tools/results/kv_memory_costs.json
 """
 
 from __future__ import annotations
@@ -100,10 +104,58 @@ def rss(args) -> dict:
             "slot_tokens_resident_after": getattr(eng.kv, "resident_tokens", None)}
 
 
+def costs(args) -> dict:
+    from runtime.artifact import read_manifest
+    from runtime.kv.slots import SlotPool
+
+    kv = read_manifest(Path(args.engine))["kv_cache"]
+    capacity = args.max_model_len or read_manifest(Path(args.engine))["model"]["max_seq_len"]
+    slots = args.concurrency
+    pool = SlotPool(kv["num_layers"], slots, kv["num_kv_heads"], capacity, kv["head_dim"], kv["dtype"])
+    g = pool.granule
+
+    def timed(fn, reps: int = 1) -> float:
+        t0 = time.perf_counter_ns()
+        for _ in range(reps):
+            fn()
+        return (time.perf_counter_ns() - t0) / reps / 1e3
+
+    first, grow, rel, rel_long, fast = [], [], [], [], []
+    for _ in range(args.rounds):
+        for slot in range(slots):
+            first.append(timed(lambda: pool.ensure(slot, 1)))             # the slot's first granule
+            grow.append(timed(lambda: pool.ensure(slot, g + 1)))          # a decoding sequence crossing into the next
+            fast.append(timed(lambda: pool.ensure(slot, g), 1000))        # already resident
+        for slot in range(slots):
+            rel.append(timed(lambda: pool.release(slot)))                 # two granules resident
+        for slot in range(slots):
+            pool.ensure(slot, args.prompt)
+            rel_long.append(timed(lambda: pool.release(slot)))            # a prompt's worth resident
+    us = lambda xs: round(float(np.median(xs)), 3)
+    layout = {k: kv[k] for k in ("dtype", "num_layers", "num_kv_heads", "head_dim")} | {"capacity": capacity}
+    return {"layout": layout, "granule_tokens": g, "granule_bytes": g * pool.token_bytes,
+            "calls_per_populate": 2 * pool.num_layers * pool.kv_heads, "calls_per_release": 2 * pool.num_layers,
+            "ensure_fast_path_us": us(fast), "ensure_first_granule_us": us(first), "ensure_next_granule_us": us(grow),
+            "release_2_granules_us": us(rel), f"release_{args.prompt}_tokens_us": us(rel_long),
+            "populated_mib_per_s": round(g * pool.token_bytes / 2**20 / (us(grow) * 1e-6), 1)}
+
+
+def bundled_engine(build_dir: Path) -> str:
+    """The bundled target built with int8 weights (once: reused while its manifest is there)."""
+    out = build_dir / "target-int8"
+    if not (out / "manifest.json").exists():
+        model = Path(__file__).resolve().parent.parent / "models" / "target"
+        cmd = [sys.executable, "-c", "from compile.cli import main; main()", "build", "--model", str(model),
+               "--out", str(out), "--precision", "int8", "--overwrite"]
+        subprocess.run(cmd, check=True, stdout=sys.stderr)
+    return str(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["capacity", "tpot", "rss"])
-    ap.add_argument("engine")
+    ap.add_argument("what", choices=["capacity", "tpot", "rss", "costs"])
+    ap.add_argument("engine", nargs="?", default=None, help="engine folder (default: the bundled target, built)")
+    ap.add_argument("--build-dir", type=Path, default=Path("/tmp/qs-bench-kv-memory"))
     ap.add_argument("--draft", default=None)
     ap.add_argument("--code", default=None, help="a Quicksilver checkout to import instead of the installed one")
     ap.add_argument("--ab", default=None, help="tpot: also run this checkout, interleaved round by round")
@@ -116,6 +168,8 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
+    if args.engine is None:
+        args.engine = bundled_engine(args.build_dir)
     if args.ab:          # parent: alternate child runs of the two versions, so load drifts hit both alike
         me = [sys.executable, __file__, args.what, args.engine, *sum(([f"--{k.replace('_', '-')}", str(v)] for k, v in
               vars(args).items() if k in ("draft", "budget_mib", "max_model_len", "prompt", "max_tokens", "concurrency")
@@ -136,7 +190,7 @@ def main() -> None:
     else:
         use_code(args.code)
         t0 = time.perf_counter()
-        result = {"capacity": capacity, "tpot": tpot, "rss": rss}[args.what](args)
+        result = {"capacity": capacity, "tpot": tpot, "rss": rss, "costs": costs}[args.what](args)
         result["seconds"] = time.perf_counter() - t0
         print(json.dumps(result))
     if args.json:

@@ -11,6 +11,7 @@ takes a page fault mid-step; `release` hands a range back (MADV_DONTNEED: it rea
 
 from __future__ import annotations
 
+import errno
 import mmap
 
 import numpy as np
@@ -18,6 +19,7 @@ import numpy as np
 PAGE = mmap.PAGESIZE
 MAP_NORESERVE = 0x4000
 MADV_POPULATE_WRITE = 23          # Linux 5.14+; Python's mmap module does not name it
+populate_write = True             # False once the kernel refused MADV_POPULATE_WRITE (EINVAL): touch pages instead
 
 
 class ReservedArray:
@@ -30,30 +32,44 @@ class ReservedArray:
         if hasattr(mmap, "MADV_NOHUGEPAGE"):
             self.map.madvise(mmap.MADV_NOHUGEPAGE)
         self.array = np.frombuffer(self.map, self.dtype, int(np.prod(shape))).reshape(shape)
-        self._populate_ok = True
+        self.bytes = self.array.reshape(-1).view(np.uint8)      # the same memory, flat
+
+    @property
+    def address(self) -> int:
+        return self.array.ctypes.data
 
     def populate(self, start: int, end: int) -> None:
-        """Make bytes [start, end) resident (whole pages, rounded outward)."""
+        """Make bytes [start, end) resident (whole pages, rounded outward; contents unchanged)."""
+        global populate_write
         lo, hi = start - start % PAGE, min(len(self.map), -(-end // PAGE) * PAGE)
         if hi <= lo:
             return
-        if self._populate_ok:
+        if populate_write:
             try:
                 self.map.madvise(MADV_POPULATE_WRITE, lo, hi - lo)
                 return
-            except OSError:                 # EINVAL: an older kernel; touch the pages instead
-                self._populate_ok = False
-        touch(self.array, lo, hi)
+            except OSError as e:
+                if e.errno != errno.EINVAL:     # ENOMEM and the like are real failures, not a missing feature
+                    raise
+                populate_write = False          # a kernel before 5.14: touch the pages instead
+        touch(self.bytes, lo, hi)
 
     def release(self, start: int, end: int) -> None:
-        """Give bytes [start, end) back to the OS — only pages wholly inside the range (rounded inward), so no
-        byte outside it is ever lost."""
+        """Give bytes [start, end) back to the OS and leave them reading as zeros. Only pages wholly inside the range
+        go (rounded inward), so no byte outside it is ever lost; the range's bytes on the partial pages at its ends
+        are zeroed where they are not zero already (so an edge page that was never written is not faulted in)."""
+        end = min(end, len(self.bytes))
         lo, hi = -(-start // PAGE) * PAGE, end - end % PAGE if end < len(self.map) else len(self.map)
         if hi > lo:
             self.map.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+            edges = [(start, lo), (hi, end)]
+        else:                                   # within one or two pages that also hold other bytes
+            edges = [(start, end)]
+        for a, b in edges:
+            if a < b and self.bytes[a:b].any():
+                self.bytes[a:b] = 0
 
 
-def touch(array: np.ndarray, lo: int, hi: int) -> None:
-    """Write-fault pages [lo, hi) of `array`'s buffer without changing their contents."""
-    flat = array.reshape(-1).view(np.uint8)
+def touch(flat: np.ndarray, lo: int, hi: int) -> None:
+    """Write-fault the pages of bytes [lo, hi) of a flat uint8 view without changing their contents."""
     flat[lo:hi:PAGE] |= 0

@@ -12,6 +12,7 @@ The arrays are reserved address space (kv/memory.py): a slot's rows become resid
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,8 +40,10 @@ class SlotPool:
         self.slot_shape = shape[1:]
         self.row_bytes = head_dim * self.dtype.itemsize
         self.slot_bytes = kv_heads * capacity * self.row_bytes
-        rows_per_page = max(1, PAGE // self.row_bytes)
-        self.granule = rows_per_page * -(-self.GRANULE_TOKENS // rows_per_page)
+        # Rows that fill whole pages (so a head's populated rows end on a page boundary), in a multiple covering
+        # GRANULE_TOKENS; a row size that would need more than 4 granules for that just takes GRANULE_TOKENS.
+        whole = PAGE // math.gcd(PAGE, self.row_bytes)
+        self.granule = whole * -(-self.GRANULE_TOKENS // whole) if whole <= 4 * self.GRANULE_TOKENS else self.GRANULE_TOKENS
         self.token_bytes = 2 * num_layers * kv_heads * self.row_bytes      # one token of one slot, all layers
         self._resident = [0] * num_slots
 
@@ -56,7 +59,7 @@ class SlotPool:
         return sum(self._resident) * self.token_bytes
 
     def _head_ranges(self, slot: int):
-        """(first byte, bytes) of the slot's region of each kv head."""
+        """First byte of the slot's rows of each kv head ([capacity, head_dim] contiguous, BNSH)."""
         for h in range(self.kv_heads):
             yield (slot * self.kv_heads + h) * self.capacity * self.row_bytes
 
@@ -74,12 +77,19 @@ class SlotPool:
         return want
 
     def release(self, slot: int) -> None:
-        """Give the slot's rows back to the OS (they read as zeros afterwards)."""
+        """Give the slot's memory back to the OS (its rows read as zeros afterwards). A slot's heads are contiguous,
+        so this is one range per layer and K/V; a page it shares with a neighbouring slot goes too when that
+        slot holds nothing resident (what a slot holds outside its resident rows is never read)."""
         if not self._resident[slot]:
             return
+        lo, hi = slot * self.slot_bytes, (slot + 1) * self.slot_bytes
+        page_lo, page_hi = lo - lo % PAGE, -(-hi // PAGE) * PAGE
+        if not any(self._resident[page_lo // self.slot_bytes:slot]):
+            lo = page_lo
+        if not any(self._resident[slot + 1:-(-page_hi // self.slot_bytes)]):
+            hi = page_hi
         for m in self._maps:
-            for start in self._head_ranges(slot):
-                m.release(start, start + self.capacity * self.row_bytes)
+            m.release(lo, hi)
         self._resident[slot] = 0
 
     def pointer(self, array: np.ndarray, slots: SlotRange) -> int:

@@ -1,0 +1,331 @@
+"""KV memory that follows the tokens, measured: which pages of the reserved KV arrays hold memory (the page
+tables of the arrays' own addresses) after SlotPool.ensure / release and BlockPool.allocate, what the rows hold
+across them, and the page rounding that must never lose a neighbour's bytes."""
+
+import ctypes
+import errno
+import mmap
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from runtime.kv import memory
+from runtime.kv.block_pool import BlockPool
+from runtime.kv.memory import PAGE, ReservedArray
+from runtime.kv.slots import SlotPool, SlotRange
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
+
+
+def resident_pages(address: int, lo: int, hi: int) -> np.ndarray:
+    """1 for each page holding bytes [lo, hi) of the mapping at `address` (page-aligned) that has a page of
+    memory of its own: /proc/self/pagemap's present (bit 63) and exclusively mapped (bit 56) — a page only read
+    maps the shared zero page, which mincore would count but costs nothing."""
+    first, last = lo // PAGE, -(-hi // PAGE)
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek((address // PAGE + first) * 8)
+        entries = np.frombuffer(f.read(8 * max(0, last - first)), np.uint64)
+    return ((entries >> np.uint64(63)) & (entries >> np.uint64(56)) & np.uint64(1)).astype(np.uint8)
+
+
+def mincore_count(address: int, length: int) -> int:
+    """Pages of [address, address + length) in memory at all, by mincore (one call, even for 64 GiB)."""
+    n = -(-length // PAGE)
+    vec = (ctypes.c_ubyte * n)()
+    if _libc.mincore(address, n * PAGE, vec) != 0:
+        raise OSError(ctypes.get_errno(), "mincore")
+    return int((np.frombuffer(vec, np.uint8) & 1).sum())
+
+
+def resident_count(m: ReservedArray, lo: int = 0, hi: int | None = None) -> int:
+    return int(resident_pages(m.address, lo, len(m.map) if hi is None else hi).sum())
+
+
+def head_ranges(pool: SlotPool, slot: int) -> list[tuple[int, int]]:
+    """Byte range [start, end) of every kv head's rows of `slot` (BNSH: [capacity, head_dim] contiguous)."""
+    size = pool.capacity * pool.row_bytes
+    return [((slot * pool.kv_heads + h) * size, (slot * pool.kv_heads + h + 1) * size) for h in range(pool.kv_heads)]
+
+
+def expected_pages(pool: SlotPool, tokens: dict[int, int], total: int) -> np.ndarray:
+    """Pages of one array that `ensure` leaves resident for `tokens` (slot → resident tokens): rows rounded out."""
+    want = np.zeros(-(-total // PAGE), np.uint8)
+    for slot, n in tokens.items():
+        for start, _ in head_ranges(pool, slot):
+            if n:
+                want[start // PAGE:-(-(start + n * pool.row_bytes) // PAGE)] = 1
+    return want
+
+
+def check_residency(pool: SlotPool, tokens: dict[int, int]) -> None:
+    """Exactly the pages of the resident rows hold memory — or, where slots do not end on a page boundary, those
+    and at most the pages a released slot shares with a resident neighbour (bounded: one per slot boundary)."""
+    for m in pool._maps:
+        got, want = resident_pages(m.address, 0, len(m.map)), expected_pages(pool, tokens, len(m.map))
+        if pool.slot_bytes % PAGE == 0:
+            assert np.array_equal(got, want)
+        else:
+            shared = np.zeros_like(want)
+            shared[[k * pool.slot_bytes // PAGE for k in range(1, pool.num_slots)]] = 1
+            assert (got >= want).all() and (got <= want | shared).all()
+
+
+def small_pool(**kw) -> SlotPool:
+    args = dict(num_layers=2, num_slots=3, kv_heads=2, capacity=256, head_dim=64, dtype="float32") | kw
+    return SlotPool(**args)
+
+
+# -- reserved address space ----------------------------------------------------------------------------
+
+def test_reserving_more_than_ram_costs_no_memory():
+    """64 GiB of address space — more than this machine's RAM, and so more than overcommit would grant without
+    MAP_NORESERVE — is reserved with nothing resident; a populated range is exactly its pages, and returns."""
+    m = ReservedArray((64, 1024, 1024, 1024), np.int8)
+    assert m.array.nbytes == 64 << 30 and mincore_count(m.address, len(m.map)) == 0
+    lo = (40 << 30) + 123
+    m.populate(lo, lo + 3 * PAGE)                      # 3 pages of bytes, not aligned: 4 pages
+    assert mincore_count(m.address, len(m.map)) == 4 and resident_count(m, lo, lo + 3 * PAGE) == 4
+    m.release(lo - lo % PAGE, lo - lo % PAGE + 4 * PAGE)
+    assert mincore_count(m.address, len(m.map)) == 0
+
+
+def test_mapping_has_no_huge_pages():
+    """The first write into a slot must fault in a 4 KiB page, not a 2 MiB huge page (numpy's own allocations
+    ask for transparent huge pages; that is what used to make a whole slot resident)."""
+    m = ReservedArray((16, 1 << 20), np.uint8)        # 16 MiB: room for huge pages
+    with open("/proc/self/smaps") as f:
+        lines = f.read().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.split("-")[0] == f"{m.address:x}")
+    flags = next(line for line in lines[start + 1:] if line.startswith("VmFlags:"))
+    assert " nh" in flags and " hg" not in flags
+    m.array[5, 12345] = 1                              # one write: one page
+    assert resident_count(m) == 1
+
+
+def test_populate_rounds_out_and_release_rounds_in():
+    m = ReservedArray((8 * PAGE,), np.uint8)
+    m.populate(PAGE + 5, 3 * PAGE - 5)                 # bytes in pages 1 and 2
+    assert list(resident_pages(m.address, 0, 8 * PAGE)) == [0, 1, 1, 0, 0, 0, 0, 0]
+    m.populate(0, 8 * PAGE)
+    m.bytes[:] = 7
+    m.release(PAGE + 100, 5 * PAGE - 100)              # pages 2, 3 wholly inside; 1 and 4 are shared
+    assert list(resident_pages(m.address, 0, 8 * PAGE)) == [1, 1, 0, 0, 1, 1, 1, 1]
+    assert (m.bytes[PAGE + 100:5 * PAGE - 100] == 0).all()            # the range reads as zeros
+    assert (m.bytes[:PAGE + 100] == 7).all() and (m.bytes[5 * PAGE - 100:] == 7).all()   # nothing outside lost
+    m.release(6 * PAGE + 1, 6 * PAGE + 9)             # inside one page: zeroed, not freed
+    assert resident_count(m) == 6 and (m.bytes[6 * PAGE + 1:6 * PAGE + 9] == 0).all() and m.bytes[6 * PAGE] == 7
+    m.release(0, 8 * PAGE)
+    assert resident_count(m) == 0 and not m.bytes.any()
+
+
+def test_release_does_not_fault_in_pages_to_zero_them():
+    """The range's bytes on a partial edge page are zeroed only where they are not zero already: releasing a
+    range whose edge page was never touched leaves it untouched."""
+    m = ReservedArray((4 * PAGE,), np.uint8)
+    m.populate(0, 100)
+    m.bytes[:100] = 1
+    m.release(0, 2 * PAGE + 100)
+    assert resident_count(m) == 0 and not m.bytes[:100].any()     # (reading page 2 mapped the zero page, no memory)
+
+
+def test_populate_falls_back_to_touching_pages_where_the_kernel_refuses(monkeypatch):
+    class OldKernel:                                   # a mapping whose madvise knows no MADV_POPULATE_WRITE
+        def __init__(self, inner, err):
+            self.inner, self.err, self.calls = inner, err, []
+
+        def __len__(self):
+            return len(self.inner)
+
+        def madvise(self, option, *args):
+            self.calls.append(option)
+            if option == memory.MADV_POPULATE_WRITE:
+                raise OSError(self.err, "madvise")
+            return self.inner.madvise(option, *args)
+
+    monkeypatch.setattr(memory, "populate_write", True)
+    m = ReservedArray((8 * PAGE,), np.uint8)
+    m.bytes[PAGE] = 9                                  # contents are kept: touching writes what is there
+    m.map = OldKernel(m.map, errno.EINVAL)
+    m.populate(PAGE + 1, 4 * PAGE - 1)
+    assert memory.populate_write is False and list(resident_pages(m.address, 0, 8 * PAGE)) == [0, 1, 1, 1, 0, 0, 0, 0]
+    assert m.bytes[PAGE] == 9 and m.bytes.sum() == 9
+    m.populate(6 * PAGE, 7 * PAGE)                     # remembered: no second attempt
+    assert m.map.calls == [memory.MADV_POPULATE_WRITE] and resident_count(m) == 4
+
+    monkeypatch.setattr(memory, "populate_write", True)
+    m.map = OldKernel(m.map.inner, errno.ENOMEM)      # out of memory is not a missing feature
+    with pytest.raises(OSError):
+        m.populate(0, PAGE)
+    assert memory.populate_write is True
+
+
+# -- SlotPool ------------------------------------------------------------------------------------------
+
+def test_slot_pool_reserves_without_memory_and_keeps_its_interface():
+    pool = SlotPool(num_layers=6, num_slots=64, kv_heads=4, capacity=2048, head_dim=64, dtype="float32")
+    assert pool.keys[0].shape == (64, 4, 2048, 64) and len(pool.keys) == len(pool.values) == pool.num_layers == 6
+    assert pool.slot_shape == (4, 2048, 64) and pool.slot_bytes == 4 * 2048 * 64 * 4 and pool.dtype == np.float32
+    assert pool.pointer(pool.values[3], SlotRange(5, 2)) == pool.values[3].ctypes.data + 5 * pool.slot_bytes
+    assert not hasattr(pool, "prefault")
+    assert sum(resident_count(m) for m in pool._maps) == 0 and pool.resident_bytes == 0
+    assert pool.granule == 64 and (pool.granule * pool.row_bytes) % PAGE == 0
+
+
+@pytest.mark.parametrize("head_dim, dtype, granule", [(64, "float32", 64), (64, "int8", 64), (128, "float32", 64),
+                                                      (96, "float32", 64), (48, "int8", 256), (24, "int8", 64),
+                                                      (3, "int8", 64)])
+def test_granule_is_whole_pages_where_it_can_be(head_dim, dtype, granule):
+    pool = SlotPool(1, 1, 1, 4096, head_dim, dtype)
+    assert pool.granule == granule
+    assert pool.granule >= SlotPool.GRANULE_TOKENS and (head_dim in (3, 24) or pool.granule * pool.row_bytes % PAGE == 0)
+
+
+def test_ensure_makes_exactly_the_slots_rows_resident():
+    pool = small_pool(capacity=200)                    # not a granule multiple: the last granule is clamped
+    assert [pool.rounded(n) for n in (0, 1, 64, 65, 190, 193, 500)] == [0, 64, 64, 128, 192, 200, 200]
+    assert pool.ensure(1, 10) == 64 and pool.resident_tokens(1) == 64
+    check_residency(pool, {1: 64})
+    assert pool.resident_bytes == 64 * pool.token_bytes == 64 * 2 * 2 * 2 * 64 * 4
+    assert pool.ensure(1, 65) == 128 and pool.ensure(2, 1) == 64
+    check_residency(pool, {1: 128, 2: 64})
+    assert pool.ensure(1, 10_000) == 200 and pool.resident_tokens(1) == 200
+    check_residency(pool, {1: 200, 2: 64})
+    assert pool.resident_bytes == 264 * pool.token_bytes and pool.resident_tokens(0) == 0
+
+
+def test_ensure_fast_path_makes_no_call(monkeypatch):
+    pool = small_pool()
+    pool.ensure(0, 100)
+
+    def fail(*_):
+        raise AssertionError("populate called for rows already resident")
+    for m in pool._maps:
+        monkeypatch.setattr(m, "populate", fail)
+    assert [pool.ensure(0, n) for n in (0, 1, 100, 128)] == [128] * 4
+
+
+def test_growth_keeps_rows_and_release_returns_them_as_zeros():
+    pool = small_pool()
+    rng = np.random.default_rng(0)
+    pool.ensure(1, 50)
+    rows = [rng.standard_normal((2, 50, 64)).astype(np.float32) for _ in pool._maps]
+    for m, r in zip(pool._maps, rows):
+        m.array[1, :, :50] = r
+    pool.ensure(1, 130)                                # two more granules: the first keeps its rows
+    check_residency(pool, {1: 192})
+    for m, r in zip(pool._maps, rows):
+        assert np.array_equal(m.array[1, :, :50], r) and not m.array[1, :, 50:].any()
+    pool.release(1)
+    assert pool.resident_tokens(1) == 0 and pool.resident_bytes == 0
+    check_residency(pool, {})                          # measured before reading: a read maps the zero page
+    assert not any(m.array.any() for m in pool._maps)
+    pool.release(1)                                    # nothing resident: nothing to do
+    assert pool.ensure(1, 1) == 64                     # reusable
+    check_residency(pool, {1: 64})
+
+
+def test_ensure_through_the_fallback_gives_the_same_pages(monkeypatch):
+    monkeypatch.setattr(memory, "populate_write", False)
+    pool = small_pool(capacity=200)
+    pool.ensure(0, 70)
+    pool.ensure(2, 199)
+    pool.keys[1][0, 1, :70] = 3.0
+    pool.ensure(0, 150)
+    check_residency(pool, {0: 192, 2: 200})
+    assert (pool.keys[1][0, 1, :70] == 3.0).all() and not pool.keys[1][0, 1, 70:].any()
+    pool.release(0)
+    check_residency(pool, {2: 200})
+
+
+@pytest.mark.parametrize("capacity, head_dim, dtype", [(100, 64, "float32"), (77, 24, "int8"), (200, 3, "int8"),
+                                                       (64, 64, "float32")])
+def test_release_never_loses_a_neighbours_bytes(capacity, head_dim, dtype):
+    """Head row ranges that start and end mid-page (capacity × row bytes not a page multiple): releasing one
+    slot zeroes its rows and keeps every other byte of every other slot."""
+    pool = SlotPool(num_layers=2, num_slots=4, kv_heads=3, capacity=capacity, head_dim=head_dim, dtype=dtype)
+    for slot in range(4):
+        pool.ensure(slot, capacity)
+    for i, m in enumerate(pool._maps):
+        m.bytes[:] = np.arange(m.bytes.size) % 251 + 1 + i      # nonzero everywhere
+    before = [m.bytes.copy() for m in pool._maps]
+    pool.release(2)
+    for m, b in zip(pool._maps, before):
+        a = m.array.view(np.uint8).reshape(4, -1)
+        assert not a[2].any()
+        assert np.array_equal(np.delete(a, 2, axis=0), np.delete(b.reshape(4, -1), 2, axis=0))
+    pool.release(0)
+    pool.release(3)
+    for m in pool._maps:                               # slot 1 alone still holds its rows
+        assert m.array.view(np.uint8).reshape(4, -1)[[0, 2, 3]].sum() == 0
+    for m, b in zip(pool._maps, before):
+        assert np.array_equal(m.array.view(np.uint8).reshape(4, -1)[1], b.reshape(4, -1)[1])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["ensure", "release", "write"]), st.integers(0, 3), st.integers(0, 260)),
+                max_size=30),
+       st.sampled_from([(256, 64, "float32"), (200, 64, "float32"), (150, 24, "int8")]))
+def test_ensure_release_sequences_match_a_model(ops, geometry):
+    capacity, head_dim, dtype = geometry
+    pool = SlotPool(num_layers=2, num_slots=4, kv_heads=2, capacity=capacity, head_dim=head_dim, dtype=dtype)
+    model = {s: 0 for s in range(4)}                   # resident tokens per slot
+    written = {s: 0 for s in range(4)}                 # rows [0, written) of the slot hold its pattern
+    pattern = [[np.full((2, capacity, head_dim), 1 + s + 10 * i, dtype) for s in range(4)] for i in range(4)]
+    for op, slot, n in ops:
+        if op == "ensure":
+            got = pool.ensure(slot, n)
+            if n > model[slot]:
+                model[slot] = min(capacity, -(-n // pool.granule) * pool.granule)
+            assert got == model[slot]
+        elif op == "release":
+            pool.release(slot)
+            model[slot], written[slot] = 0, 0
+        else:                                          # the runtime writes only rows it ensured
+            rows = min(n, model[slot])
+            for i, m in enumerate(pool._maps):
+                m.array[slot, :, :rows] = pattern[i][slot][:, :rows]
+            written[slot] = max(written[slot], rows)
+        assert [pool.resident_tokens(s) for s in range(4)] == [model[s] for s in range(4)]
+        assert pool.resident_bytes == sum(model.values()) * pool.token_bytes
+    check_residency(pool, model)
+    for i, m in enumerate(pool._maps):
+        for s in range(4):
+            w = written[s]
+            assert np.array_equal(m.array[s, :, :w], pattern[i][s][:, :w]) and not m.array[s, :, w:].any()
+
+
+# -- BlockPool -----------------------------------------------------------------------------------------
+
+def test_block_pool_populates_blocks_as_they_are_first_handed_out():
+    layers = [(4, 64, "float32"), (4, 64, "float32"), (2, 64, "int8")]          # e.g. a target and a draft
+    pool = BlockPool(layers, num_blocks=200, block_size=16)
+    assert not hasattr(pool, "prefault") and sum(resident_count(m) for m in pool._maps) == 0
+    n = BlockPool.POPULATE_BLOCKS
+
+    def resident_blocks():
+        counts = set()
+        for m in pool._maps:
+            per_block = m.array[0].nbytes
+            pages = resident_pages(m.address, 0, len(m.map))
+            blocks = [b for b in range(pool.num_blocks) if pages[b * per_block // PAGE:-(-(b + 1) * per_block // PAGE)].all()]
+            assert int(pages.sum()) == -(-len(blocks) * per_block // PAGE)  # whole blocks, in index order, nothing else
+            counts.add(len(blocks))
+        assert len(counts) == 1
+        return counts.pop()
+
+    first = pool.allocate(1, 0, (1,))
+    assert first == 0 and resident_blocks() == n       # one chunk ahead: the next n - 1 copies fault nothing
+    held = [first] + [pool.allocate() for _ in range(n - 1)]
+    assert resident_blocks() == n
+    held.append(pool.allocate())
+    assert resident_blocks() == 2 * n
+    for b in held:
+        pool.release(b)
+    assert resident_blocks() == 2 * n                  # cached blocks stay resident
+    assert pool.lookup(1, 0, (1,)) == 0
+    while pool.allocate() is not None:
+        pass
+    assert resident_blocks() == pool.num_blocks == 200 and pool.num_in_use == 200
