@@ -85,17 +85,23 @@ class AsyncEngine:
             self._wake.notify()
 
     # -- loop thread ------------------------------------------------------------------------------
-    def _deliver(self, out: RequestOutput) -> None:
-        entry = self._queues.get(out.request_id)
-        if entry is None:
-            return
-        queue, loop = entry
-        if out.finished:
-            del self._queues[out.request_id]
-        try:
-            loop.call_soon_threadsafe(queue.put_nowait, out)
-        except RuntimeError:   # the caller's event loop is closed: nobody is listening
-            pass
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hand a step's outputs to their callers: one wake-up per event loop per step (each
+        call_soon_threadsafe writes the loop's self-pipe), not one per request."""
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
+        for out in outputs:
+            entry = self._queues.get(out.request_id)
+            if entry is None:
+                continue
+            queue, loop = entry
+            if out.finished:
+                del self._queues[out.request_id]
+            batches.setdefault(loop, []).append((queue, out))
+        for loop, items in batches.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:   # the caller's event loop is closed: nobody is listening
+                pass
 
     def _drain_inbox(self) -> None:
         with self._wake:
@@ -116,7 +122,7 @@ class AsyncEngine:
             rid = target if kind == "abort" else target.engine_id    # always follows its submit's handling
             out = self.engine.abort(rid) if rid else None
             if out is not None:
-                self._deliver(out)
+                self._deliver([out])
 
     def _loop(self) -> None:
         while True:
@@ -132,13 +138,17 @@ class AsyncEngine:
             except Exception as e:  # a bug must not kill the loop: fail the running requests, keep serving
                 log.exception("engine step failed")
                 outputs = self.engine.fail_all(f"internal error: {type(e).__name__}: {e}")
-            for out in outputs:
-                self._deliver(out)
+            self._deliver(outputs)
             if self.on_step is not None:
                 try:
                     self.on_step(self.engine)
                 except Exception:     # metrics must never stop the engine
                     log.exception("on_step callback failed")
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for queue, out in items:
+        queue.put_nowait(out)
 
 
 def _set_result(fut: asyncio.Future, value) -> None:

@@ -66,7 +66,7 @@ class EngineConfig:
     draft: Path | None = None         # draft engine for speculative decoding
     speculation: str | None = None    # None | "draft" (needs `draft`) | "ngram" (prompt lookup)
     threads: int | None = None        # ONNX Runtime intra-op threads; None: min(2, cores)
-    spin: bool = False                # let ONNX Runtime's threads spin between ops (lower latency, burns a core)
+    spin: bool = True                 # ONNX Runtime threads spin between ops and 2 ms after a run (model_runner.SPIN_US)
     verify_artifact: bool = True
     providers: tuple[str, ...] | None = None   # ONNX Runtime execution providers; None: chosen from the engine's target
     custom_ops_library: str | None = None      # an ONNX Runtime custom-op library to register (own kernels)

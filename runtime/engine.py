@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -71,19 +72,15 @@ class Engine:
         manifest = self.runner.manifest
         self.tokenizer = Tokenizer.from_file(str(Path(engine_dir) / "tokenizer.json"))
         self.eos_ids = frozenset(manifest["tokenizer"]["eos_token_ids"])
-        self.speculator = None
-        planner = None
+        self.speculator, planner = None, None
         if backend.proposer is not None:
             self.speculator = Speculator(config.spec, backend.proposer, self.sampler, backend.cost)
-            planner = self._plan_speculation
+            planner = speculation_planner(self.speculator, backend)
         self.scheduler = Scheduler(config.scheduler, self.kv, planner)
         self.requests: dict[str, Request] = {}
         self._streams: dict[str, _Stream] = {}
         self.stats = EngineStats()
         backend.warm_up()
-
-    def _plan_speculation(self, decodes: list[Request], budget: int) -> dict[str, int]:
-        return self.speculator.plan(decodes, self.max_model_len, budget, self.backend.step_cost(len(decodes)))
 
     # -- requests ---------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str = "",
@@ -256,6 +253,15 @@ class Engine:
                 if out.finished:
                     res["finish_reason"], res["usage"] = out.finish_reason, out.usage
         return [results[r.request_id] for r in reqs]
+
+
+def speculation_planner(speculator: Speculator, backend) -> Callable[[list[Request], int], dict[str, int]]:
+    """The scheduler's hook: γ per decode, priced by the backend. A closure over the parts rather than a method of
+    the Engine, so the engine has no reference cycle and is freed (with its ONNX Runtime sessions) when dropped,
+    not inside some later garbage collection."""
+    def plan(decodes: list[Request], budget: int) -> dict[str, int]:
+        return speculator.plan(decodes, backend.max_model_len, budget, backend.step_cost(len(decodes)))
+    return plan
 
 
 def usage(req: Request) -> Usage:

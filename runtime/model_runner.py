@@ -1,12 +1,16 @@
 """ModelRunner: one ONNX Runtime session over an engine artifact, run through IOBinding.
 
 KV buffers come from a SlotPool and are bound as both past and present (the graph updates them in
-place); logits land in a preallocated buffer. Nothing is copied per step except the small int inputs.
+place); logits land in a preallocated buffer. Nothing is copied per step except the small int inputs. The
+KV bindings (4 × layers pointers) of a slot range are made once and reused: a step rebinds only its token
+ids, lengths and logits rows.
 """
 
 from __future__ import annotations
 
 import os
+import weakref
+from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
@@ -40,12 +44,20 @@ def open_session(engine_dir: Path, manifest: dict, so: ort.SessionOptions, provi
     return session
 
 
-def session_options(threads: int | None, config: dict[str, str] | None = None, spin: bool = False) -> ort.SessionOptions:
-    """min(2, cores) intra-op threads, spinning off unless asked (spinning burns a core between ops; see README)."""
+SPIN_US = 2000
+
+
+def session_options(threads: int | None, config: dict[str, str] | None = None, spin: bool = True) -> ort.SessionOptions:
+    """min(2, cores) intra-op threads. `spin`: worker threads spin between ops, and for SPIN_US after a run, then
+    sleep — back-to-back engine steps find them awake (b=1 decode ~25 % faster than sleeping between ops), an
+    idle engine costs nothing after 2 ms (ORT's default spins ~40 ms after every run, which steals a core from
+    the Python side between steps on a 2-core machine)."""
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads or min(2, os.cpu_count() or 1)
     so.inter_op_num_threads = 1
     so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
+    if spin:
+        so.add_session_config_entry("session.intra_op.spin_duration_us", str(SPIN_US))
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     so.log_severity_level = 3
     for key, value in (config or {}).items():   # what the graph needs, recorded by the compiler
@@ -54,7 +66,7 @@ def session_options(threads: int | None, config: dict[str, str] | None = None, s
 
 
 class ModelRunner:
-    def __init__(self, engine_dir: str | Path, threads: int | None = None, verify: bool = True, spin: bool = False):
+    def __init__(self, engine_dir: str | Path, threads: int | None = None, verify: bool = True, spin: bool = True):
         self.engine_dir = Path(engine_dir)
         self.manifest = artifact.load(self.engine_dir, verify=verify)
         target = self.manifest.get("target")
@@ -72,6 +84,30 @@ class ModelRunner:
         self.kv_heads, self.head_dim, self.max_seq_len = m["num_kv_heads"], m["head_dim"], m["max_seq_len"]
         self.kv_layout = KVLayout.from_manifest(self.manifest["kv_cache"])   # float32, or int8 (--kv-cache int8)
         self._logits = np.empty((0, self.vocab_size), np.float32)
+        # (pool id, first slot, slots) → (pool, binding, session): each entry holds the session too, because an
+        # IOBinding does not keep its session alive, and a binding that outlives its session crashes when freed
+        self._bindings: OrderedDict[tuple[int, int, int], tuple[weakref.ref, ort.IOBinding, ort.InferenceSession]] = OrderedDict()
+
+    MAX_BINDINGS = 64       # slot ranges whose KV bindings are kept (batches of running sequences recur)
+
+    def _binding(self, pool: SlotPool, slots: SlotRange) -> ort.IOBinding:
+        """An IOBinding with `pool`'s KV for `slots` bound as past and present; reused while the pool lives."""
+        key = (id(pool), slots.start, slots.count)
+        entry = self._bindings.get(key)
+        if entry is not None and entry[0]() is pool:
+            self._bindings.move_to_end(key)
+            return entry[1]
+        io = self.session.io_binding()
+        shape = [slots.count, *pool.slot_shape]
+        for i in range(self.num_layers):
+            for kind, arrays in (("key", pool.keys), ("value", pool.values)):
+                ptr = pool.pointer(arrays[i], slots)
+                io.bind_input(f"past_key_values.{i}.{kind}", "cpu", 0, pool.dtype, shape, ptr)
+                io.bind_output(f"present.{i}.{kind}", "cpu", 0, pool.dtype, shape, ptr)
+        self._bindings[key] = (weakref.ref(pool), io, self.session)
+        if len(self._bindings) > self.MAX_BINDINGS:
+            self._bindings.popitem(last=False)
+        return io
 
     def new_pool(self, num_slots: int, capacity: int | None = None) -> SlotPool:
         return SlotPool(self.num_layers, num_slots, self.kv_heads, capacity or self.max_seq_len, self.head_dim,
@@ -94,17 +130,11 @@ class ModelRunner:
         n = len(logits_indices)
         if self._logits.shape[0] < n:
             self._logits = np.empty((max(n, 2 * self._logits.shape[0]), self.vocab_size), np.float32)
-        io = self.session.io_binding()
+        io = self._binding(pool, slots)
         io.bind_cpu_input("input_ids", input_ids)
         io.bind_cpu_input("seqlens_k", seqlens_k)
         io.bind_cpu_input("total_sequence_length", np.array(int(seqlens_k.max()) + 1, np.int32))
         io.bind_cpu_input("logits_indices", np.ascontiguousarray(logits_indices, np.int64))
-        shape = [batch, *pool.slot_shape]
-        for i in range(self.num_layers):
-            for kind, arrays in (("key", pool.keys), ("value", pool.values)):
-                ptr = pool.pointer(arrays[i], slots)
-                io.bind_input(f"past_key_values.{i}.{kind}", "cpu", 0, pool.dtype, shape, ptr)
-                io.bind_output(f"present.{i}.{kind}", "cpu", 0, pool.dtype, shape, ptr)
         io.bind_output("logits", "cpu", 0, np.float32, [n, self.vocab_size], self._logits.ctypes.data)
         self.session.run_with_iobinding(io)
         return self._logits[:n]

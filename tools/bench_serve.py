@@ -1,0 +1,260 @@
+"""Black-box serving benchmark: any OpenAI-compatible servers, measured the way users measure them — the official
+`openai` client streaming /v1/completions — one server at a time, the servers alternating round by round so the
+machine's drift hits all alike. Every figure is also given as a ratio to `--baseline` from the same run.
+
+Per concurrency level (distinct prompts of ~`--prompt-tokens` tokens, `--max-tokens` new, greedy, ignore_eos):
+TTFT (request sent → first streamed text), per-stream decode tok/s ((tokens − 1) / (last − first text)),
+aggregate tok/s (all tokens / wall time of the level), ITL p50/p99 (gaps between streamed chunks). Repeated
+prefix: a long prompt, then the same prompt with a new last line — cold vs warm TTFT and the `cached_tokens` the
+server reports.
+
+    # two running servers
+    python tools/bench_serve.py --server qs=http://127.0.0.1:8000/v1 --server llama=http://127.0.0.1:8080/v1 \
+        --baseline llama --concurrency 1 8 --rounds 3 --json serve.json --plot serve.png
+    # or let it start them: runtime serve ENGINE, and llama-server (tools/peers/llama_server.sh builds it)
+    python tools/bench_serve.py --quicksilver ENGINE [--draft DRAFT] --llama-server BIN GGUF --baseline llama
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+TEXT = Path(__file__).resolve().parents[1] / "compile" / "data" / "heldout_code.txt"
+CHARS_PER_TOKEN = 3.2          # held-out Python with the bundled / smollm2-shaped BPE tokenizers
+
+
+@dataclass
+class Stream:
+    sent: float
+    chunks: list[float] = field(default_factory=list)   # arrival time of each chunk that carried text
+    tokens: int = 0
+    cached: int | None = None
+
+    @property
+    def ttft(self) -> float:
+        return self.chunks[0] - self.sent
+
+    @property
+    def decode_tps(self) -> float:
+        span = self.chunks[-1] - self.chunks[0]
+        return (self.tokens - 1) / span if span > 0 and self.tokens > 1 else float("nan")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(cmd: list[str], url: str, log: Path, timeout: float = 600) -> subprocess.Popen:
+    """Start a server and wait until its /v1/models answers."""
+    import httpx
+
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"{cmd[0]} exited with {proc.returncode}; see {log}")
+        try:
+            if httpx.get(f"{url}/models", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise SystemExit(f"{cmd[0]} did not come up in {timeout:.0f} s; see {log}")
+
+
+async def stream_one(client, model: str, prompt: str, max_tokens: int) -> Stream:
+    s = Stream(time.perf_counter())
+    resp = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                           stream=True, stream_options={"include_usage": True},
+                                           extra_body={"ignore_eos": True})
+    async for chunk in resp:
+        now = time.perf_counter()
+        if chunk.choices and chunk.choices[0].text:
+            s.chunks.append(now)
+        if chunk.usage is not None:
+            s.tokens = chunk.usage.completion_tokens
+            details = getattr(chunk.usage, "prompt_tokens_details", None)
+            s.cached = getattr(details, "cached_tokens", None) if details is not None else None
+    if not s.tokens:
+        s.tokens = len(s.chunks)
+    if not s.chunks:
+        raise RuntimeError("the server streamed no text")
+    return s
+
+
+async def level(client, model: str, prompts: list[str], max_tokens: int) -> dict:
+    t0 = time.perf_counter()
+    streams = await asyncio.gather(*[stream_one(client, model, p, max_tokens) for p in prompts])
+    wall = max(s.chunks[-1] for s in streams) - t0
+    gaps = np.concatenate([np.diff(s.chunks) for s in streams if len(s.chunks) > 1]) * 1e3
+    return {"ttft_ms": float(np.median([s.ttft for s in streams]) * 1e3),
+            "decode_tps_per_stream": float(np.nanmedian([s.decode_tps for s in streams])),
+            "aggregate_tps": sum(s.tokens for s in streams) / wall,
+            "itl_p50_ms": float(np.percentile(gaps, 50)), "itl_p99_ms": float(np.percentile(gaps, 99))}
+
+
+async def prefix_case(client, model: str, prompt: str, max_tokens: int, tag: str) -> dict:
+    cold = await stream_one(client, model, f"# {tag}\n{prompt}\n# first\n", max_tokens)
+    warm = await stream_one(client, model, f"# {tag}\n{prompt}\n# second one\n", max_tokens)
+    return {"cold_ttft_ms": cold.ttft * 1e3, "warm_ttft_ms": warm.ttft * 1e3, "warm_cached_tokens": warm.cached}
+
+
+async def measure(name: str, url: str, args, rnd: int) -> dict:
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=url, api_key=os.environ.get("OPENAI_API_KEY", "none"), max_retries=0, timeout=600)
+    model = (await client.models.list()).data[0].id
+    text = TEXT.read_text()
+    n_chars = int(args.prompt_tokens * CHARS_PER_TOKEN)
+    await stream_one(client, model, text[:200], 4)                                       # warm-up
+    out = {}
+    for c in args.concurrency:
+        # distinct prompts per stream and per round: no server can answer from its prefix cache
+        prompts = [f"# round {rnd} stream {i}\n" + text[(i * 7 + rnd) * 997 % (len(text) - n_chars):][:n_chars]
+                   for i in range(c)]
+        out[f"conc{c}"] = await level(client, model, prompts, args.max_tokens)
+    start = (rnd * 4099) % (len(text) - n_chars)
+    out["prefix"] = await prefix_case(client, model, text[start:start + n_chars], args.max_tokens, f"{name} {rnd}")
+    await client.close()
+    return out
+
+
+def summarize(runs: dict[str, list[dict]], baseline: str | None) -> dict:
+    """Median and spread over rounds of every figure, and ratios to the baseline (same round's figures)."""
+    summary = {}
+    for name, rounds in runs.items():
+        summary[name] = {}
+        for case in rounds[0]:
+            for key in rounds[0][case]:
+                values = [r[case][key] for r in rounds if r[case][key] is not None]
+                if not values:
+                    continue
+                entry = {"median": float(np.median(values)), "min": float(min(values)), "max": float(max(values))}
+                if baseline and name != baseline:
+                    ratios = [r[case][key] / b[case][key] for r, b in zip(rounds, runs[baseline])
+                              if r[case][key] is not None and b[case][key]]
+                    if ratios:
+                        entry["ratio"] = float(np.median(ratios))
+                        entry["ratio_range"] = [float(min(ratios)), float(max(ratios))]
+                summary[name][f"{case}.{key}"] = entry
+    return summary
+
+
+def print_table(summary: dict, baseline: str | None) -> None:
+    names = list(summary)
+    keys = list(summary[names[0]])
+    print(f"{'figure':34s}" + "".join(f"{n:>28s}" for n in names))
+    for k in keys:
+        row = f"{k:34s}"
+        for n in names:
+            e = summary[n].get(k)
+            if e is None:
+                row += f"{'-':>28s}"
+                continue
+            cell = f"{e['median']:.1f} [{e['min']:.1f}-{e['max']:.1f}]"
+            if "ratio" in e:
+                cell += f" {e['ratio']:.2f}x"
+            row += f"{cell:>28s}"
+        print(row)
+    if baseline:
+        print(f"(median [min-max] over rounds; Nx: ratio to {baseline}, median of per-round ratios)")
+
+
+def plot(summary: dict, path: Path, levels: list[int]) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figures = [("ttft_ms", "TTFT (ms)"), ("decode_tps_per_stream", "decode tok/s per stream"),
+               ("aggregate_tps", "aggregate tok/s"), ("itl_p99_ms", "ITL p99 (ms)")]
+    fig, axes = plt.subplots(1, len(figures), figsize=(4 * len(figures), 3.2))
+    for ax, (key, label) in zip(axes, figures):
+        for name, s in summary.items():
+            ys = [s[f"conc{c}.{key}"]["median"] for c in levels]
+            ax.plot(levels, ys, marker="o", label=name)
+        ax.set_xlabel("concurrent streams")
+        ax.set_title(label)
+        ax.set_xscale("log", base=2)
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--server", action="append", default=[], metavar="NAME=URL", help="a running server's /v1 URL")
+    ap.add_argument("--quicksilver", metavar="ENGINE", help="start `runtime serve ENGINE` (defaults, no tuning)")
+    ap.add_argument("--draft", metavar="ENGINE", help="with --quicksilver: its draft engine")
+    ap.add_argument("--quicksilver-args", default="", help="extra `runtime serve` arguments (quoted)")
+    ap.add_argument("--llama-server", nargs=2, metavar=("BIN", "GGUF"), help="start llama-server on a GGUF")
+    ap.add_argument("--llama-slots", type=int, default=8, help="llama-server -np (parallel slots)")
+    ap.add_argument("--baseline", default=None, help="server name the ratios are taken against")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--prompt-tokens", type=int, default=445)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--plot", type=Path, default=None)
+    args = ap.parse_args()
+    if args.plot is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise SystemExit("--plot needs matplotlib: pip install '.[bench]'") from None
+    servers = dict(s.split("=", 1) for s in args.server)
+    procs, logs = [], Path(os.environ.get("TMPDIR", "/tmp"))
+    try:
+        if args.quicksilver:
+            port = free_port()
+            cmd = ["runtime", "serve", args.quicksilver, "--http-port", str(port), "--grpc-port", "-1"]
+            cmd += (["--draft", args.draft] if args.draft else []) + args.quicksilver_args.split()
+            servers["quicksilver"] = f"http://127.0.0.1:{port}/v1"
+            procs.append(start(cmd, servers["quicksilver"], logs / "bench_serve_quicksilver.log"))
+        if args.llama_server:
+            port = free_port()
+            binary, gguf = args.llama_server
+            cmd = [binary, "-m", gguf, "--port", str(port), "-np", str(args.llama_slots), "-t", str(os.cpu_count()),
+                   "-c", str(args.llama_slots * 2048)]
+            servers["llama"] = f"http://127.0.0.1:{port}/v1"
+            procs.append(start(cmd, servers["llama"], logs / "bench_serve_llama.log"))
+        if not servers:
+            ap.error("give --server NAME=URL, --quicksilver ENGINE or --llama-server BIN GGUF")
+        runs: dict[str, list[dict]] = {name: [] for name in servers}
+        for rnd in range(args.rounds):
+            order = list(servers) if rnd % 2 == 0 else list(servers)[::-1]
+            for name in order:
+                runs[name].append(asyncio.run(measure(name, servers[name], args, rnd)))
+                print(f"round {rnd + 1}/{args.rounds} {name}: "
+                      + ", ".join(f"{c}: ttft {v['ttft_ms']:.0f} ms, {v['decode_tps_per_stream']:.0f} tok/s"
+                                  for c, v in runs[name][-1].items() if c.startswith("conc")), file=sys.stderr)
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(timeout=30)
+    summary = summarize(runs, args.baseline)
+    print_table(summary, args.baseline)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                                         "servers": servers, "summary": summary, "rounds": runs}, indent=2))
+    if args.plot:
+        plot(summary, args.plot, args.concurrency)
+
+
+if __name__ == "__main__":
+    main()
