@@ -24,11 +24,12 @@ def main() -> None:
 @main.command()
 @click.argument("args", nargs=-1, required=True, metavar="[ENGINE] PROMPT")
 @click.option("--max-tokens", type=int, default=128, show_default=True, help="Most tokens to generate.")
-@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 is greedy.")
-@click.option("--top-k", type=int, default=0, show_default=True, help="0 disables.")
-@click.option("--top-p", type=float, default=1.0, show_default=True)
-@click.option("--min-p", type=float, default=0.0, show_default=True)
-@click.option("--repetition-penalty", type=float, default=1.0, show_default=True)
+@click.option("--temperature", type=float, default=None, help="0 is greedy. [default: the model's, else 0]")
+@click.option("--top-k", type=int, default=None, help="0 disables. [default: the model's, else 0]")
+@click.option("--top-p", type=float, default=None, help="[default: the model's, else 1]")
+@click.option("--min-p", type=float, default=None, help="[default: the model's, else 0]")
+@click.option("--repetition-penalty", type=float, default=None,
+              help="[default: the model's, else 1] (The model's: its generation_config.json.)")
 @click.option("--seed", type=int, default=None, help="Makes sampling reproducible.")
 @click.option("--stop", multiple=True, help="Stop string (repeatable); not included in the output.")
 @click.option("--threads", type=click.IntRange(1), default=None, show_default="min(2, cores)",
@@ -42,16 +43,17 @@ def main() -> None:
 @click.option("--tls-ca", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="PEM certificate(s) to trust: connect to --server over TLS.")
 @click.option("--stats/--no-stats", default=True, show_default=True, help="Print TTFT, TPOT and cached tokens to stderr.")
-def generate(args: tuple[str, ...], max_tokens: int, temperature: float, top_k: int, top_p: float, min_p: float,
-             repetition_penalty: float, seed: int | None, stop: tuple[str, ...], threads: int | None, draft: Path | None,
+def generate(args: tuple[str, ...], max_tokens: int, temperature: float | None, top_k: int | None, top_p: float | None,
+             min_p: float | None, repetition_penalty: float | None, seed: int | None, stop: tuple[str, ...], threads: int | None, draft: Path | None,
              speculation: str, server: str | None, api_key: str | None, tls_ca: Path | None, stats: bool) -> None:
-    """Stream a completion of PROMPT from a local engine (default: the bundled target, with the bundled draft)."""
+    """Stream a completion of PROMPT from a local engine (default: the bundled target, with the bundled draft).
+    Sampling options left out take the model's own defaults (its generation_config.json), else greedy."""
     from .errors import QuicksilverError
 
     from .config import CacheConfig, EngineConfig, SchedulerConfig
     from .bundled import engine_dir
     from .engine import Engine
-    from .request import InvalidRequest, SamplingParams
+    from .request import InvalidRequest, SamplingParams, generation_defaults
 
     if len(args) > 2:
         fail("expected [ENGINE] PROMPT (quote the prompt)")
@@ -64,16 +66,15 @@ def generate(args: tuple[str, ...], max_tokens: int, temperature: float, top_k: 
         fail(f"--server streams from the server's engine; {', '.join(local)} apply to a local engine only")
     if tls_ca and not server:
         fail("--tls-ca applies to --server only")
-    if server:
-        sampling = dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                        repetition_penalty=repetition_penalty, stop=list(stop),
-                        **({"seed": seed} if seed is not None else {}))
+    given = {k: v for k, v in dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                                   repetition_penalty=repetition_penalty).items() if v is not None}
+    if server:        # what is left out, the server decides
+        sampling = dict(max_tokens=max_tokens, stop=list(stop), **given, **({"seed": seed} if seed is not None else {}))
         return _generate_remote(server, api_key, tls_ca, args[-1], sampling, stats)
     try:
         engine_path = Path(args[0]) if len(args) == 2 else engine_dir("target")
         draft, method = _speculation(draft, speculation, bundled=len(args) == 1)
-        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                                repetition_penalty=repetition_penalty, seed=seed, stop=stop)
+        params = SamplingParams(max_tokens=max_tokens, seed=seed, stop=stop, **{**generation_defaults(engine_path), **given})
         # One request per process: a prefix cache could never be hit, so it reserves no memory.
         engine = Engine(engine_path, EngineConfig(SchedulerConfig(max_num_seqs=1), CacheConfig(enable_prefix_cache=False),
                                                   threads=threads, draft=draft, speculation=method))

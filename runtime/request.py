@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import enum
 import itertools
+import json
 import secrets
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 
 class InvalidRequest(ValueError):
@@ -65,6 +67,25 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+
+
+def generation_defaults(engine_dir: str | Path) -> dict:
+    """The sampling defaults a model ships in its generation_config.json (copied into the engine by `compile
+    build`), as SamplingParams fields — what the model's authors say it reads best with, as transformers and vLLM
+    apply them. `do_sample: false` means greedy whatever its temperature says. Absent or unreadable: {}."""
+    try:
+        config = json.loads((Path(engine_dir) / "generation_config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(config, dict):
+        return {}
+    found = {k: config[k] for k in SAMPLING_KEYS if isinstance(config.get(k), (int, float)) and not isinstance(config.get(k), bool)}
+    if config.get("do_sample") is False:
+        found.update(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0)
+    return found
 
 
 class RequestStatus(enum.Enum):

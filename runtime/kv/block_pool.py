@@ -15,7 +15,6 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-import numpy as np
 
 from .memory import ReservedArray
 
