@@ -125,7 +125,9 @@ def listen_socket(host: str, port: int, what: str) -> socket.socket:
     """A listening TCP socket without SO_REUSEPORT: a port another server holds is an error, not a shared port."""
     try:
         family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
-        return socket.create_server(address, family=family)
+        sock = socket.create_server(address, family=family)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)    # accepted connections inherit it
+        return sock
     except OSError as e:
         raise OSError(f"cannot listen for {what} on {host}:{port}: {e.strerror or e}") from None
 

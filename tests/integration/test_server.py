@@ -820,3 +820,22 @@ def test_draining_refuses_new_requests(engine):
         stopping.result(30)
     finally:
         s.loop.call_soon_threadsafe(s.loop.stop)
+
+
+def test_http_connections_send_small_writes_at_once():
+    """Accepted HTTP connections have TCP_NODELAY (inherited from the listening socket): without it a streamed
+    chunk written right after the response headers waited for the client's delayed ACK, ~40 ms, on every request
+    (measured at the API: warm-prefix TTFT 65-76 ms with, 27-33 ms without)."""
+    import socket
+
+    from runtime.server.app import listen_socket
+
+    listener = listen_socket("127.0.0.1", 0, "HTTP")
+    try:
+        client = socket.create_connection(listener.getsockname())
+        accepted, _ = listener.accept()
+        assert accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
+        accepted.close()
+        client.close()
+    finally:
+        listener.close()

@@ -27,6 +27,7 @@ fi
 
 NAME=$(basename "$CKPT")
 mkdir -p gguf
+"$PY" -c "import sentencepiece" 2>/dev/null || "$PY" -m pip install -q sentencepiece   # the converter imports it for any Llama
 if [ ! -f "gguf/$NAME-f32.gguf" ]; then
   "$PY" "$HERE/to_gguf.py" "$LLAMA" "$CKPT" --outfile "gguf/$NAME-f32.gguf" --outtype f32 >/dev/null
 fi
