@@ -169,6 +169,9 @@ class Engine:
                 outputs.append(self._append(req, emitted))
         self.stats.steps += 1
         self.stats.last_step_s, self.stats.last_batch = time.perf_counter() - t0, len(plan.requests)
+        if self.speculator is not None and not plan.chunks:
+            self.speculator.observe(len(plan.decodes), bool(plan.gammas),
+                                    sum(len(r.tokens) for r in results.values()), self.stats.last_step_s)
         self.scheduler.observe(plan, self.stats.last_step_s)
         self.stats.last_step_prefill = bool(plan.chunks)
         return outputs

@@ -7,6 +7,12 @@ sequence, moving average) a round of γ guesses yields on average E(α, γ) = (1
 Sequences join the speculating set, best acceptance first, each with the γ that maximises the step's expected
 tokens per second, only while joining raises it; so speculation switches itself off where it does not pay
 (low acceptance, or large batches where a plain decode step is cheap per token).
+
+The cost model prices ONNX Runtime calls; it cannot see everything a speculating step costs (the rejection
+sampler, the draft's Python steps, its prompt chunks). So the decision is also checked against what steps
+actually delivered: `RateCheck` keeps the measured tokens per second of decode-only steps with and without
+speculation, per batch size, and stops speculation at a batch size where it delivers less than plain decoding.
+One step in EXPLORE_EVERY runs the other way, so both figures stay current and a change of traffic is noticed.
 """
 
 from __future__ import annotations
@@ -70,11 +76,45 @@ def expected_tokens(alpha: float, gamma: int) -> float:
     return (1 - alpha ** (gamma + 1)) / (1 - alpha)
 
 
+class RateCheck:
+    """Measured tokens per second of decode-only steps, with and without speculation, per batch size (moving
+    averages): whether speculation is delivering, and when to look at the other side."""
+
+    EXPLORE_EVERY = 32
+    WEIGHT = 0.2
+
+    def __init__(self):
+        self.rates: dict[bool, dict[int, float]] = {True: {}, False: {}}
+        self.steps: dict[int, int] = {}
+
+    def observe(self, num_decodes: int, speculated: bool, tokens: int, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        rates, rate = self.rates[speculated], tokens / seconds
+        old = rates.get(num_decodes)
+        rates[num_decodes] = rate if old is None else (1 - self.WEIGHT) * old + self.WEIGHT * rate
+
+    def pays(self, num_decodes: int) -> bool:
+        """Speculation has not been measured delivering less than plain decoding at this batch size."""
+        spec, plain = self.rates[True].get(num_decodes), self.rates[False].get(num_decodes)
+        return spec is None or plain is None or spec >= plain
+
+    def speculate(self, num_decodes: int) -> bool:
+        """This step's side: the one that pays, except one step in EXPLORE_EVERY, which measures the other."""
+        n = self.steps[num_decodes] = self.steps.get(num_decodes, 0) + 1
+        return self.pays(num_decodes) != (n % self.EXPLORE_EVERY == 0)
+
+
 class Speculator:
     def __init__(self, config: SpecConfig, proposer: Proposer, sampler: Sampler, cost: CostModel):
         """`cost`: the backend's measured step costs; the proposer's timed steps are recorded there as "draft"."""
         self.config, self.proposer, self.sampler, self.cost = config, proposer, sampler, cost
         self.stats = SpecStats()
+        self.rate_check = RateCheck()
+
+    def observe(self, num_decodes: int, speculated: bool, tokens: int, seconds: float) -> None:
+        """A decode-only step's outcome (adaptive speculation checks its decisions against these)."""
+        self.rate_check.observe(num_decodes, speculated, tokens, seconds)
 
     def eligible(self, req: Request) -> bool:
         """Penalties make each position's distribution depend on the guesses before it, and verification
@@ -101,6 +141,8 @@ class Speculator:
                 g = min(g, budget - sum(chosen.values()))
                 if g > 0:
                     chosen[r.request_id] = g
+            return chosen
+        if not cands or not self.rate_check.speculate(len(decodes)):
             return chosen
         base = step_cost([])
         if base <= 0:                 # nothing measured yet: no basis for a decision
