@@ -75,14 +75,6 @@ class ModelInput:
         seqs.sort(key=lambda s: 0 if s.is_decode else 2 if s.proposal is not None else 1)
         return cls(seqs)
 
-    @property
-    def decodes(self) -> list[SeqInput]:
-        return [s for s in self.seqs if s.is_decode]
-
-    @property
-    def others(self) -> list[SeqInput]:
-        return [s for s in self.seqs if not s.is_decode]
-
 
 @dataclass
 class RunnerOutput:

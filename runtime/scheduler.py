@@ -119,13 +119,13 @@ class Scheduler:
         """Move waiting requests into the KV manager (preempting strictly lower priorities when there is no room)."""
         while self.waiting:
             req = self.waiting[0][2]
-            hit = self.kv.allocate(req) if len(self.running) < self.config.max_num_seqs else None
+            hit = self._allocate(req)
             if hit is None:
                 victims = [r for r in self.running if r.priority > req.priority]
                 if not victims:
                     return
                 self._preempt(max(victims, key=_order), plan)
-                hit = self.kv.allocate(req) if len(self.running) < self.config.max_num_seqs else None
+                hit = self._allocate(req)
                 if hit is None:
                     return
             heapq.heappop(self.waiting)
@@ -135,6 +135,9 @@ class Scheduler:
                 req.first_scheduled = time.monotonic()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+
+    def _allocate(self, req: Request) -> int | None:
+        return self.kv.allocate(req) if len(self.running) < self.config.max_num_seqs else None
 
     def _reserve(self, req: Request, num_tokens: int, plan: SchedulePlan) -> bool:
         """KV for `req`'s first `num_tokens` tokens, taken from the requests behind it if need be; False if `req`
@@ -158,10 +161,11 @@ class Scheduler:
                 plan.decodes.append(req)
         budget -= len(plan.decodes)
         if self.plan_speculation is not None and plan.decodes and budget > 0:
-            for req_id, gamma in self.plan_speculation(plan.decodes, budget).items():
-                req = next(r for r in plan.decodes if r.request_id == req_id)
+            gammas = self.plan_speculation(plan.decodes, budget)
+            for req in plan.decodes:
+                gamma = gammas.get(req.request_id, 0)
                 if gamma > 0 and self.kv.reserve(req, req.num_tokens + gamma):    # guesses never preempt anyone
-                    plan.gammas[req_id] = gamma
+                    plan.gammas[req.request_id] = gamma
                     budget -= gamma
         # Prefills shortest-remaining first; while any short prompt (≤ one chunk) waits for its first token,
         # long prompts sit this step out (but one aged one gets MIN_CHUNK tokens), so a short request's TTFT

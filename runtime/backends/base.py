@@ -11,11 +11,8 @@ A backend is a KV manager + a model runner + a proposer:
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
-
-import numpy as np
 
 from ..outputs import ModelInput, RunnerOutput
 from ..request import Request
@@ -88,17 +85,16 @@ class Backend(Protocol):
         ...
 
 
+def make_proposer(config, draft_proposer: Callable[[], Proposer]) -> Proposer | None:
+    """The proposer `config.speculation` asks for: prompt lookup, the backend's draft-model proposer, or none."""
+    if config.speculation == "ngram":
+        from ..spec_decode.ngram import NgramProposer
+
+        return NgramProposer()
+    return draft_proposer() if config.speculation == "draft" else None
+
+
 def context_length(config, runner, draft) -> int:
     """The longest sequence served: --max-model-len, capped by what the engine (and its draft) were built for."""
     n = min(config.cache.max_model_len or runner.max_seq_len, runner.max_seq_len)
     return min(n, draft.max_seq_len) if draft is not None else n
-
-
-def timed(fn: Callable[[], object], repeat: int = 3) -> float:
-    """Median seconds of `repeat` calls (warm-up measurements)."""
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))

@@ -12,16 +12,26 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import numpy as np
+
 from ..config import EngineConfig
 from ..kv.manager import KVCacheManager
 from ..model_runner import ModelRunner, check_same_tokenizer
 from ..outputs import ModelInput, RunnerOutput
 from ..sampler import Sampler
 from ..spec_decode.draft_model import DraftModelProposer
-from ..spec_decode.ngram import NgramProposer
-from ..spec_decode.proposer import Proposer
 from ..spec_decode.speculator import CostModel
-from .base import context_length, timed
+from .base import context_length, make_proposer
+
+
+def timed(fn: Callable[[], object], repeat: int = 3) -> float:
+    """Median seconds of `repeat` calls (warm-up measurements)."""
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
 
 
 class CpuBackend:
@@ -34,11 +44,7 @@ class CpuBackend:
         self.max_model_len = context_length(config, self.runner, self.draft)
         self.kv = self._make_kv(config)
         self.cost = CostModel()
-        self.proposer: Proposer | None = None
-        if config.speculation == "ngram":
-            self.proposer = NgramProposer()
-        elif config.speculation == "draft":
-            self.proposer = DraftModelProposer(self.draft, self.kv, sampler)
+        self.proposer = make_proposer(config, lambda: DraftModelProposer(self.draft, self.kv, sampler))
         self._max_gamma = config.spec.max_gamma
 
     def _make_kv(self, config: EngineConfig) -> KVCacheManager:

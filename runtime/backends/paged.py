@@ -22,11 +22,9 @@ from ..kv.paged import PagedKVManager, build_paged_batch
 from ..outputs import ModelInput, RunnerOutput
 from ..paged_runner import PagedModelRunner
 from ..sampler import Sampler
-from ..spec_decode.ngram import NgramProposer
 from ..spec_decode.paged_draft import PagedDraftProposer
-from ..spec_decode.proposer import Proposer
 from ..spec_decode.speculator import CostModel
-from .base import context_length
+from .base import context_length, make_proposer
 
 
 def gpu_kv_budget(models: list[dict]) -> int | None:
@@ -65,11 +63,7 @@ class PagedBackend:
         self.kv = PagedKVManager(num_blocks, c.block_size, config.scheduler.max_num_seqs, self.max_model_len,
                                  with_draft=self.draft is not None, prefix_cache=c.enable_prefix_cache)
         self.cost = CostModel()
-        self.proposer: Proposer | None = None
-        if config.speculation == "ngram":
-            self.proposer = NgramProposer()
-        elif config.speculation == "draft":
-            self.proposer = PagedDraftProposer(self.draft, self.kv, sampler)
+        self.proposer = make_proposer(config, lambda: PagedDraftProposer(self.draft, self.kv, sampler))
 
     def run(self, inp: ModelInput) -> RunnerOutput:
         ids, counts, rows, end = [], [], [], 0

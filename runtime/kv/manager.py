@@ -62,7 +62,8 @@ class KVCacheManager:
         self._layers = [(pool, layer) for pool in self.pools for layer in range(pool.num_layers)]
         self.block_size, self.num_slots, self.capacity = block_size, num_slots, slot_capacity
         self.budget_tokens = budget_tokens if budget_tokens is not None else num_slots * slot_capacity
-        self.granule = max(pool.granule for pool in self.pools)
+        # granules are powers of two: the coarsest pool's rounding is a whole number of every other pool's
+        self._rounded = max(self.pools, key=lambda pool: pool.granule).rounded
         self._resident = [0] * num_slots                    # tokens resident per slot (a granule multiple)
         self.resident_tokens = 0
         self._free_slots = list(range(num_slots))          # min-heap: lowest slot first keeps batches dense
@@ -85,9 +86,6 @@ class KVCacheManager:
     def busy_slots(self) -> set[int]:
         """Slots held by running sequences (a batched call must not write into them for another sequence)."""
         return self._busy
-
-    def _rounded(self, num_tokens: int) -> int:
-        return min(self.capacity, -(-num_tokens // self.granule) * self.granule)
 
     def can_ever_fit(self, req: Request) -> bool:
         worst = min(self.capacity, req.num_tokens + req.params.max_tokens)
