@@ -47,10 +47,14 @@ class CacheConfig:
                                       # (cuda engines: 85 % of free device memory less the weights, via libqs_cuda)
     prefix_cache_fraction: float = 0.3  # of the budget, for cached blocks
     enable_prefix_cache: bool = True
+    retained_slots: int = 4           # finished sequences whose slots keep their KV for a follow-up that extends
+                                      # them (next chat turn): no copy, no recomputed partial block; given back first
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError("block_size must be a power of two")
+        if self.retained_slots < 0:
+            raise ValueError("retained_slots must be >= 0")
         if not 0.0 <= self.prefix_cache_fraction < 1.0:
             raise ValueError("prefix_cache_fraction must be in [0, 1)")
 

@@ -139,13 +139,15 @@ class ModelRunner:
         self.session.run_with_iobinding(io)
         return self._logits[:n]
 
-    def decode(self, pool: SlotPool, rows: list[tuple[int, int, int]], busy: set[int]) -> np.ndarray:
+    def decode(self, pool: SlotPool, rows: list[tuple[int, int, int]], busy: set[int],
+               scratch: dict[int, int] | None = None) -> np.ndarray:
         """One new token for each of several sequences, batched by contiguous slot range.
 
         Args:
             rows: (slot, token id, position) per sequence; the position is the token's index in its sequence.
             busy: slots of other live sequences, which a batch must not span (a spanned free slot only gets a
                 dummy row, whose KV write lands in memory nobody reads).
+            scratch: free slots holding retained KV → the row their dummy may write (past what they hold).
         Returns:
             logits [len(rows), vocab] in the order of `rows` (a fresh array).
         """
@@ -162,6 +164,9 @@ class ModelRunner:
             lo = rows[group[0]][0]
             width = rows[group[-1]][0] - lo + 1
             ids, seqlens = np.zeros((width, 1), np.int64), np.zeros(width, np.int32)
+            for slot, row in (scratch or {}).items():
+                if lo < slot < lo + width:
+                    seqlens[slot - lo] = row
             for i in group:
                 slot, token, pos = rows[i]
                 ids[slot - lo, 0], seqlens[slot - lo] = token, pos

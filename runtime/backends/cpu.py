@@ -60,7 +60,8 @@ class CpuBackend:
                              "tokens; raise the budget or lower max_model_len")
         num_blocks = int(budget * c.prefix_cache_fraction // (token_bytes * c.block_size)) if c.enable_prefix_cache else 0
         return KVCacheManager(layouts, config.scheduler.max_num_seqs, self.max_model_len, num_blocks, c.block_size,
-                              budget_tokens=slot_tokens)
+                              budget_tokens=slot_tokens,
+                              retained_slots=c.retained_slots if c.enable_prefix_cache else 0)
 
     def run(self, inp: ModelInput) -> RunnerOutput:
         pool, logits = self.kv.slots, [None] * len(inp.seqs)
@@ -68,7 +69,7 @@ class CpuBackend:
         if decodes:
             t0 = time.perf_counter()
             rows = [(inp.seqs[i].req.slot, inp.seqs[i].tokens[0], inp.seqs[i].start) for i in decodes]
-            out = self.runner.decode(pool, rows, self.kv.busy_slots() - {r[0] for r in rows})
+            out = self.runner.decode(pool, rows, self.kv.busy_slots() - {r[0] for r in rows}, self.kv.scratch_rows())
             self.cost.record("dec", len(decodes), time.perf_counter() - t0)
             for i, row in zip(decodes, out):
                 logits[i] = row[None]

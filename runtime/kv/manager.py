@@ -5,13 +5,19 @@ slot is reserved address space for a whole context; its memory becomes resident 
 (`reserve`, a granule ahead of the writes) and goes back to the OS when it ends, and the budget counts resident
 tokens — so concurrency follows the tokens actually held, not slots × context. Full blocks of computed tokens
 are copied into the BlockPool under their chained hash; a new sequence whose prompt starts with cached blocks
-gets them copied into its slot (a memcpy instead of a prefill) and starts computing after them. No other
+gets them copied into its slot (a memcpy instead of a prefill) and starts computing after them.
+
+A finished sequence's slot may stay resident with its KV ("retained", as llama.cpp's server slots keep theirs): a
+follow-up whose prompt extends it (a chat's next turn, the same document with a new question) takes that slot
+and starts after the longest common prefix, copying nothing and recomputing no partial block. Retained slots
+are free slots: the least recently used is given back first whenever a slot or memory is wanted. No other
 module frees or copies KV.
 """
 
 from __future__ import annotations
 
 import heapq
+from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -51,9 +57,10 @@ class CacheStats:
 
 class KVCacheManager:
     def __init__(self, layouts: list[KVLayout], num_slots: int, slot_capacity: int, num_blocks: int, block_size: int,
-                 budget_tokens: int | None = None):
+                 budget_tokens: int | None = None, retained_slots: int = 0):
         """layouts[0] is the target; further layouts (the draft) get slots with the same indices. `budget_tokens`:
-        tokens that may be resident in slots at once (None: every slot full); num_blocks 0: no prefix cache."""
+        tokens that may be resident in slots at once (None: every slot full); num_blocks 0: no prefix cache;
+        `retained_slots`: finished sequences whose slots keep their KV for a follow-up."""
         self.pools = [SlotPool(m.num_layers, num_slots, m.kv_heads, slot_capacity, m.head_dim, m.dtype) for m in layouts]
         self.slots = self.pools[0]
         self.blocks = BlockPool([(m.kv_heads, m.head_dim, m.dtype) for m in layouts for _ in range(m.num_layers)],
@@ -71,6 +78,8 @@ class KVCacheManager:
         self._held: dict[str, list[int]] = {}               # request id → blocks it references, in order
         self._keys: dict[str, list[int]] = {}               # request id → chained keys of its full blocks
         self._pending: dict[str, Request] = {}              # computed since the last flush
+        self.max_retained = retained_slots
+        self._retained: OrderedDict[int, np.ndarray] = OrderedDict()   # free slot → token ids its KV holds, LRU first
         self.stats = CacheStats()
 
     # -- capacity ---------------------------------------------------------------------------------
@@ -87,6 +96,16 @@ class KVCacheManager:
         """Slots held by running sequences (a batched call must not write into them for another sequence)."""
         return self._busy
 
+    def scratch_rows(self) -> dict[int, int]:
+        """Free slots whose leading rows hold retained KV → the first row a batched call spanning them may scribble
+        on (a spanned free slot gets a dummy row; elsewhere it goes to row 0)."""
+        return {slot: len(ids) for slot, ids in self._retained.items()}
+
+    @property
+    def retained_tokens(self) -> int:
+        """Tokens resident in retained slots (counted in `resident_tokens`, given back on demand)."""
+        return sum(self._resident[slot] for slot in self._retained)
+
     def can_ever_fit(self, req: Request) -> bool:
         worst = min(self.capacity, req.num_tokens + req.params.max_tokens)
         return self._rounded(worst) <= self.budget_tokens
@@ -96,22 +115,78 @@ class KVCacheManager:
 
     # -- lifecycle --------------------------------------------------------------------------------
     def allocate(self, req: Request) -> int | None:
-        """Give `req` a slot with memory for its tokens and one more, and copy its cached prefix into it; returns
-        the cached tokens, or None (holding nothing) if no slot or not enough budget is free."""
+        """Give `req` a slot with memory for its tokens and one more, holding its longest known prefix — a retained
+        slot that starts with it, else cached blocks copied in; returns the tokens it need not compute, or None
+        (holding nothing) if no slot or not enough budget is free."""
+        held = self.blocks.acquire_prefix(self._keys_for(req), req.all_ids, self.blocks.hit_limit(req.num_tokens))
+        cached = len(held) * self.block_size
+        slot, kept = self._retained_match(req.all_ids, max(0, req.num_tokens - 2))   # the last two are computed
+        if slot is None or kept < max(cached, 1):
+            slot, kept = self._fresh_slot(), 0
         need = self._rounded(req.num_tokens + 1)
-        if not self._free_slots or self.resident_tokens + need > self.budget_tokens:
+        if slot is None or not self._make_room(max(0, need - self._resident[slot]), keep=slot):
+            for block in held:
+                self.blocks.release(block)
             return None
-        req.slot = heapq.heappop(self._free_slots)
-        self._busy.add(req.slot)
-        self._grow(req.slot, need)
-        held = self._held.setdefault(req.request_id, [])
-        assert not held, "a request is allocated only while it holds nothing"
-        held.extend(self.blocks.acquire_prefix(self._keys_for(req), req.all_ids, self.blocks.hit_limit(req.num_tokens)))
-        self._copy_in(req.slot, held)
-        hit = len(held) * self.block_size
+        self._retained.pop(slot, None)
+        self._free_slots.remove(slot)
+        heapq.heapify(self._free_slots)
+        req.slot = slot
+        self._busy.add(slot)
+        self._grow(slot, need)
+        assert not self._held.get(req.request_id), "a request is allocated only while it holds nothing"
+        self._held[req.request_id] = held
+        if not kept:
+            self._copy_in(slot, held)
+        hit = max(kept, cached)
         self.stats.queries += len(req.prompt_ids)
         self.stats.hits += min(hit, len(req.prompt_ids))
         return hit
+
+    def _retained_match(self, ids, limit: int) -> tuple[int | None, int]:
+        """The retained slot sharing the longest prefix with `ids` (at most `limit` tokens) and that length."""
+        best, best_len = None, 0
+        ids = np.asarray(ids[:limit])
+        for slot, kept in self._retained.items():
+            n = min(len(kept), len(ids))
+            differ = np.flatnonzero(kept[:n] != ids[:n])
+            common = int(differ[0]) if len(differ) else n
+            if common > best_len:
+                best, best_len = slot, common
+        return best, best_len
+
+    def _fresh_slot(self) -> int | None:
+        """The lowest free slot that holds nothing, else the least recently retained one (its KV given back)."""
+        empty = [slot for slot in self._free_slots if slot not in self._retained]
+        if empty:
+            return min(empty)
+        if self._retained:
+            slot = next(iter(self._retained))
+            self._evict(slot)
+            return slot
+        return None
+
+    def _make_room(self, tokens: int, keep: int | None = None) -> bool:
+        """Give back retained slots (least recent first, never `keep`) until `tokens` more fit the budget; none if
+        all of them would not be enough."""
+        others = [s for s in self._retained if s != keep]
+        if self.resident_tokens - sum(self._resident[s] for s in others) + tokens > self.budget_tokens:
+            return False
+        for slot in others:
+            if self.resident_tokens + tokens <= self.budget_tokens:
+                break
+            self._evict(slot)
+        return self.resident_tokens + tokens <= self.budget_tokens
+
+    def _evict(self, slot: int) -> None:
+        del self._retained[slot]
+        self._release(slot)
+
+    def _release(self, slot: int) -> None:
+        for pool in self.pools:
+            pool.release(slot)
+        self.resident_tokens -= self._resident[slot]
+        self._resident[slot] = 0
 
     def reserve(self, req: Request, num_tokens: int) -> bool:
         """Memory for `req`'s first `num_tokens` tokens in its slot (every model's), populated a granule ahead;
@@ -120,12 +195,13 @@ class KVCacheManager:
         if num_tokens <= self._resident[slot]:
             return True
         target = self._rounded(num_tokens)
-        if self.resident_tokens + target - self._resident[slot] > self.budget_tokens:
+        if not self._make_room(target - self._resident[slot]):
             return False
         self._grow(slot, target)
         return True
 
     def _grow(self, slot: int, tokens: int) -> None:
+        tokens = max(tokens, self._resident[slot])        # a retained slot may already hold more
         for pool in self.pools:
             pool.ensure(slot, tokens)
         self.resident_tokens += tokens - self._resident[slot]
@@ -179,22 +255,26 @@ class KVCacheManager:
             held.append(block)
 
     def free(self, req: Request, cache: bool = True) -> None:
-        """Release `req`'s slot (its memory back to the OS) and block references (idempotent); with `cache`, its
-        computed full blocks go to the prefix cache first."""
+        """Release `req`'s slot and block references (idempotent); with `cache`, its computed full blocks go to the
+        prefix cache first and the slot may be retained with its KV, else its memory goes back to the OS."""
         self._pending.pop(req.request_id, None)
         if cache and req.slot is not None and self.blocks.num_blocks and req.request_id in self._held:
             self.cache_computed(req)
         for block in self._held.pop(req.request_id, []):
             self.blocks.release(block)
         self._keys.pop(req.request_id, None)
-        if req.slot is not None:
-            for pool in self.pools:
-                pool.release(req.slot)
-            self.resident_tokens -= self._resident[req.slot]
-            self._resident[req.slot] = 0
-            self._busy.discard(req.slot)
-            heapq.heappush(self._free_slots, req.slot)
-            req.slot = None
+        if req.slot is None:
+            return
+        slot, req.slot = req.slot, None
+        done = req.num_computed if len(self.pools) == 1 else min(req.num_computed, req.num_computed_draft)
+        if cache and self.max_retained and done > 0:
+            self._retained[slot] = np.asarray(req.tokens(0, done))
+            while len(self._retained) > self.max_retained:
+                self._evict(next(iter(self._retained)))
+        else:
+            self._release(slot)
+        self._busy.discard(slot)
+        heapq.heappush(self._free_slots, slot)
 
     # -- copies -----------------------------------------------------------------------------------
     def _copy_in(self, slot: int, blocks: list[int]) -> None:

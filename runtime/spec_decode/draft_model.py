@@ -47,6 +47,7 @@ class DraftModelProposer:
 
     def propose(self, reqs: list[Request], gammas: list[int]) -> list[Proposal]:
         busy = self.kv.busy_slots() - {r.slot for r in reqs}     # batches of guesses must not span these
+        scratch = self.kv.scratch_rows()
         tokens: list[list[int]] = [[] for _ in reqs]
         probs: list[list[np.ndarray]] = [[] for _ in reqs]
         # First guess: sequences behind by several tokens catch up in a chunk, the rest in one batch.
@@ -58,7 +59,7 @@ class DraftModelProposer:
                 probs[i].append(q)
         if single:
             rows = [(reqs[i].slot, reqs[i].last_token, reqs[i].num_tokens - 1) for i in single]
-            for i, row in zip(single, self.runner.decode(self.pool, rows, busy)):
+            for i, row in zip(single, self.runner.decode(self.pool, rows, busy, scratch)):
                 reqs[i].num_computed_draft = reqs[i].num_tokens
                 t, q = choose(row, reqs[i], self.sampler, reqs[i].num_tokens)
                 tokens[i].append(t)
@@ -69,7 +70,7 @@ class DraftModelProposer:
             if not active:
                 break
             rows = [(reqs[i].slot, tokens[i][-1], reqs[i].num_tokens + k - 1) for i in active]
-            for i, row in zip(active, self.runner.decode(self.pool, rows, busy)):
+            for i, row in zip(active, self.runner.decode(self.pool, rows, busy, scratch)):
                 reqs[i].num_computed_draft += 1
                 t, q = choose(row, reqs[i], self.sampler, reqs[i].num_tokens + k)
                 tokens[i].append(t)

@@ -77,12 +77,17 @@ def run_all(engine, items, join_steps=None):
 
 
 def assert_no_leaks(engine):
-    """Every sequence index free, no block referenced, and (CPU) no slot memory resident."""
+    """Every sequence index free, no block referenced, and (CPU) no slot memory resident but that of retained
+    slots (at most `retained_slots`, each counted in the budget)."""
     assert not engine.has_work() and not engine.requests
     assert engine.kv.num_free_slots == engine.kv.num_slots
     assert engine.kv.blocks.num_in_use == 0 and all(r == 0 for r in engine.kv.blocks.ref)
     if hasattr(engine.kv, "pools"):
-        assert engine.kv.resident_tokens == 0 and all(pool.resident_bytes == 0 for pool in engine.kv.pools)
+        kept = engine.kv.scratch_rows()
+        assert len(kept) <= engine.kv.max_retained
+        assert engine.kv.resident_tokens == sum(engine.kv.pools[0].resident_tokens(s) for s in kept)
+        for pool in engine.kv.pools:
+            assert all(pool.resident_tokens(s) == 0 for s in range(pool.num_slots) if s not in kept)
 
 
 @pytest.mark.parametrize("name,kv_cache", [("llama", "fp32"), ("qwen2", "fp32"), ("llama", "int8")])
@@ -117,6 +122,26 @@ def test_prefix_cache_hit_equals_miss(engine, kv_cache):
         assert h["usage"].cached_tokens >= 48 and m["usage"].cached_tokens == 0
         assert_same_greedy(h, m)
     assert warm.kv.stats.hits > 0
+    assert_no_leaks(warm)
+
+
+def test_retained_slot_serves_a_follow_up_exactly(engine):
+    """A finished sequence's slot keeps its KV: a prompt sharing its first tokens (not a whole number of blocks)
+    starts after them in that slot, while the decodes of its neighbours, batched across the free slot, leave its
+    rows alone; every output is the cold engine's, bit for bit."""
+    base = prompts(1, seed=21)[0]
+    shared = base + base[:7] + [5, 6, 7]
+    assert len(shared) % 16
+    long = SamplingParams(max_tokens=40, logprobs=2, ignore_eos=True)
+    items = [(prompts(1, seed=22)[0], long), (shared + [9], SamplingParams(max_tokens=3, logprobs=2, ignore_eos=True)),
+             (prompts(1, seed=23)[0], long), (shared + [11, 12, 13], GREEDY)]
+    warm = make(engine("llama"), max_num_seqs=4)
+    hot = run_all(warm, items, join_steps=[0, 0, 0, 12])        # slots 0, 1, 2; slot 1 retained, then reused
+    cold = make(engine("llama"), cache=CacheConfig(kv_budget_bytes=32 << 20, enable_prefix_cache=False))
+    for item, h in zip(items, hot):
+        assert_same_greedy(h, run_all(cold, [item])[0])
+    assert hot[3]["usage"].cached_tokens == len(shared)          # the retained slot, past the last full block
+    assert hot[1]["usage"].cached_tokens == 0
     assert_no_leaks(warm)
 
 
