@@ -89,8 +89,9 @@ class KVCacheManager:
 
     @property
     def usage(self) -> float:
-        """Fraction of the slot budget resident (the KV usage reported in metrics)."""
-        return self.resident_tokens / self.budget_tokens
+        """Fraction of the slot budget held by sequences (the KV usage reported in metrics; retained slots are a
+        cache, given back on demand, as the prefix cache's blocks are)."""
+        return (self.resident_tokens - self.retained_tokens) / self.budget_tokens
 
     def busy_slots(self) -> set[int]:
         """Slots held by running sequences (a batched call must not write into them for another sequence)."""
