@@ -24,6 +24,7 @@ from tokenizers import Tokenizer
 
 from .backends import load_backend
 from .config import EngineConfig
+from .constraints import Constraint, Grammars, Matcher
 from .detokenizer import IncrementalDetokenizer, StopStringFilter
 from .outputs import ModelInput, RequestOutput, RunnerOutput, StepResult, Usage
 from .request import InvalidRequest, Request, RequestStatus, SamplingParams
@@ -60,6 +61,7 @@ class EngineStats:
     last_batch: int = 0
     last_step_prefill: bool = False
     failed_steps: int = 0
+    grammar_s: float = 0.0          # masking logits and advancing grammars (constrained requests)
 
 
 class Engine:
@@ -72,6 +74,8 @@ class Engine:
         manifest = self.runner.manifest
         self.tokenizer = Tokenizer.from_file(str(Path(engine_dir) / "tokenizer.json"))
         self.eos_ids = frozenset(manifest["tokenizer"]["eos_token_ids"])
+        self.grammars = Grammars((Path(engine_dir) / "tokenizer.json").read_text(), self.runner.vocab_size, self.eos_ids)
+        self._matchers: dict[str, Matcher] = {}        # constrained requests' grammar state
         self.speculator, planner = None, None
         if backend.proposer is not None:
             self.speculator = Speculator(config.spec, backend.proposer, self.sampler, backend.cost)
@@ -104,6 +108,11 @@ class Engine:
             raise InvalidRequest(f"priority must be an integer in [{MIN_PRIORITY}, {MAX_PRIORITY}], not {priority}")
         if self.scheduler.num_waiting >= self.config.scheduler.max_waiting:
             raise EngineOverloaded(f"{self.scheduler.num_waiting} requests are already waiting")
+        matcher = None
+        if params.constraint is not None:
+            if not isinstance(params.constraint, Constraint):
+                raise InvalidRequest("constraint must be a runtime.constraints.Constraint")
+            matcher = self.grammars.matcher(params.constraint)
         req = Request([int(t) for t in ids], params, request_id, priority)
         if arrival is not None:
             req.arrival = arrival
@@ -111,6 +120,8 @@ class Engine:
             raise InvalidRequest(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) needs more KV memory "
                                  "than the cache has; lower max_tokens or raise the KV budget")
         self.requests[req.request_id] = req
+        if matcher is not None:
+            self._matchers[req.request_id] = matcher
         self._streams[req.request_id] = _Stream(IncrementalDetokenizer(self.tokenizer, req.prompt_ids),
                                                 StopStringFilter(params.stop))
         self.scheduler.add(req)
@@ -189,6 +200,12 @@ class Engine:
         """Tokens from logits: a sample where a sequence caught up, verified guesses where it speculated."""
         results = {}
         for s, logits in zip(inp.seqs, out.logits):
+            matcher = self._matchers.get(s.req.request_id)
+            if matcher is not None and s.num_logits:      # what the grammar forbids never gets sampled or accepted
+                t0 = time.perf_counter()
+                guesses = s.proposal.tokens if s.proposal is not None else ()
+                logits = matcher.mask(logits[-len(guesses) - 1:], guesses)
+                self.stats.grammar_s += time.perf_counter() - t0
             if s.proposal is not None:
                 emitted, length = self.speculator.verify(s.req, s.proposal, logits)
                 results[s.req.request_id] = StepResult(length, emitted)
@@ -200,8 +217,13 @@ class Engine:
     def _append(self, req: Request, results: list) -> RequestOutput:
         """Add sampled tokens to `req` (stopping at the first that finishes it); one output message for them."""
         stream, p, text = self._streams[req.request_id], req.params, ""
+        matcher = self._matchers.get(req.request_id)
         now = time.monotonic()
         for result in results:
+            if matcher is not None and not self._advance(matcher, result.token):
+                out = self._finish(req, "error", text)
+                out.error = f"internal error: the grammar refused a sampled token ({matcher.error})"
+                return out
             req.output_ids.append(result.token)
             self.stats.generation_tokens += 1
             if req.first_token_time is None:
@@ -217,11 +239,19 @@ class Engine:
                 text += delta
                 if hit:
                     reason = "stop"
+                elif matcher is not None and matcher.done:
+                    reason = "stop"                         # the constrained output is complete
                 elif len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
                     reason = "length"
             if reason is not None:
                 return self._finish(req, reason, text, stop_string_hit=hit)
         return self._emit(req, text)
+
+    def _advance(self, matcher: Matcher, token: int) -> bool:
+        t0 = time.perf_counter()
+        ok = matcher.accept(token)
+        self.stats.grammar_s += time.perf_counter() - t0
+        return ok
 
     def _emit(self, req: Request, text: str) -> RequestOutput:
         stream = self._streams[req.request_id]
@@ -235,6 +265,7 @@ class Engine:
             text += stream.stops.feed(stream.detok.flush())[0] + stream.stops.flush()
         self.scheduler.remove(req, cache=reason != "error")   # complete KV stays reusable in the prefix cache
         self.sampler.forget(req)
+        self._matchers.pop(req.request_id, None)
         if self.speculator:
             self.speculator.forget(req)
         req.status, req.finish_reason, req.finish_time = RequestStatus.FINISHED, reason, time.monotonic()

@@ -9,6 +9,10 @@ import secrets
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .constraints import Constraint
 
 
 class InvalidRequest(ValueError):
@@ -31,6 +35,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None       # top-n log-probabilities per generated token (0: only the chosen one)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit) pairs; a dict is accepted
+    constraint: "Constraint | None" = None  # runtime.constraints: the output follows a JSON schema / regex / grammar
 
     def __post_init__(self):
         object.__setattr__(self, "stop", tuple([self.stop] if isinstance(self.stop, str) else self.stop))

@@ -120,5 +120,5 @@ class Sampler:
         if p.logprobs:
             idx = np.argpartition(-lp, p.logprobs)[:p.logprobs]
             idx = idx[np.argsort(-lp[idx])]
-            top = [(int(i), float(lp[i])) for i in idx]
+            top = [(int(i), float(lp[i])) for i in idx if np.isfinite(lp[i])]   # a grammar's −inf: not a choice
         return SampleResult(token, float(lp[token]), top)

@@ -58,3 +58,19 @@ def engine(checkpoint, tmp_path_factory):
         return cache[key]
 
     return get
+
+
+MODELS = ROOT / "models"
+
+
+@pytest.fixture(scope="session")
+def bundled(tmp_path_factory):
+    """The bundled pair (models/target, models/draft) built at int8, once per session: {"target": dir, "draft": dir}."""
+    if not (MODELS / "target" / "config.json").is_file():
+        pytest.skip("bundled models not present")
+    out = tmp_path_factory.mktemp("bundled")
+    engines = {}
+    for role in ("target", "draft"):
+        engines[role] = out / role
+        build(CompileConfig(MODELS / role, engines[role], "int8"), log=lambda _: None)
+    return engines

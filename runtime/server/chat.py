@@ -31,7 +31,7 @@ def load_chat_template(engine_dir: Path, max_messages: int = 256):
         env.globals["raise_exception"] = _raise   # what Hugging Face templates call to reject a conversation
         compiled = env.from_string(template)
 
-    def render(messages) -> str:
+    def render(messages, tools: list | None = None) -> str:
         if not isinstance(messages, list) or not messages:
             raise InvalidRequest("messages must be a non-empty list")
         if len(messages) > max_messages:
@@ -41,10 +41,11 @@ def load_chat_template(engine_dir: Path, max_messages: int = 256):
             from jinja2 import TemplateError
 
             try:
-                return compiled.render(messages=messages, add_generation_prompt=True, bos_token=bos, eos_token=eos)
+                return compiled.render(messages=messages, tools=tools, add_generation_prompt=True, bos_token=bos,
+                                       eos_token=eos)
             except TemplateError as e:
                 raise InvalidRequest(f"the model's chat template rejects these messages: {e}") from None
-        return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+        return _tool_preamble(tools) + "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
 
     return render
 
@@ -55,11 +56,28 @@ def _raise(message: str):
     raise TemplateError(message)
 
 
+def _tool_preamble(tools: list | None) -> str:
+    """The plain transcript's tool declaration (templates render `tools` themselves), in the Hermes convention
+    the auto tool parser reads back."""
+    if not tools:
+        return ""
+    listed = "\n".join(json.dumps(t.get("function", t)) for t in tools)
+    return (f"system: You may call these tools:\n{listed}\nTo call one, answer only "
+            f'<tool_call>{{"name": <name>, "arguments": <arguments object>}}</tool_call>\n')
+
+
 def _message(m) -> dict:
-    """One message with string content; OpenAI's list-of-parts content is accepted when every part is text."""
+    """One message with string content; OpenAI's list-of-parts content is accepted when every part is text. An
+    assistant message that called tools (content null) reads as its calls in the Hermes convention."""
     if not isinstance(m, dict) or m.get("role") not in ROLES:
         raise InvalidRequest(f"each message needs a role ({', '.join(ROLES)}) and content")
     content = m.get("content")
+    calls = m.get("tool_calls")
+    if m["role"] == "assistant" and calls and content is None:
+        if not isinstance(calls, list) or not all(isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls):
+            raise InvalidRequest("tool_calls must be a list of {\"function\": {\"name\", \"arguments\"}} objects")
+        content = "".join(f'<tool_call>{{"name": {json.dumps(c["function"].get("name"))}, "arguments": '
+                          f'{c["function"].get("arguments") or "{}"}}}</tool_call>' for c in calls)
     if isinstance(content, list):
         if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
             raise InvalidRequest("message content parts must all be text (this model reads text only)")

@@ -11,6 +11,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from ..config import ServerConfig
+from ..constraints import Constraint
 from ..outputs import RequestOutput
 from ..request import InvalidRequest, SamplingParams
 from .auth import BearerAuthInterceptor, priority_floor
@@ -28,8 +29,14 @@ def sampling_from_pb(s: pb.SamplingParams) -> SamplingParams:
     for f in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
         if f in kwargs and kwargs[f] != kwargs[f]:   # NaN
             raise InvalidRequest(f"{f} must be a number, not NaN")
+    constraint = None
+    kind = s.constraint.WhichOneof("kind") if s.HasField("constraint") else None
+    if kind == "json_object":
+        constraint = Constraint("json_object")
+    elif kind is not None:
+        constraint = Constraint(kind, getattr(s.constraint, kind))
     return SamplingParams(**kwargs, stop=tuple(s.stop), stop_token_ids=tuple(int(t) for t in s.stop_token_ids),
-                          logit_bias=dict(s.logit_bias))
+                          logit_bias=dict(s.logit_bias), constraint=constraint)
 
 
 def response_to_pb(out: RequestOutput, request_id: str) -> pb.GenerateResponse:

@@ -20,6 +20,7 @@ from ..metrics import CONTENT_TYPE_LATEST
 from ..request import InvalidRequest, SamplingParams
 from .auth import authorized, priority_floor
 from .bridge import Bridge, Draining, Failed, Overloaded
+from .structured import ToolRequest, response_format
 from .token_text import TokenText
 
 OPEN_PATHS = ("/health", "/metrics")
@@ -57,8 +58,8 @@ def _check_unicode(body) -> None:
 
 def sampling_from_json(body: dict, chat: bool) -> tuple[SamplingParams, int]:
     """OpenAI fields (plus top_k, min_p, repetition_penalty, ignore_eos) → (SamplingParams, n choices); defaults as
-    OpenAI's. Fields that would change the result but are not supported (best_of ≠ n, tools, suffix, a JSON
-    response_format) are refused, not ignored."""
+    OpenAI's; response_format becomes the request's constraint. Fields that would change the result but are not
+    supported (best_of ≠ n, suffix) are refused, not ignored."""
     def number(key, default):
         v = body.get(key, default)
         if v is None:
@@ -80,13 +81,10 @@ def sampling_from_json(body: dict, chat: bool) -> tuple[SamplingParams, int]:
         raise InvalidRequest(f"n must be in [1, {MAX_CHOICES}]")
     if integer("best_of", n) != n:
         raise InvalidRequest("best_of must equal n (choices are not ranked)")
-    unsupported = [("tools", "tool calling"), ("functions", "function calling"), ("suffix", "suffix (insert) completions")]
-    for key, what in unsupported:
-        if body.get(key):
-            raise InvalidRequest(f"{key}: {what} is not supported")
-    fmt = body.get("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type", "text") != "text"):
-        raise InvalidRequest("response_format: only {\"type\": \"text\"} is supported (no constrained decoding)")
+    if body.get("suffix"):
+        raise InvalidRequest("suffix: suffix (insert) completions are not supported")
+    if not chat and body.get("tools"):
+        raise InvalidRequest("tools are a chat feature: use /v1/chat/completions")
     bias = body.get("logit_bias") or {}
     if not isinstance(bias, dict):
         raise InvalidRequest("logit_bias must be an object mapping token ids to biases")
@@ -111,7 +109,7 @@ def sampling_from_json(body: dict, chat: bool) -> tuple[SamplingParams, int]:
                   presence_penalty=float(number("presence_penalty", 0.0)),
                   frequency_penalty=float(number("frequency_penalty", 0.0)), seed=integer("seed", None),
                   stop=tuple(stop), ignore_eos=flag(body, "ignore_eos"), logprobs=logprobs,
-                  logit_bias=bias)
+                  logit_bias=bias, constraint=response_format(body))
     if max_tokens is not None:
         kwargs["max_tokens"] = max_tokens
     return SamplingParams(**kwargs), n
@@ -172,9 +170,15 @@ class HttpApi:
             include_usage = flag(options, "include_usage")
             self.bridge.check_model(body.get("model"))
             params, n = sampling_from_json(body, chat)
+            tools = ToolRequest(body) if chat else None
+            if tools is not None and tools.mode in ("named", "required"):
+                if params.constraint is not None:
+                    raise InvalidRequest("response_format cannot be combined with a required or named tool_choice")
+                params = replace(params, constraint=tools.constraint())
             # Templates, tokenization and decoding run in threads: a long prompt must not stall the event loop.
             if chat:
-                prompt = await asyncio.to_thread(self.chat_template, body.get("messages"))
+                prompt = await asyncio.to_thread(self.chat_template, body.get("messages"),
+                                                 tools.tools if tools.mode else None)
             else:
                 prompt = _prompt(body.get("prompt"))
             text = prompt if isinstance(prompt, str) else None
@@ -210,6 +214,7 @@ class HttpApi:
             await _close(streams)
             return _error_for(e)
         shape = _Shape(rid, self.bridge.model_name, chat, self.token_text)
+        shape.tool_outputs = [tools.output() for _ in firsts] if chat and tools.mode else None
         if stream:
             return StreamingResponse(self._sse(streams, firsts, shape, include_usage, echo),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -233,7 +238,10 @@ class HttpApi:
             ready = list(enumerate(firsts))
             while ready or pending:
                 for i, out in ready:
-                    if out.text or out.finished:
+                    if shape.tool_outputs:
+                        for chunk in shape.tool_chunks(i, out):
+                            yield _event(chunk)
+                    elif out.text or out.finished:
                         yield _event(shape.chunk(out.text, out.finish_reason, out.logprobs, index=i))
                     if out.finished:
                         usages[i] = out.usage
@@ -359,6 +367,19 @@ class _Shape:
     def __init__(self, rid: str, model: str, chat: bool, token_text: TokenText):
         self.rid, self.model, self.chat, self.created = rid, model, chat, int(time.time())
         self.token_text = token_text
+        self.tool_outputs = None        # per choice, when the request has tools: text → tool_calls
+
+    def tool_chunks(self, i: int, out) -> list[dict]:
+        """Chunks for one engine output of choice i through its tool-call output (the last carries the reason)."""
+        post = self.tool_outputs[i]
+        deltas, reason = post.delta(out.text), None
+        if out.finished:
+            more, reason = post.finish(out.finish_reason)
+            deltas += more
+        chunks = [self.chunk(d, None, out.logprobs if k == 0 else None, index=i) for k, d in enumerate(deltas)]
+        if out.finished:
+            chunks.append(self.chunk({}, reason, None if deltas else out.logprobs, index=i))
+        return chunks
 
     def _base(self, kind: str) -> dict:
         return {"id": self.rid, "object": kind, "created": self.created, "model": self.model}
@@ -391,8 +412,12 @@ class _Shape:
     def full(self, choices: list[tuple[str, str, list]], usages: list) -> dict:
         """choices: (text, finish_reason, logprobs) per choice, in index order."""
         if self.chat:
-            body = [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": self._logprobs(lp),
-                     "finish_reason": finish} for i, (text, finish, lp) in enumerate(choices)]
+            body = []
+            for i, (text, finish, lp) in enumerate(choices):
+                message = {"role": "assistant", "content": text}
+                if self.tool_outputs:
+                    message, finish = self.tool_outputs[i].message(text, finish)
+                body.append({"index": i, "message": message, "logprobs": self._logprobs(lp), "finish_reason": finish})
             return {**self._base("chat.completion"), "choices": body, "usage": _usage(usages)}
         body = [{"index": i, "text": text, "logprobs": self._logprobs(lp), "finish_reason": finish}
                 for i, (text, finish, lp) in enumerate(choices)]

@@ -23,15 +23,6 @@ PROMPTS = ["def fibonacci(n):\n", "class Stack:\n    def __init__(self):\n", "im
 CACHE = CacheConfig(kv_budget_bytes=256 << 20)
 
 
-@pytest.fixture(scope="module")
-def bundled(tmp_path_factory):
-    out = tmp_path_factory.mktemp("bundled")
-    engines = {}
-    for role in ("target", "draft"):
-        engines[role] = out / role
-        build(CompileConfig(MODELS / role, engines[role], "int8"), log=lambda _: None)
-    return engines
-
 
 def test_fp8_build_of_bundled_target(tmp_path):
     """What users run in their CI: an fp8 build with its accuracy report."""

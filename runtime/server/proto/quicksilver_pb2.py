@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&runtime/server/proto/quicksilver.proto\x12\x0equicksilver.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\xe1\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x03\x12\x17\n\nignore_eos\x18\x0c \x01(\x08H\t\x88\x01\x01\x12\x15\n\x08logprobs\x18\r \x01(\x05H\n\x88\x01\x01\x12\x41\n\nlogit_bias\x18\x0e \x03(\x0b\x32-.quicksilver.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\r\n\x0b_ignore_eosB\x0b\n\t_logprobs\"\xc1\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12-\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x18.quicksilver.v1.TokenIdsH\x00\x12\x30\n\x08sampling\x18\x04 \x01(\x0b\x32\x1e.quicksilver.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\r\n\x05model\x18\x06 \x01(\tB\x08\n\x06prompt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"Z\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\'\n\x03top\x18\x03 \x03(\x0b\x32\x1a.quicksilver.v1.TopLogprob\"\xd5\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x15\n\rcached_tokens\x18\x02 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\x05\x12\x1c\n\x14spec_proposed_tokens\x18\x04 \x01(\x05\x12\x1c\n\x14spec_accepted_tokens\x18\x05 \x01(\x05\x12\x15\n\rqueue_wait_ms\x18\x06 \x01(\x02\x12\x0f\n\x07ttft_ms\x18\x07 \x01(\x02\x12\x0f\n\x07tpot_ms\x18\x08 \x01(\x02\x12\x0e\n\x06\x65\x32\x65_ms\x18\t \x01(\x02\"\xb4\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12.\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1c.quicksilver.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12$\n\x05usage\x18\x06 \x01(\x0b\x32\x15.quicksilver.v1.Usage\"\x1f\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\"\x12\n\x10ModelInfoRequest\"\xa0\x01\n\x11ModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x11\n\tprecision\x18\x03 \x01(\t\x12\x15\n\rmax_model_len\x18\x04 \x01(\x05\x12\x12\n\nvocab_size\x18\x05 \x01(\x05\x12\x13\n\x0b\x64raft_model\x18\x06 \x01(\t\x12\x13\n\x0bspeculation\x18\x07 \x01(\t2\xfe\x01\n\nGeneration\x12O\n\x08Generate\x12\x1f.quicksilver.v1.GenerateRequest\x1a .quicksilver.v1.GenerateResponse0\x01\x12M\n\x08Tokenize\x12\x1f.quicksilver.v1.TokenizeRequest\x1a .quicksilver.v1.TokenizeResponse\x12P\n\tModelInfo\x12 .quicksilver.v1.ModelInfoRequest\x1a!.quicksilver.v1.ModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&runtime/server/proto/quicksilver.proto\x12\x0equicksilver.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\x91\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x03\x12\x17\n\nignore_eos\x18\x0c \x01(\x08H\t\x88\x01\x01\x12\x15\n\x08logprobs\x18\r \x01(\x05H\n\x88\x01\x01\x12\x41\n\nlogit_bias\x18\x0e \x03(\x0b\x32-.quicksilver.v1.SamplingParams.LogitBiasEntry\x12.\n\nconstraint\x18\x0f \x01(\x0b\x32\x1a.quicksilver.v1.Constraint\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\r\n\x0b_ignore_eosB\x0b\n\t_logprobs\"c\n\nConstraint\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x0e\n\x04lark\x18\x04 \x01(\tH\x00\x42\x06\n\x04kind\"\xc1\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12-\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x18.quicksilver.v1.TokenIdsH\x00\x12\x30\n\x08sampling\x18\x04 \x01(\x0b\x32\x1e.quicksilver.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\r\n\x05model\x18\x06 \x01(\tB\x08\n\x06prompt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"Z\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\'\n\x03top\x18\x03 \x03(\x0b\x32\x1a.quicksilver.v1.TopLogprob\"\xd5\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x15\n\rcached_tokens\x18\x02 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\x05\x12\x1c\n\x14spec_proposed_tokens\x18\x04 \x01(\x05\x12\x1c\n\x14spec_accepted_tokens\x18\x05 \x01(\x05\x12\x15\n\rqueue_wait_ms\x18\x06 \x01(\x02\x12\x0f\n\x07ttft_ms\x18\x07 \x01(\x02\x12\x0f\n\x07tpot_ms\x18\x08 \x01(\x02\x12\x0e\n\x06\x65\x32\x65_ms\x18\t \x01(\x02\"\xb4\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12.\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1c.quicksilver.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12$\n\x05usage\x18\x06 \x01(\x0b\x32\x15.quicksilver.v1.Usage\"\x1f\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\"\x12\n\x10ModelInfoRequest\"\xa0\x01\n\x11ModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x11\n\tprecision\x18\x03 \x01(\t\x12\x15\n\rmax_model_len\x18\x04 \x01(\x05\x12\x12\n\nvocab_size\x18\x05 \x01(\x05\x12\x13\n\x0b\x64raft_model\x18\x06 \x01(\t\x12\x13\n\x0bspeculation\x18\x07 \x01(\t2\xfe\x01\n\nGeneration\x12O\n\x08Generate\x12\x1f.quicksilver.v1.GenerateRequest\x1a .quicksilver.v1.GenerateResponse0\x01\x12M\n\x08Tokenize\x12\x1f.quicksilver.v1.TokenizeRequest\x1a .quicksilver.v1.TokenizeResponse\x12P\n\tModelInfo\x12 .quicksilver.v1.ModelInfoRequest\x1a!.quicksilver.v1.ModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,27 +36,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=58
   _globals['_TOKENIDS']._serialized_end=81
   _globals['_SAMPLINGPARAMS']._serialized_start=84
-  _globals['_SAMPLINGPARAMS']._serialized_end=693
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=481
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=529
-  _globals['_GENERATEREQUEST']._serialized_start=696
-  _globals['_GENERATEREQUEST']._serialized_end=889
-  _globals['_TOPLOGPROB']._serialized_start=891
-  _globals['_TOPLOGPROB']._serialized_end=938
-  _globals['_TOKENLOGPROB']._serialized_start=940
-  _globals['_TOKENLOGPROB']._serialized_end=1030
-  _globals['_USAGE']._serialized_start=1033
-  _globals['_USAGE']._serialized_end=1246
-  _globals['_GENERATERESPONSE']._serialized_start=1249
-  _globals['_GENERATERESPONSE']._serialized_end=1429
-  _globals['_TOKENIZEREQUEST']._serialized_start=1431
-  _globals['_TOKENIZEREQUEST']._serialized_end=1462
-  _globals['_TOKENIZERESPONSE']._serialized_start=1464
-  _globals['_TOKENIZERESPONSE']._serialized_end=1501
-  _globals['_MODELINFOREQUEST']._serialized_start=1503
-  _globals['_MODELINFOREQUEST']._serialized_end=1521
-  _globals['_MODELINFORESPONSE']._serialized_start=1524
-  _globals['_MODELINFORESPONSE']._serialized_end=1684
-  _globals['_GENERATION']._serialized_start=1687
-  _globals['_GENERATION']._serialized_end=1941
+  _globals['_SAMPLINGPARAMS']._serialized_end=741
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=529
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=577
+  _globals['_CONSTRAINT']._serialized_start=743
+  _globals['_CONSTRAINT']._serialized_end=842
+  _globals['_GENERATEREQUEST']._serialized_start=845
+  _globals['_GENERATEREQUEST']._serialized_end=1038
+  _globals['_TOPLOGPROB']._serialized_start=1040
+  _globals['_TOPLOGPROB']._serialized_end=1087
+  _globals['_TOKENLOGPROB']._serialized_start=1089
+  _globals['_TOKENLOGPROB']._serialized_end=1179
+  _globals['_USAGE']._serialized_start=1182
+  _globals['_USAGE']._serialized_end=1395
+  _globals['_GENERATERESPONSE']._serialized_start=1398
+  _globals['_GENERATERESPONSE']._serialized_end=1578
+  _globals['_TOKENIZEREQUEST']._serialized_start=1580
+  _globals['_TOKENIZEREQUEST']._serialized_end=1611
+  _globals['_TOKENIZERESPONSE']._serialized_start=1613
+  _globals['_TOKENIZERESPONSE']._serialized_end=1650
+  _globals['_MODELINFOREQUEST']._serialized_start=1652
+  _globals['_MODELINFOREQUEST']._serialized_end=1670
+  _globals['_MODELINFORESPONSE']._serialized_start=1673
+  _globals['_MODELINFORESPONSE']._serialized_end=1833
+  _globals['_GENERATION']._serialized_start=1836
+  _globals['_GENERATION']._serialized_end=2090
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,160 @@
+"""Constrained decoding: JSON schema, JSON object, regex and Lark grammars, through llguidance.
+
+A Constraint is what a request asks for; `Grammars` (one per engine) turns it into a matcher over the model's
+tokenizer, compiling each distinct constraint once (kept in a small LRU; a request gets a copy). A request's
+`Matcher` masks the logits of every position the engine samples from, advances with every token the engine
+appends, and computes the masks along speculative guesses without moving — so verification sees exactly the
+masks plain decoding would, and greedy constrained speculation gives plain greedy constrained output.
+
+Why llguidance (tools/bench_grammar.py on our tokenizer): compiles JSON schemas, regexes and Lark grammars
+lazily (milliseconds where outlines-core builds a whole index up front), masks a token in tens of microseconds,
+rolls back, and has no dependency (xgrammar needs torch, which the runtime never imports).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+from .request import InvalidRequest
+
+KINDS = ("json_schema", "json_object", "regex", "lark")
+# One line, with a space after separators (OpenAI's style); no free whitespace, which a small model can fill forever.
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """kind: json_schema (spec: the schema as JSON text), json_object (any JSON object; spec ""), regex (spec: the
+    pattern the whole output matches) or lark (spec: a Lark grammar, llguidance's dialect)."""
+
+    kind: str
+    spec: str = ""
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise InvalidRequest(f"constraint kind must be one of {', '.join(KINDS)}, not {self.kind!r}")
+        if not isinstance(self.spec, str) or (self.kind != "json_object" and not self.spec):
+            raise InvalidRequest(f"a {self.kind} constraint needs its {self.kind.replace('_', ' ')} as text")
+        if len(self.spec) > 256_000:
+            raise InvalidRequest("a constraint's text is limited to 256,000 characters")
+
+    @classmethod
+    def json_schema(cls, schema: dict | bool) -> "Constraint":
+        return cls("json_schema", json.dumps(schema))
+
+    def grammar(self) -> str:
+        """The llguidance grammar text of this constraint."""
+        from llguidance import LLMatcher
+        if self.kind == "json_object":
+            return LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=JSON_STYLE)
+        if self.kind == "json_schema":
+            try:
+                schema = json.loads(self.spec)
+            except ValueError as e:
+                raise InvalidRequest(f"json_schema is not valid JSON: {e}") from None
+            check_schema(schema)
+            try:
+                return LLMatcher.grammar_from_json_schema(schema, overrides=JSON_STYLE)
+            except ValueError as e:
+                raise InvalidRequest(f"json_schema: {e}") from None
+        if self.kind == "regex":
+            return LLMatcher.grammar_from_regex(self.spec)
+        return LLMatcher.grammar_from_lark(self.spec)
+
+
+def check_schema(schema) -> None:
+    """Refuse what is not a JSON Schema (draft 2020-12 meta-schema) with the validator's reason."""
+    import jsonschema
+    if not isinstance(schema, (dict, bool)):
+        raise InvalidRequest("json_schema must be a JSON object (or true/false)")
+    try:
+        jsonschema.Draft202012Validator.check_schema(schema)
+    except jsonschema.SchemaError as e:
+        where = "/".join(str(p) for p in e.absolute_path) or "(root)"
+        raise InvalidRequest(f"json_schema is not a valid JSON Schema at {where}: {e.message}") from None
+
+
+class Matcher:
+    """One request's position in its grammar."""
+
+    def __init__(self, ll, vocab_size: int):
+        self._ll, self.vocab_size = ll, vocab_size
+        self._words = (vocab_size + 31) // 32
+
+    def _allowed(self, out: np.ndarray) -> None:
+        words = np.empty(self._words, np.int32)
+        self._ll.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
+        out[:] = np.unpackbits(words.view(np.uint8), bitorder="little")[:self.vocab_size].astype(bool)
+
+    def allowed(self, guesses=()) -> np.ndarray:
+        """[len(guesses) + 1, vocab] bool: the tokens allowed now and after each guess in turn (rows past a guess
+        the grammar refuses are all False: verification never gets there). The matcher ends where it started."""
+        rows = np.zeros((len(guesses) + 1, self.vocab_size), bool)
+        moved = 0
+        for i in range(len(guesses) + 1):
+            if self._ll.is_stopped():
+                break
+            self._allowed(rows[i])
+            if i == len(guesses) or not rows[i][guesses[i]] or not self._ll.consume_token(guesses[i]):
+                break
+            moved += 1
+        if moved:
+            self._ll.rollback(moved)
+        return rows
+
+    def mask(self, logits: np.ndarray, guesses=()) -> np.ndarray:
+        """A copy of `logits` [len(guesses) + 1, vocab] with what the grammar forbids at each position at −inf."""
+        return np.where(self.allowed(guesses), logits, -np.inf).astype(np.float32)
+
+    def accept(self, token: int) -> bool:
+        """Advance past a token the engine appended; False if the grammar refuses it."""
+        return self._ll.consume_token(token)
+
+    @property
+    def done(self) -> bool:
+        """The grammar allows nothing more (the output is complete)."""
+        return self._ll.is_stopped()
+
+    @property
+    def error(self) -> str:
+        return self._ll.get_error() if self._ll.is_error() else ""
+
+
+class Grammars:
+    """Per engine: llguidance's view of the tokenizer and compiled constraints, cached by their text."""
+
+    CACHE = 64
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids):
+        self._tokenizer_json, self.vocab_size, self.eos_ids = tokenizer_json, vocab_size, sorted(eos_ids)
+        self._tokenizer = None
+        self._compiled: OrderedDict[Constraint, object] = OrderedDict()
+        self.compiles = 0
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:      # ~0.1-1 s: built on the first constrained request, not at start-up
+            from llguidance import LLTokenizer
+            self._tokenizer = LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size, eos_token=self.eos_ids)
+        return self._tokenizer
+
+    def matcher(self, constraint: Constraint) -> Matcher:
+        """A fresh matcher at the start of `constraint`'s grammar; InvalidRequest with the reason if it does not
+        compile."""
+        from llguidance import LLMatcher
+        template = self._compiled.get(constraint)
+        if template is None:
+            template = LLMatcher(self.tokenizer, constraint.grammar(), log_level=0)
+            if template.is_error():
+                raise InvalidRequest(f"the {constraint.kind} constraint does not compile: {template.get_error()}")
+            self.compiles += 1
+            self._compiled[constraint] = template
+            if len(self._compiled) > self.CACHE:
+                self._compiled.popitem(last=False)
+        else:
+            self._compiled.move_to_end(constraint)
+        return Matcher(template.deep_copy(), self.vocab_size)
