@@ -88,7 +88,7 @@ class Matcher:
     def _allowed(self, out: np.ndarray) -> None:
         words = np.empty(self._words, np.int32)
         self._ll.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
-        out[:] = np.unpackbits(words.view(np.uint8), bitorder="little")[:self.vocab_size].astype(bool)
+        out[:] = np.unpackbits(words.view(np.uint8), count=self.vocab_size, bitorder="little").view(bool)
 
     def allowed(self, guesses=()) -> np.ndarray:
         """[len(guesses) + 1, vocab] bool: the tokens allowed now and after each guess in turn (rows past a guess
@@ -108,7 +108,7 @@ class Matcher:
 
     def mask(self, logits: np.ndarray, guesses=()) -> np.ndarray:
         """A copy of `logits` [len(guesses) + 1, vocab] with what the grammar forbids at each position at −inf."""
-        return np.where(self.allowed(guesses), logits, -np.inf).astype(np.float32)
+        return np.where(self.allowed(guesses), logits, np.float32(-np.inf))
 
     def accept(self, token: int) -> bool:
         """Advance past a token the engine appended; False if the grammar refuses it."""

@@ -111,7 +111,7 @@ def bench_libs(engine_dir: Path, repeats: int) -> dict:
     tokenizer_json = (engine_dir / "tokenizer.json").read_text()
     tok = Tokenizer.from_str(tokenizer_json)
     manifest = json.loads((engine_dir / "manifest.json").read_text())
-    vocab, eos = manifest["config"]["vocab_size"], manifest["tokenizer"]["eos_token_ids"][0]
+    vocab, eos = manifest["model"]["vocab_size"], manifest["tokenizer"]["eos_token_ids"][0]
     libs = []
     for cls in (Llguidance, OutlinesCore):
         t0 = time.perf_counter()
