@@ -14,6 +14,7 @@ rolls back, and has no dependency (xgrammar needs torch, which the runtime never
 from __future__ import annotations
 
 import json
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -133,28 +134,32 @@ class Grammars:
         self._tokenizer_json, self.vocab_size, self.eos_ids = tokenizer_json, vocab_size, sorted(eos_ids)
         self._tokenizer = None
         self._compiled: OrderedDict[Constraint, object] = OrderedDict()
+        self._lock = threading.Lock()        # servers compile on a worker thread, the engine thread reads the cache
         self.compiles = 0
 
     @property
     def tokenizer(self):
-        if self._tokenizer is None:      # ~0.1-1 s: built on the first constrained request, not at start-up
-            from llguidance import LLTokenizer
-            self._tokenizer = LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size, eos_token=self.eos_ids)
-        return self._tokenizer
+        with self._lock:
+            if self._tokenizer is None:      # ~0.1-1 s: built on the first constrained request, not at start-up
+                from llguidance import LLTokenizer
+                self._tokenizer = LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size, eos_token=self.eos_ids)
+            return self._tokenizer
 
     def matcher(self, constraint: Constraint) -> Matcher:
         """A fresh matcher at the start of `constraint`'s grammar; InvalidRequest with the reason if it does not
-        compile."""
+        compile. Thread-safe: a server compiles on a worker thread first, so the engine thread finds it cached."""
         from llguidance import LLMatcher
-        template = self._compiled.get(constraint)
-        if template is None:
-            template = LLMatcher(self.tokenizer, constraint.grammar(), log_level=0)
-            if template.is_error():
-                raise InvalidRequest(f"the {constraint.kind} constraint does not compile: {template.get_error()}")
+        with self._lock:
+            template = self._compiled.get(constraint)
+            if template is not None:
+                self._compiled.move_to_end(constraint)
+                return Matcher(template.deep_copy(), self.vocab_size)
+        template = LLMatcher(self.tokenizer, constraint.grammar(), log_level=0)
+        if template.is_error():
+            raise InvalidRequest(f"the {constraint.kind} constraint does not compile: {template.get_error()}")
+        with self._lock:
             self.compiles += 1
             self._compiled[constraint] = template
             if len(self._compiled) > self.CACHE:
                 self._compiled.popitem(last=False)
-        else:
-            self._compiled.move_to_end(constraint)
         return Matcher(template.deep_copy(), self.vocab_size)

@@ -104,6 +104,8 @@ class Bridge:
         if isinstance(prompt, str):   # here, not on the engine thread, where encode would hold the GIL
             prompt = await self.encode(prompt)
         self.check_limits(prompt, params)
+        if params.constraint is not None:   # compiled here (cached), not on the engine thread where it would stall steps
+            await asyncio.to_thread(self.aengine.engine.grammars.matcher, params.constraint)
         if self.draining:             # checked again: the server may have begun to stop while we tokenized
             raise Draining("the server is shutting down")
         timeout = min(timeout_s or self.config.request_timeout_s, self.config.request_timeout_s)
