@@ -52,7 +52,7 @@ def target(bundled):
     return Engine(bundled["target"], EngineConfig(SchedulerConfig(max_num_seqs=8), CACHE))
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                     HealthCheck.too_slow])
 @given(schema=schemas, prompt=st.sampled_from(PROMPTS), temperature=st.sampled_from([0.0, 0.7, 1.0]),
        seed=st.integers(0, 2**31))
