@@ -188,12 +188,16 @@ def _priority_keys(values: tuple[str, ...]) -> tuple[tuple[str, int], ...]:
 @click.option("--priority-key", "priority_keys", multiple=True, metavar="TOKEN:FLOOR",
               help="A bearer token whose callers may request priorities down to FLOOR instead of --priority-floor "
                    "(repeatable; it also authenticates where --api-key is required).")
+@click.option("--otlp-endpoint", default=None, metavar="URL",
+              help="Trace every request with OpenTelemetry and export the spans over OTLP/gRPC to this collector "
+                   "(e.g. http://127.0.0.1:4317; needs pip install '.[tracing]'). W3C traceparent headers / gRPC "
+                   "metadata make the request span a child of the caller's.")
 def serve(engine: Path | None, draft: Path | None, speculation: str, host: str, grpc_port: int, http_port: int,
           max_num_seqs: int, max_waiting: int, token_budget: int, prefill_chunk: int, max_model_len: int | None,
           kv_budget_mib: int | None, no_prefix_cache: bool, threads: int | None, spin: bool, api_key: str | None,
           tls_cert: Path | None, tls_key: Path | None, served_model_name: str | None, request_timeout: float,
           max_body_bytes: int, max_tokens_limit: int | None, grace: float, priority_floor: int,
-          priority_keys: tuple[str, ...]) -> None:
+          priority_keys: tuple[str, ...], otlp_endpoint: str | None) -> None:
     """Serve ENGINE (default: the bundled target) over gRPC and OpenAI-compatible HTTP, with /metrics."""
     import asyncio
     import logging
@@ -214,7 +218,7 @@ def serve(engine: Path | None, draft: Path | None, speculation: str, host: str, 
                              threads=threads, spin=spin, draft=draft_path, speculation=method)
         sconf = ServerConfig(host, grpc_port, http_port, api_key, tls_cert, tls_key, served_model_name, request_timeout,
                              max_body_bytes, None, max_tokens_limit, grace, priority_floor,
-                             _priority_keys(priority_keys))
+                             _priority_keys(priority_keys), otlp_endpoint)
         asyncio.run(run_server(engine_path, econf, sconf))
     except (QuicksilverError, FileNotFoundError, ValueError, OSError) as e:
         fail(str(e))

@@ -29,15 +29,17 @@ def with_default_port(target: str) -> str:
 
 
 class Client:
-    def __init__(self, target: str = "127.0.0.1:50051", api_key: str | None = None, tls_ca: Path | None = None):
-        """target: HOST[:PORT] (default port 50051); tls_ca: PEM certificate(s) to trust, for a TLS server."""
+    def __init__(self, target: str = "127.0.0.1:50051", api_key: str | None = None, tls_ca: Path | None = None,
+                 metadata: tuple[tuple[str, str], ...] = ()):
+        """target: HOST[:PORT] (default port 50051); tls_ca: PEM certificate(s) to trust, for a TLS server;
+        metadata: sent with every call (e.g. a W3C `traceparent`, which a tracing server continues)."""
         target = with_default_port(target)
         if tls_ca is not None:
             self.channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(Path(tls_ca).read_bytes()))
         else:
             self.channel = grpc.insecure_channel(target)
         self.stub = pb_grpc.GenerationStub(self.channel)
-        self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+        self.metadata = ((("authorization", f"Bearer {api_key}"),) if api_key else ()) + tuple(metadata)
 
     def generate(self, prompt: str | list[int], timeout: float | None = None, request_id: str = "", priority: int = 0,
                  model: str = "", **sampling) -> Iterator[pb.GenerateResponse]:

@@ -101,6 +101,7 @@ class ServerConfig:
     # Those tokens authenticate too where `api_key` is required.
     priority_floor: int = 0
     priority_keys: tuple[tuple[str, int], ...] = ()
+    otlp_endpoint: str | None = None  # OpenTelemetry collector (OTLP/gRPC, e.g. http://127.0.0.1:4317): trace requests
 
     def __post_init__(self):
         for floor in (self.priority_floor, *(f for _, f in self.priority_keys)):

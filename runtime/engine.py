@@ -305,4 +305,4 @@ def usage(req: Request) -> Usage:
     return Usage(len(req.prompt_ids), req.num_cached, n,
                  queue_wait_s=(req.first_scheduled - req.arrival) if req.first_scheduled else None,
                  ttft_s=ttft, tpot_s=tpot, e2e_s=(req.finish_time - req.arrival) if req.finish_time else None,
-                 spec_proposed=req.spec_proposed, spec_accepted=req.spec_accepted)
+                 spec_proposed=req.spec_proposed, spec_accepted=req.spec_accepted, prefill_chunks=req.prefill_chunks)

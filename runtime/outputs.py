@@ -102,6 +102,7 @@ class Usage:
     e2e_s: float | None = None
     spec_proposed: int = 0        # speculative tokens proposed / accepted for this request
     spec_accepted: int = 0
+    prefill_chunks: int = 0       # prompt chunks its prefill took (chunked prefill beside other requests)
 
 
 @dataclass

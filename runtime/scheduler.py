@@ -192,6 +192,7 @@ class Scheduler:
             n = prompt_chunk(req.num_pending, min(limit, budget))
             if n and self._reserve(req, req.num_computed + n, plan):
                 plan.chunks.append((req, n))
+                req.prefill_chunks += 1
                 budget -= n
         return plan
 

@@ -9,6 +9,7 @@ import signal
 import socket
 import ssl
 import time
+from pathlib import Path
 
 import uvicorn
 
@@ -44,7 +45,11 @@ class Server:
         self.engine = Engine(engine_dir, engine_config)
         self.config, self.metrics = config, Metrics()
         self.aengine = AsyncEngine(self.engine, on_step=self.metrics.on_step)
-        self.bridge = Bridge(self.aengine, self.metrics, config)
+        self.tracing = None
+        if config.otlp_endpoint:
+            from ..tracing import Tracing
+            self.tracing = Tracing(config.otlp_endpoint, service_name=f"quicksilver:{Path(engine_dir).name}")
+        self.bridge = Bridge(self.aengine, self.metrics, config, self.tracing)
         self.load_s = time.perf_counter() - t0
         self.grpc = self.http = self._http_task = None
         self.grpc_port = self.http_port = None
@@ -100,6 +105,8 @@ class Server:
             self.http.should_exit = True
             await self._http_task
         await asyncio.to_thread(self.aengine.shutdown)     # joins the engine thread: not on the event loop
+        if self.tracing is not None:
+            await asyncio.to_thread(self.tracing.shutdown)  # exports the spans still buffered
 
 
 def check_config(c: ServerConfig) -> None:

@@ -41,8 +41,9 @@ class Failed(Exception):
 
 
 class Bridge:
-    def __init__(self, aengine: AsyncEngine, metrics: Metrics, config: ServerConfig):
-        self.aengine, self.metrics, self.config = aengine, metrics, config
+    def __init__(self, aengine: AsyncEngine, metrics: Metrics, config: ServerConfig, tracing=None):
+        """`tracing`: a runtime.tracing.Tracing when requests are traced, else None (no tracing work at all)."""
+        self.aengine, self.metrics, self.config, self.tracing = aengine, metrics, config, tracing
         engine = aengine.engine
         self.model_name = config.model_name or engine.runner.engine_dir.resolve().name
         self.max_model_len = engine.max_model_len
@@ -91,11 +92,12 @@ class Bridge:
 
     async def stream(self, prompt: str | list[int], params: SamplingParams, tag: str = "", priority: int = 0,
                      timeout_s: float | None = None, priority_floor: int = 0,
-                     arrival: float | None = None) -> AsyncIterator[RequestOutput]:
+                     arrival: float | None = None, carrier=None) -> AsyncIterator[RequestOutput]:
         """Validate, admit and stream one request; the request is aborted if the consumer stops early.
         The bridge names the request itself (unguessable, so no client can take or collide with another's id);
         `tag` is the client's own name for it (a gRPC request_id, an HTTP response id), only logged here.
-        `arrival` (time.monotonic) is when the transport received the request: TTFT and queue time count from it."""
+        `arrival` (time.monotonic) is when the transport received the request: TTFT and queue time count from it.
+        `carrier`: the transport's headers or metadata, for the caller's W3C trace context when tracing."""
         if self.draining:
             raise Draining("the server is shutting down")
         if len(tag) > MAX_TAG:
@@ -111,6 +113,12 @@ class Bridge:
         timeout = min(timeout_s or self.config.request_timeout_s, self.config.request_timeout_s)
         deadline = time.monotonic() + timeout
         rid = f"req-{secrets.token_hex(12)}"
+        span = None
+        if self.tracing is not None:
+            span = self.tracing.start(carrier, arrival or time.monotonic(), {
+                "quicksilver.request_id": rid, "gen_ai.request.model": self.model_name,
+                "gen_ai.request.max_tokens": params.max_tokens, "gen_ai.request.temperature": params.temperature,
+                "quicksilver.priority": priority, "quicksilver.constrained": params.constraint is not None})
         gen = self.aengine.generate(prompt, params, rid, priority, arrival)
         self.active.add(rid)
         last, finished, refused, failed = None, None, None, None
@@ -160,3 +168,7 @@ class Bridge:
             else:
                 self.metrics.on_finish("abort", None)
                 log.info("%s aborted (client gone, deadline or shutdown)", name)
+            if span is not None:
+                self.tracing.end(span, finished.usage if finished else None,
+                                 finished.finish_reason if finished else "error" if failed or refused else "abort",
+                                 failed.error if failed else str(refused) if refused else None)

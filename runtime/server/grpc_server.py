@@ -87,9 +87,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 raise InvalidRequest("the request has no prompt (set text or token_ids)")
             prompt = request.text if which == "text" else [int(t) for t in request.token_ids.ids]
             params = sampling_from_pb(request.sampling)
-            floor = priority_floor(dict(context.invocation_metadata() or ()).get("authorization"), b.config)
+            metadata = dict(context.invocation_metadata() or ())
+            floor = priority_floor(metadata.get("authorization"), b.config)
             async for out in b.stream(prompt, params, request.request_id, request.priority, context.time_remaining(),
-                                      floor, arrival):
+                                      floor, arrival, metadata):
                 yield response_to_pb(out, request.request_id or out.request_id)   # the client's tag, if any
         except InvalidRequest as e:
             b.metrics.on_error("invalid_argument")

@@ -199,7 +199,7 @@ class HttpApi:
             def open_choice(i: int):
                 seeded = replace(params, seed=params.seed + i) if params.seed is not None and i else params
                 streams.append(self.bridge.stream(prompt, seeded, rid if n == 1 else f"{rid}-{i}", priority, timeout,
-                                                  floor, request.scope.get(ARRIVAL)))
+                                                  floor, request.scope.get(ARRIVAL), request.headers))
                 return streams[-1].__anext__()    # surfaces validation, shedding and deadline errors as statuses
 
             # Choice 0 first: once it has a token its prompt blocks are in the prefix cache, so the other
