@@ -11,18 +11,27 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the HTTP server)
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5, 5, 10, 20, 60)
+# Request latencies carry the prompt's length as a bounded label: TTFT of a 100-token and an 8k-token prompt are
+# different questions. Label values are the bucket's token range.
+PROMPT_BUCKETS = ((128, "0-128"), (512, "129-512"), (2048, "513-2048"), (8192, "2049-8192"))
+
+
+def prompt_bucket(prompt_tokens: int) -> str:
+    return next((name for bound, name in PROMPT_BUCKETS if prompt_tokens <= bound), "8193+")
 
 
 class Metrics:
     def __init__(self):
         r = self.registry = CollectorRegistry()
-        h = lambda name, doc: Histogram(name, doc, registry=r, buckets=LATENCY_BUCKETS)  # noqa: E731
-        self.ttft = h("quicksilver_time_to_first_token_seconds", "Request arrival to first token")
-        self.tpot = h("quicksilver_time_per_output_token_seconds", "Mean time per output token after the first, per request")
+        h = lambda name, doc, labels=(): Histogram(name, doc, labels, registry=r, buckets=LATENCY_BUCKETS)  # noqa: E731
+        by_prompt = ("prompt_tokens",)
+        self.ttft = h("quicksilver_time_to_first_token_seconds", "Request arrival to first token", by_prompt)
+        self.tpot = h("quicksilver_time_per_output_token_seconds", "Mean time per output token after the first, per request",
+                      by_prompt)
         self.itl = h("quicksilver_inter_token_latency_seconds", "Time between consecutive output tokens (a message "
-                     "carrying k speculated tokens counts k tokens, each 1/k of the wait)")
-        self.e2e = h("quicksilver_e2e_request_latency_seconds", "Request arrival to last token")
-        self.queue = h("quicksilver_request_queue_time_seconds", "Request arrival to first schedule")
+                     "carrying k speculated tokens counts k tokens, each 1/k of the wait)", by_prompt)
+        self.e2e = h("quicksilver_e2e_request_latency_seconds", "Request arrival to last token", by_prompt)
+        self.queue = h("quicksilver_request_queue_time_seconds", "Request arrival to first schedule", by_prompt)
         self.prefill_step = h("quicksilver_prefill_step_seconds", "Engine steps that computed prompt tokens")
         self.decode_step = h("quicksilver_decode_step_seconds", "Engine steps that only decoded")
         self.running = Gauge("quicksilver_requests_running", "Requests holding a KV slot", registry=r)
@@ -69,20 +78,22 @@ class Metrics:
         overloaded, deadline_exceeded, unavailable, unauthenticated, not_found, …, the names HTTP error.code uses)."""
         self.errors.labels(code=code).inc()
 
-    def observe_itl(self, gap_s: float, num_tokens: int) -> None:
+    def observe_itl(self, gap_s: float, num_tokens: int, prompt_tokens: int) -> None:
         """A streamed message that came `gap_s` after the previous one with `num_tokens` tokens: one sample per
         token, the gap shared among them (speculation delivers several tokens per message)."""
+        hist = self.itl.labels(prompt_tokens=prompt_bucket(prompt_tokens))
         for _ in range(num_tokens):
-            self.itl.observe(gap_s / num_tokens)
+            hist.observe(gap_s / num_tokens)
 
     def on_finish(self, finish_reason: str, usage) -> None:
         self.finished.labels(finish_reason=finish_reason).inc()
         if usage is None:
             return
+        bucket = prompt_bucket(usage.prompt_tokens)
         for hist, value in ((self.ttft, usage.ttft_s), (self.tpot, usage.tpot_s), (self.e2e, usage.e2e_s),
                             (self.queue, usage.queue_wait_s)):
             if value is not None:
-                hist.observe(value)
+                hist.labels(prompt_tokens=bucket).observe(value)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -140,7 +140,7 @@ class Bridge:
                     return
                 now = time.monotonic()
                 if last is not None:          # the first message's wait is a TTFT, not an inter-token latency
-                    self.metrics.observe_itl(now - last, len(out.token_ids))
+                    self.metrics.observe_itl(now - last, len(out.token_ids), len(prompt))
                 if out.token_ids:
                     last = now
                 if out.error is not None:

@@ -33,10 +33,12 @@ class ServerThread:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def metric(self, name: str, **labels) -> float:
+        """The sample with exactly these labels; without labels, the sum over every label set of `name`."""
         text = httpx.get(f"{self.http_url}/metrics", verify=False).text
+        if not labels:
+            return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M))
         label = ",".join(f'{k}="{v}"' for k, v in labels.items())
-        pattern = rf"^{re.escape(name)}{re.escape('{' + label + '}') if label else ''} ([0-9.e+-]+)$"
-        m = re.search(pattern, text, re.M)
+        m = re.search(rf"^{re.escape(name)}{re.escape('{' + label + '}')} ([0-9.e+-]+)$", text, re.M)
         return float(m.group(1)) if m else 0.0
 
     def stop(self) -> None:
