@@ -188,6 +188,10 @@ def _priority_keys(values: tuple[str, ...]) -> tuple[tuple[str, int], ...]:
 @click.option("--priority-key", "priority_keys", multiple=True, metavar="TOKEN:FLOOR",
               help="A bearer token whose callers may request priorities down to FLOOR instead of --priority-floor "
                    "(repeatable; it also authenticates where --api-key is required).")
+@click.option("--tenants", "tenants_file", type=click.Path(path_type=Path), default=None, metavar="FILE",
+              help='API keys of named tenants with their own limits, as JSON: {"tenants": [{"name", "key", '
+                   '"requests_per_minute", "tokens_per_minute", "max_concurrency", "priority_floor"}]}. Over a limit: '
+                   "429 / RESOURCE_EXHAUSTED with Retry-After. Requires a key on every request.")
 @click.option("--otlp-endpoint", default=None, metavar="URL",
               help="Trace every request with OpenTelemetry and export the spans over OTLP/gRPC to this collector "
                    "(e.g. http://127.0.0.1:4317; needs pip install '.[tracing]'). W3C traceparent headers / gRPC "
@@ -197,7 +201,7 @@ def serve(engine: Path | None, draft: Path | None, speculation: str, host: str, 
           kv_budget_mib: int | None, no_prefix_cache: bool, threads: int | None, spin: bool, api_key: str | None,
           tls_cert: Path | None, tls_key: Path | None, served_model_name: str | None, request_timeout: float,
           max_body_bytes: int, max_tokens_limit: int | None, grace: float, priority_floor: int,
-          priority_keys: tuple[str, ...], otlp_endpoint: str | None) -> None:
+          priority_keys: tuple[str, ...], tenants_file: Path | None, otlp_endpoint: str | None) -> None:
     """Serve ENGINE (default: the bundled target) over gRPC and OpenAI-compatible HTTP, with /metrics."""
     import asyncio
     import logging
@@ -207,6 +211,7 @@ def serve(engine: Path | None, draft: Path | None, speculation: str, host: str, 
     from .config import CacheConfig, EngineConfig, SchedulerConfig, ServerConfig
     from .bundled import engine_dir
     from .server.app import serve as run_server
+    from .server.tenants import load_tenants
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -218,7 +223,8 @@ def serve(engine: Path | None, draft: Path | None, speculation: str, host: str, 
                              threads=threads, spin=spin, draft=draft_path, speculation=method)
         sconf = ServerConfig(host, grpc_port, http_port, api_key, tls_cert, tls_key, served_model_name, request_timeout,
                              max_body_bytes, None, max_tokens_limit, grace, priority_floor,
-                             _priority_keys(priority_keys), otlp_endpoint)
+                             _priority_keys(priority_keys), otlp_endpoint,
+                             load_tenants(tenants_file) if tenants_file else ())
         asyncio.run(run_server(engine_path, econf, sconf))
     except (QuicksilverError, FileNotFoundError, ValueError, OSError) as e:
         fail(str(e))

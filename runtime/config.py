@@ -102,6 +102,11 @@ class ServerConfig:
     priority_floor: int = 0
     priority_keys: tuple[tuple[str, int], ...] = ()
     otlp_endpoint: str | None = None  # OpenTelemetry collector (OTLP/gRPC, e.g. http://127.0.0.1:4317): trace requests
+    tenants: tuple = ()               # runtime.server.tenants.Tenant: API keys with their own limits (auth required)
+
+    @property
+    def requires_auth(self) -> bool:
+        return bool(self.api_key or self.tenants)
 
     def __post_init__(self):
         for floor in (self.priority_floor, *(f for _, f in self.priority_keys)):

@@ -49,6 +49,11 @@ class Metrics:
         self.generation_tokens = Counter("quicksilver_generation_tokens", "Tokens generated", registry=r)
         self.finished = Counter("quicksilver_requests_finished", "Finished requests", ["finish_reason"], registry=r)
         self.errors = Counter("quicksilver_request_errors", "Rejected or failed requests", ["code"], registry=r)
+        # per tenant (runtime serve --tenants; the configured names, else "default": a bounded set)
+        self.tenant_requests = Counter("quicksilver_tenant_requests", "Requests by tenant and outcome (admitted, "
+                                       "rate_limited)", ["tenant", "outcome"], registry=r)
+        self.tenant_tokens = Counter("quicksilver_tenant_tokens", "Tokens by tenant and kind (prompt, generated)",
+                                     ["tenant", "kind"], registry=r)
         self._seen = {"queries": 0, "hits": 0, "proposed": 0, "accepted": 0, "rounds": 0, "prompt": 0, "generation": 0, "steps": 0}
 
     def on_step(self, engine) -> None:
@@ -77,6 +82,15 @@ class Metrics:
         """A request refused or failed, counted once by the transport that answered it (code: invalid_argument,
         overloaded, deadline_exceeded, unavailable, unauthenticated, not_found, …, the names HTTP error.code uses)."""
         self.errors.labels(code=code).inc()
+
+    def on_tenant(self, tenant: str, outcome: str, prompt_tokens: int = 0) -> None:
+        self.tenant_requests.labels(tenant=tenant, outcome=outcome).inc()
+        if prompt_tokens:
+            self.tenant_tokens.labels(tenant=tenant, kind="prompt").inc(prompt_tokens)
+
+    def on_tenant_tokens(self, tenant: str, generated: int) -> None:
+        if generated:
+            self.tenant_tokens.labels(tenant=tenant, kind="generated").inc(generated)
 
     def observe_itl(self, gap_s: float, num_tokens: int, prompt_tokens: int) -> None:
         """A streamed message that came `gap_s` after the previous one with `num_tokens` tokens: one sample per

@@ -18,14 +18,22 @@ def token_ok(header: str | None, api_key: str) -> bool:
 
 
 def authorized(header: str | None, config: ServerConfig) -> bool:
-    """`header` carries --api-key or one of the --priority-key tokens."""
-    keys = [config.api_key] + [key for key, _ in config.priority_keys]
+    """`header` carries --api-key, one of the --priority-key tokens or a tenant's key."""
+    keys = [config.api_key] + [key for key, _ in config.priority_keys] + [t.key for t in config.tenants]
     return any([token_ok(header, key) for key in keys if key])     # a list: every key compared, whatever matches
 
 
+def tenant_of(header: str | None, config: ServerConfig):
+    """The tenant whose key `header` carries, else None."""
+    found = [t for t in config.tenants if token_ok(header, t.key)]
+    return found[0] if found else None
+
+
 def priority_floor(header: str | None, config: ServerConfig) -> int:
-    """The most urgent (lowest) priority this caller may ask for: its --priority-key's floor, else --priority-floor."""
-    floors = [floor for key, floor in config.priority_keys if token_ok(header, key)]
+    """The most urgent (lowest) priority this caller may ask for: its tenant's or --priority-key's floor, else
+    --priority-floor."""
+    floors = [t.priority_floor for t in config.tenants if token_ok(header, t.key)]
+    floors += [floor for key, floor in config.priority_keys if token_ok(header, key)]
     return floors[0] if floors else config.priority_floor
 
 

@@ -21,6 +21,7 @@ from ..engine import MAX_PRIORITY, MIN_PRIORITY, EngineOverloaded
 from ..metrics import Metrics
 from ..outputs import RequestOutput
 from ..request import InvalidRequest, SamplingParams
+from .tenants import DEFAULT, RateLimited, TenantLimits
 
 log = logging.getLogger("quicksilver.server")
 MAX_TAG = 256             # longest client-chosen request id (echoed in every message)
@@ -44,6 +45,7 @@ class Bridge:
     def __init__(self, aengine: AsyncEngine, metrics: Metrics, config: ServerConfig, tracing=None):
         """`tracing`: a runtime.tracing.Tracing when requests are traced, else None (no tracing work at all)."""
         self.aengine, self.metrics, self.config, self.tracing = aengine, metrics, config, tracing
+        self.limits = TenantLimits(config.tenants) if config.tenants else None
         engine = aengine.engine
         self.model_name = config.model_name or engine.runner.engine_dir.resolve().name
         self.max_model_len = engine.max_model_len
@@ -92,12 +94,13 @@ class Bridge:
 
     async def stream(self, prompt: str | list[int], params: SamplingParams, tag: str = "", priority: int = 0,
                      timeout_s: float | None = None, priority_floor: int = 0,
-                     arrival: float | None = None, carrier=None) -> AsyncIterator[RequestOutput]:
+                     arrival: float | None = None, carrier=None, tenant=None) -> AsyncIterator[RequestOutput]:
         """Validate, admit and stream one request; the request is aborted if the consumer stops early.
         The bridge names the request itself (unguessable, so no client can take or collide with another's id);
         `tag` is the client's own name for it (a gRPC request_id, an HTTP response id), only logged here.
         `arrival` (time.monotonic) is when the transport received the request: TTFT and queue time count from it.
-        `carrier`: the transport's headers or metadata, for the caller's W3C trace context when tracing."""
+        `carrier`: the transport's headers or metadata, for the caller's W3C trace context when tracing.
+        `tenant`: the caller's (auth.tenant_of), whose limits the request counts against."""
         if self.draining:
             raise Draining("the server is shutting down")
         if len(tag) > MAX_TAG:
@@ -110,6 +113,27 @@ class Bridge:
             await asyncio.to_thread(self.aengine.engine.grammars.matcher, params.constraint)
         if self.draining:             # checked again: the server may have begun to stop while we tokenized
             raise Draining("the server is shutting down")
+        tenant_name = tenant.name if tenant is not None else DEFAULT
+        if tenant is not None and self.limits is not None:
+            try:
+                self.limits.admit(tenant, len(prompt) + params.max_tokens)
+            except RateLimited as e:
+                self.metrics.on_tenant(tenant_name, "rate_limited")
+                raise Overloaded(str(e), e.retry_after_s) from None
+        self.metrics.on_tenant(tenant_name, "admitted", len(prompt))
+        generated, inner = 0, self._stream(prompt, params, tag, priority, timeout_s, arrival, carrier)
+        try:
+            async for out in inner:
+                generated += len(out.token_ids)
+                yield out
+        finally:
+            await inner.aclose()      # now, not at garbage collection: closing it aborts an unfinished request
+            self.metrics.on_tenant_tokens(tenant_name, generated)
+            if tenant is not None and self.limits is not None:
+                self.limits.release(tenant, params.max_tokens - generated)
+
+    async def _stream(self, prompt: list[int], params: SamplingParams, tag: str, priority: int,
+                      timeout_s: float | None, arrival: float | None, carrier) -> AsyncIterator[RequestOutput]:
         timeout = min(timeout_s or self.config.request_timeout_s, self.config.request_timeout_s)
         deadline = time.monotonic() + timeout
         rid = f"req-{secrets.token_hex(12)}"

@@ -14,7 +14,7 @@ from ..config import ServerConfig
 from ..constraints import Constraint
 from ..outputs import RequestOutput
 from ..request import InvalidRequest, SamplingParams
-from .auth import BearerAuthInterceptor, priority_floor
+from .auth import BearerAuthInterceptor, priority_floor, tenant_of
 from .bridge import Bridge, Draining, Failed, Overloaded
 from .proto import quicksilver_pb2 as pb
 from .proto import quicksilver_pb2_grpc as pb_grpc
@@ -90,7 +90,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             metadata = dict(context.invocation_metadata() or ())
             floor = priority_floor(metadata.get("authorization"), b.config)
             async for out in b.stream(prompt, params, request.request_id, request.priority, context.time_remaining(),
-                                      floor, arrival, metadata):
+                                      floor, arrival, metadata, tenant_of(metadata.get("authorization"), b.config)):
                 yield response_to_pb(out, request.request_id or out.request_id)   # the client's tag, if any
         except InvalidRequest as e:
             b.metrics.on_error("invalid_argument")
@@ -130,7 +130,7 @@ async def start_grpc(bridge: Bridge, config: ServerConfig) -> tuple[grpc.aio.Ser
     options = [("grpc.max_receive_message_length", config.max_body_bytes),
                ("grpc.max_send_message_length", 16 << 20),
                ("grpc.so_reuseport", 0)]       # gRPC's default lets a second server share the port silently
-    interceptors = [BearerAuthInterceptor(config)] if config.api_key else []
+    interceptors = [BearerAuthInterceptor(config)] if config.requires_auth else []
     server = grpc.aio.server(options=options, interceptors=interceptors)
     servicer = GenerationServicer(bridge)
     handlers = {

@@ -18,7 +18,7 @@ from starlette.routing import Route
 
 from ..metrics import CONTENT_TYPE_LATEST
 from ..request import InvalidRequest, SamplingParams
-from .auth import authorized, priority_floor
+from .auth import authorized, priority_floor, tenant_of
 from .bridge import Bridge, Draining, Failed, Overloaded
 from .structured import ToolRequest, response_format
 from .token_text import TokenText
@@ -191,6 +191,7 @@ class HttpApi:
                 raise InvalidRequest("echo with logprobs is not supported (prompt log-probabilities are not computed)")
             priority = body.get("priority", 0)         # lower is more urgent, as vLLM's
             floor = priority_floor(request.headers.get("authorization"), self.bridge.config)  # checked by the bridge
+            tenant = tenant_of(request.headers.get("authorization"), self.bridge.config)
             timeout = body.get("timeout")
             if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
                 raise InvalidRequest("timeout must be a positive number of seconds")
@@ -199,7 +200,7 @@ class HttpApi:
             def open_choice(i: int):
                 seeded = replace(params, seed=params.seed + i) if params.seed is not None and i else params
                 streams.append(self.bridge.stream(prompt, seeded, rid if n == 1 else f"{rid}-{i}", priority, timeout,
-                                                  floor, request.scope.get(ARRIVAL), request.headers))
+                                                  floor, request.scope.get(ARRIVAL), request.headers, tenant))
                 return streams[-1].__anext__()    # surfaces validation, shedding and deadline errors as statuses
 
             # Choice 0 first: once it has a token its prompt blocks are in the prefix cache, so the other
@@ -443,7 +444,7 @@ class _Guard:
 
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         config = self.bridge.config
-        if config.api_key and scope["path"] not in OPEN_PATHS and not authorized(headers.get("authorization"), config):
+        if config.requires_auth and scope["path"] not in OPEN_PATHS and not authorized(headers.get("authorization"), config):
             refusal = error(401, "missing or wrong bearer token", "authentication_error")
             return await refusal(scope, receive, counted_send)
         limit = self.bridge.config.max_body_bytes

@@ -37,7 +37,7 @@ class ServerThread:
         text = httpx.get(f"{self.http_url}/metrics", verify=False).text
         if not labels:
             return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M))
-        label = ",".join(f'{k}="{v}"' for k, v in labels.items())
+        label = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))     # as prometheus_client writes them
         m = re.search(rf"^{re.escape(name)}{re.escape('{' + label + '}')} ([0-9.e+-]+)$", text, re.M)
         return float(m.group(1)) if m else 0.0
 

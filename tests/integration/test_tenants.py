@@ -1,0 +1,145 @@
+"""Tenants on a real server: keys map to tenants, limits answer 429 / RESOURCE_EXHAUSTED with Retry-After, a
+tenant's priority floor holds, metrics carry the tenant; and the token bucket never lets through more than its
+rate allows (Hypothesis, on a fake clock)."""
+
+import json
+import threading
+
+import grpc
+import httpx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from runtime.client import Client
+from runtime.server.tenants import RateLimited, Tenant, TenantLimits, TokenBucket, load_tenants
+
+from server_harness import ServerThread
+
+PROMPT = "def main(argv):\n    return"
+SLOW = Tenant("slow", "key-slow-0001", requests_per_minute=2)
+SOLO = Tenant("solo", "key-solo-0001", max_concurrency=1, priority_floor=-5)
+THRIFTY = Tenant("thrifty", "key-thrifty-01", tokens_per_minute=100)
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    s = ServerThread(engine("llama"), tenants=(SLOW, SOLO, THRIFTY))
+    yield s
+    s.stop()
+
+
+def post(server, key, **body):
+    return httpx.post(f"{server.http_url}/v1/completions", headers={"Authorization": f"Bearer {key}"} if key else {},
+                      json={"prompt": PROMPT, "max_tokens": 4, **body}, timeout=60)
+
+
+def test_requests_per_minute_and_retry_after(server):
+    assert [post(server, SLOW.key).status_code for _ in range(2)] == [200, 200]
+    r = post(server, SLOW.key)
+    assert r.status_code == 429 and "requests_per_minute" in r.json()["error"]["message"]
+    assert 25 <= int(r.headers["Retry-After"]) <= 31          # a request's worth of a 2/min bucket: ~30 s
+    with Client(server.grpc_target, SLOW.key) as c:
+        with pytest.raises(grpc.RpcError) as err:
+            list(c.generate(PROMPT, max_tokens=2))
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert server.metric("quicksilver_tenant_requests_total", tenant="slow", outcome="admitted") == 2
+    assert server.metric("quicksilver_tenant_requests_total", tenant="slow", outcome="rate_limited") == 2
+
+
+def test_unknown_or_missing_key_is_refused(server):
+    assert post(server, None).status_code == 401 and post(server, "key-nobody-01").status_code == 401
+    with Client(server.grpc_target, "key-nobody-01") as c:
+        with pytest.raises(grpc.RpcError) as err:
+            list(c.generate(PROMPT, max_tokens=2))
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_concurrency_cap_and_priority_floor(server):
+    started, results = threading.Event(), {}
+
+    def long_stream():
+        with httpx.stream("POST", f"{server.http_url}/v1/completions", headers={"Authorization": f"Bearer {SOLO.key}"},
+                          json={"prompt": PROMPT, "max_tokens": 300, "ignore_eos": True, "stream": True}, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    started.set()
+            results["status"] = r.status_code
+
+    t = threading.Thread(target=long_stream)
+    t.start()
+    assert started.wait(30)
+    second = post(server, SOLO.key)
+    assert second.status_code == 429 and "max_concurrency" in second.json()["error"]["message"]
+    t.join(60)
+    assert results["status"] == 200
+    assert post(server, SOLO.key).status_code == 200          # the slot came back
+    assert post(server, SOLO.key, priority=-5).status_code == 200
+    r = post(server, SOLO.key, priority=-6)
+    assert r.status_code == 400 and "more urgent" in r.json()["error"]["message"]
+
+
+def test_token_rate_charges_max_tokens_and_refunds_the_unused(server):
+    eos = min(server.server.engine.eos_ids)
+    stop_at_once = {"logit_bias": {str(eos): 100}, "max_tokens": 60}         # EOS first: 59 tokens unused
+    first = post(server, THRIFTY.key, **stop_at_once).json()["usage"]
+    prompt = first["prompt_tokens"]
+    assert first["completion_tokens"] == 1 and prompt + 60 <= 100
+    # charged prompt + 60 of the 100-token minute; without the refund of 59 the same request would not fit again
+    again = post(server, THRIFTY.key, **stop_at_once)
+    assert again.status_code == 200
+    r = post(server, THRIFTY.key, max_tokens=101 - prompt)                  # can never fit a 100-token minute
+    assert r.status_code == 429 and "lower max_tokens" in r.json()["error"]["message"]
+    assert server.metric("quicksilver_tenant_tokens_total", tenant="thrifty", kind="prompt") == 2 * prompt
+    assert server.metric("quicksilver_tenant_tokens_total", tenant="thrifty", kind="generated") == 2
+
+
+def test_tenants_file_is_checked(tmp_path):
+    good = tmp_path / "t.json"
+    good.write_text(json.dumps({"tenants": [{"name": "a", "key": "key-aaaa-01", "requests_per_minute": 60}]}))
+    assert load_tenants(good) == (Tenant("a", "key-aaaa-01", requests_per_minute=60),)
+    for bad, needle in [({"tenants": [{"name": "a", "key": "short"}]}, "at least 8"),
+                        ({"tenants": [{"name": "default", "key": "key-aaaa-01"}]}, "not 'default'"),
+                        ({"tenants": [{"name": "a", "key": "key-aaaa-01", "max_concurrency": 0}]}, "positive"),
+                        ({"tenants": [{"name": "a", "key": "key-aaaa-01"}, {"name": "b", "key": "key-aaaa-01"}]},
+                         "share a key"),
+                        ({"tenants": [{"name": "a", "key": "key-aaaa-01", "rpm": 3}]}, "unexpected keyword")]:
+        good.write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match=needle):
+            load_tenants(good)
+
+
+@settings(max_examples=200, deadline=None)
+@given(per_minute=st.integers(1, 600), steps=st.lists(st.tuples(st.floats(0, 5), st.integers(1, 50)), max_size=60))
+def test_token_bucket_never_exceeds_its_rate(per_minute, steps):
+    now = [0.0]
+    bucket = TokenBucket(per_minute, clock=lambda: now[0])
+    taken = 0
+    for dt, amount in steps:
+        now[0] += dt
+        wait = bucket.take(amount)
+        if wait == 0:
+            taken += amount
+        else:
+            assert wait > 0
+            if amount <= per_minute:                 # after the promised wait it fits
+                now_then = now[0]
+                now[0] += wait + 1e-9
+                assert bucket.take(amount) == 0
+                taken += amount
+                assert now[0] > now_then
+        assert taken <= per_minute + now[0] * per_minute / 60 + 1e-6
+
+
+def test_limits_roll_back_a_refused_request():
+    t = Tenant("both", "key-both-0001", requests_per_minute=10, tokens_per_minute=50)
+    now = [0.0]
+    limits = TenantLimits((t,), clock=lambda: now[0])
+    limits.admit(t, 40)
+    with pytest.raises(RateLimited, match="tokens_per_minute"):
+        limits.admit(t, 40)                          # the request bucket's token was given back
+    assert limits.requests["both"].level == 9 and limits.running["both"] == 1
+    limits.release(t, 30)                            # ended with 30 of its 40 unused: 10 + 30 back in the bucket
+    assert limits.running["both"] == 0 and limits.tokens["both"].level == 40
+    limits.admit(t, 40)
+    assert limits.running["both"] == 1 and limits.tokens["both"].level == 0
