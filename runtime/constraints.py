@@ -145,15 +145,15 @@ class Grammars:
                 self._tokenizer = LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size, eos_token=self.eos_ids)
             return self._tokenizer
 
-    def matcher(self, constraint: Constraint) -> Matcher:
-        """A fresh matcher at the start of `constraint`'s grammar; InvalidRequest with the reason if it does not
-        compile. Thread-safe: a server compiles on a worker thread first, so the engine thread finds it cached."""
+    def compile(self, constraint: Constraint):
+        """`constraint`'s compiled grammar, cached; InvalidRequest with the reason if it does not compile.
+        Thread-safe: a server compiles on a worker thread first, so the engine thread finds it cached."""
         from llguidance import LLMatcher
         with self._lock:
             template = self._compiled.get(constraint)
             if template is not None:
                 self._compiled.move_to_end(constraint)
-                return Matcher(template.deep_copy(), self.vocab_size)
+                return template
         template = LLMatcher(self.tokenizer, constraint.grammar(), log_level=0)
         if template.is_error():
             raise InvalidRequest(f"the {constraint.kind} constraint does not compile: {template.get_error()}")
@@ -162,4 +162,8 @@ class Grammars:
             self._compiled[constraint] = template
             if len(self._compiled) > self.CACHE:
                 self._compiled.popitem(last=False)
-        return Matcher(template.deep_copy(), self.vocab_size)
+        return template
+
+    def matcher(self, constraint: Constraint) -> Matcher:
+        """A fresh matcher at the start of `constraint`'s grammar (a copy of the compiled one)."""
+        return Matcher(self.compile(constraint).deep_copy(), self.vocab_size)

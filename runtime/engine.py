@@ -74,7 +74,7 @@ class Engine:
         manifest = self.runner.manifest
         self.tokenizer = Tokenizer.from_file(str(Path(engine_dir) / "tokenizer.json"))
         self.eos_ids = frozenset(manifest["tokenizer"]["eos_token_ids"])
-        self.grammars = Grammars((Path(engine_dir) / "tokenizer.json").read_text(), self.runner.vocab_size, self.eos_ids)
+        self.grammars = Grammars(self.tokenizer.to_str(), self.runner.vocab_size, self.eos_ids)
         self._matchers: dict[str, Matcher] = {}        # constrained requests' grammar state
         self.speculator, planner = None, None
         if backend.proposer is not None:

@@ -103,14 +103,15 @@ class Checkpoint:
     def __init__(self, path: Path | None):
         self.path = path
 
-    def load(self, model, opt) -> tuple[int, list[float]]:
+    def load(self, model, opt) -> tuple[int, list[float], float]:
+        """(step, loss history, minutes trained) of the saved run, loaded into model and opt; (0, [], 0) if none."""
         if not self.path or not self.path.exists():
-            return 0, []
+            return 0, [], 0.0
         state = torch.load(self.path, weights_only=False)
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
         log(f"resumed from {self.path} at step {state['step']}")
-        return state["step"], state["losses"]
+        return state["step"], state["losses"], state.get("minutes", 0.0)
 
     def save(self, model, opt, step: int, losses: list[float], extra: dict) -> None:
         if not self.path:
@@ -128,8 +129,7 @@ def train(model, next_batch, steps, lr, args, teacher=None, tag="", evaluate=Non
     Returns the CE history and the minutes this invocation trained (a resumed run adds to the old)."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
     ckpt = Checkpoint(args.ckpt)
-    start, losses = ckpt.load(model, opt)
-    prior_minutes = torch.load(args.ckpt, weights_only=False).get("minutes", 0.0) if start else 0.0
+    start, losses, prior_minutes = ckpt.load(model, opt)
     forward = torch.compile(model) if args.compile else model
     model.train()
     t0 = time.time()

@@ -111,17 +111,20 @@ class KVCacheManager:
         worst = min(self.capacity, req.num_tokens + req.params.max_tokens)
         return self._rounded(worst) <= self.budget_tokens
 
-    def _keys_for(self, req: Request) -> list[int]:
-        return extend_keys(self._keys.setdefault(req.request_id, []), req.all_ids, self.block_size)
+    def _keys_for(self, req: Request, ids: list[int] | None = None) -> list[int]:
+        """Chained keys of `req`'s full blocks (`ids`: its all_ids, when the caller has them already)."""
+        return extend_keys(self._keys.setdefault(req.request_id, []), req.all_ids if ids is None else ids,
+                           self.block_size)
 
     # -- lifecycle --------------------------------------------------------------------------------
     def allocate(self, req: Request) -> int | None:
         """Give `req` a slot with memory for its tokens and one more, holding its longest known prefix — a retained
         slot that starts with it, else cached blocks copied in; returns the tokens it need not compute, or None
         (holding nothing) if no slot or not enough budget is free."""
-        held = self.blocks.acquire_prefix(self._keys_for(req), req.all_ids, self.blocks.hit_limit(req.num_tokens))
+        ids = req.all_ids
+        held = self.blocks.acquire_prefix(self._keys_for(req, ids), ids, self.blocks.hit_limit(req.num_tokens))
         cached = len(held) * self.block_size
-        slot, kept = self._retained_match(req.all_ids, max(0, req.num_tokens - 2))   # the last two are computed
+        slot, kept = self._retained_match(ids, max(0, req.num_tokens - 2))   # the last two are always computed
         if slot is None or kept < max(cached, 1):
             slot, kept = self._fresh_slot(), 0
         need = self._rounded(req.num_tokens + 1)
@@ -147,6 +150,8 @@ class KVCacheManager:
     def _retained_match(self, ids, limit: int) -> tuple[int | None, int]:
         """The retained slot sharing the longest prefix with `ids` (at most `limit` tokens) and that length."""
         best, best_len = None, 0
+        if not self._retained:
+            return best, best_len
         ids = np.asarray(ids[:limit])
         for slot, kept in self._retained.items():
             n = min(len(kept), len(ids))

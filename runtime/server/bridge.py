@@ -110,7 +110,7 @@ class Bridge:
             prompt = await self.encode(prompt)
         self.check_limits(prompt, params)
         if params.constraint is not None:   # compiled here (cached), not on the engine thread where it would stall steps
-            await asyncio.to_thread(self.aengine.engine.grammars.matcher, params.constraint)
+            await asyncio.to_thread(self.aengine.engine.grammars.compile, params.constraint)
         if self.draining:             # checked again: the server may have begun to stop while we tokenized
             raise Draining("the server is shutting down")
         tenant_name = tenant.name if tenant is not None else DEFAULT

@@ -162,7 +162,7 @@ class ToolCallOutput:
     def message(self, text: str, reason: str | None) -> tuple[dict, str | None]:
         """The whole choice's message and finish reason (non-streaming)."""
         self.delta(text)
-        deltas, reason = self.finish(reason)
-        if self.calls and (self.mode == "named" or any("tool_calls" in d for d in deltas)):
+        reason = self.finish(reason)[1]
+        if self.calls:                                     # set only when the text was (or is, named) a call
             return {"role": "assistant", "content": None, "tool_calls": self.calls}, reason
-        return {"role": "assistant", "content": "".join(d.get("content", "") for d in deltas) or self.text}, reason
+        return {"role": "assistant", "content": self.text}, reason
