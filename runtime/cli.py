@@ -151,6 +151,19 @@ def _priority_keys(values: tuple[str, ...]) -> tuple[tuple[str, int], ...]:
     return tuple(keys)
 
 
+def _models(values: tuple[str, ...]) -> dict[str, Path]:
+    """--model NAME=ENGINE values → {name: engine folder}; a usage error names a malformed or repeated one."""
+    models: dict[str, Path] = {}
+    for value in values:
+        name, sep, path = value.partition("=")
+        if not sep or not name or not path:
+            raise click.BadParameter(f"{value!r} is not NAME=ENGINE", param_hint="--model")
+        if name in models:
+            raise click.BadParameter(f"model name {name!r} is given twice", param_hint="--model")
+        models[name] = Path(path)
+    return models
+
+
 @main.command()
 @click.argument("engine", required=False, type=click.Path(path_type=Path))
 @click.option("--draft", type=click.Path(path_type=Path), default=None, help="Draft engine for speculative decoding.")
@@ -196,13 +209,22 @@ def _priority_keys(values: tuple[str, ...]) -> tuple[tuple[str, int], ...]:
               help="Trace every request with OpenTelemetry and export the spans over OTLP/gRPC to this collector "
                    "(e.g. http://127.0.0.1:4317; needs pip install '.[tracing]'). W3C traceparent headers / gRPC "
                    "metadata make the request span a child of the caller's.")
+@click.option("--model", "models", multiple=True, metavar="NAME=ENGINE",
+              help="Host another engine beside ENGINE under this model name (repeatable; no speculation, the same "
+                   "limits). Requests pick a model by name; \"model\": \"auto\" is routed by --route.")
+@click.option("--route", "route_file", type=click.Path(path_type=Path), default=None, metavar="FILE",
+              help='Policy for "model": "auto", as JSON: {"auto": [{"model", "max_prompt_tokens", "max_tokens"}, ...] '
+                   '(first rule that holds), "fallback": {"large": "small"} (taken when the chosen model has '
+                   '"saturated_waiting" requests queued, default its --max-waiting, instead of shedding)}.')
 def serve(engine: Path | None, draft: Path | None, speculation: str, host: str, grpc_port: int, http_port: int,
           max_num_seqs: int, max_waiting: int, token_budget: int, prefill_chunk: int, max_model_len: int | None,
           kv_budget_mib: int | None, no_prefix_cache: bool, threads: int | None, spin: bool, api_key: str | None,
           tls_cert: Path | None, tls_key: Path | None, served_model_name: str | None, request_timeout: float,
           max_body_bytes: int, max_tokens_limit: int | None, grace: float, priority_floor: int,
-          priority_keys: tuple[str, ...], tenants_file: Path | None, otlp_endpoint: str | None) -> None:
-    """Serve ENGINE (default: the bundled target) over gRPC and OpenAI-compatible HTTP, with /metrics."""
+          priority_keys: tuple[str, ...], tenants_file: Path | None, otlp_endpoint: str | None,
+          models: tuple[str, ...], route_file: Path | None) -> None:
+    """Serve ENGINE (default: the bundled target) over gRPC and OpenAI-compatible HTTP, with /metrics.
+    With --model, several engines share the server and requests name one, or "auto" (--route)."""
     import asyncio
     import logging
 
@@ -211,6 +233,7 @@ def serve(engine: Path | None, draft: Path | None, speculation: str, host: str, 
     from .config import CacheConfig, EngineConfig, SchedulerConfig, ServerConfig
     from .bundled import engine_dir
     from .server.app import serve as run_server
+    from .server.router import load_policy
     from .server.tenants import load_tenants
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -224,7 +247,10 @@ def serve(engine: Path | None, draft: Path | None, speculation: str, host: str, 
         sconf = ServerConfig(host, grpc_port, http_port, api_key, tls_cert, tls_key, served_model_name, request_timeout,
                              max_body_bytes, None, max_tokens_limit, grace, priority_floor,
                              _priority_keys(priority_keys), otlp_endpoint,
-                             load_tenants(tenants_file) if tenants_file else ())
-        asyncio.run(run_server(engine_path, econf, sconf))
+                             load_tenants(tenants_file) if tenants_file else (),
+                             load_policy(route_file) if route_file else None)
+        if route_file and not models:
+            fail("--route chooses between models: add them with --model NAME=ENGINE")
+        asyncio.run(run_server(engine_path, econf, sconf, _models(models)))
     except (QuicksilverError, FileNotFoundError, ValueError, OSError) as e:
         fail(str(e))

@@ -62,8 +62,9 @@ class Client:
     def tokenize(self, text: str) -> list[int]:
         return list(self.stub.Tokenize(pb.TokenizeRequest(text=text), metadata=self.metadata).token_ids)
 
-    def model_info(self) -> pb.ModelInfoResponse:
-        return self.stub.ModelInfo(pb.ModelInfoRequest(), metadata=self.metadata)
+    def model_info(self, model: str = "") -> pb.ModelInfoResponse:
+        """The server's first model, or the hosted model `model` names."""
+        return self.stub.ModelInfo(pb.ModelInfoRequest(model=model), metadata=self.metadata)
 
     def close(self) -> None:
         self.channel.close()

@@ -8,6 +8,7 @@ gauges/counters refreshed from the engine's stats on every step.
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the HTTP server)
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5, 5, 10, 20, 60)
@@ -109,5 +110,26 @@ class Metrics:
             if value is not None:
                 hist.labels(prompt_tokens=bucket).observe(value)
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+
+
+def render(by_model: dict[str, Metrics]) -> bytes:
+    """One exposition for every model a server hosts: each sample carries a `model_name` label (vLLM's name for
+    it), so one family per metric holds every model's series."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_ModelLabelled(by_model))
+    return generate_latest(registry)
+
+
+class _ModelLabelled:
+    def __init__(self, by_model: dict[str, Metrics]):
+        self.by_model = by_model
+
+    def collect(self):
+        families: dict[str, Metric] = {}
+        for model, metrics in self.by_model.items():
+            for family in metrics.registry.collect():
+                merged = families.get(family.name)
+                if merged is None:
+                    merged = families[family.name] = Metric(family.name, family.documentation, family.type, family.unit)
+                merged.samples += [s._replace(labels={"model_name": model, **s.labels}) for s in family.samples]
+        return families.values()

@@ -9,6 +9,7 @@ import signal
 import socket
 import ssl
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import uvicorn
@@ -21,6 +22,8 @@ from .bridge import Bridge
 from .chat import load_chat_template
 from .grpc_server import start_grpc
 from .http_server import HttpApi
+from .router import Router
+from .tenants import TenantLimits
 
 log = logging.getLogger("quicksilver.server")
 
@@ -39,17 +42,34 @@ class _Uvicorn(uvicorn.Server):
 class Server:
     """Everything `runtime serve` runs; `start()` binds ports, `stop()` drains and shuts down."""
 
-    def __init__(self, engine_dir, engine_config: EngineConfig, config: ServerConfig):
+    def __init__(self, engine_dir, engine_config: EngineConfig, config: ServerConfig,
+                 models: dict[str, Path] | None = None):
+        """`models`: more engines to host beside `engine_dir` (name → engine folder), without speculation; requests
+        pick one by name or are routed by config.route (runtime.server.router)."""
         check_config(config)            # before the engine loads: a typo should not cost a model load
         t0 = time.perf_counter()
-        self.engine = Engine(engine_dir, engine_config)
-        self.config, self.metrics = config, Metrics()
-        self.aengine = AsyncEngine(self.engine, on_step=self.metrics.on_step)
+        self.config = config
         self.tracing = None
         if config.otlp_endpoint:
             from ..tracing import Tracing
             self.tracing = Tracing(config.otlp_endpoint, service_name=f"quicksilver:{Path(engine_dir).name}")
-        self.bridge = Bridge(self.aengine, self.metrics, config, self.tracing)
+        limits = TenantLimits(config.tenants) if config.tenants else None      # one set of buckets for all models
+        self.bridges: list[Bridge] = []
+        try:
+            hosted = [(config.model_name, engine_dir, engine_config)]
+            hosted += [(name, path, replace(engine_config, draft=None, speculation=None))
+                       for name, path in (models or {}).items()]
+            for name, path, econf in hosted:
+                engine, metrics = Engine(path, econf), Metrics()
+                self.bridges.append(Bridge(AsyncEngine(engine, on_step=metrics.on_step), metrics, config,
+                                           self.tracing, name, limits))
+            self.router = Router(self.bridges, config.route)
+        except BaseException:
+            for b in self.bridges:
+                b.aengine.shutdown()
+            raise
+        self.bridge = self.bridges[0]
+        self.engine, self.aengine, self.metrics = self.bridge.aengine.engine, self.bridge.aengine, self.bridge.metrics
         self.load_s = time.perf_counter() - t0
         self.grpc = self.http = self._http_task = None
         self.grpc_port = self.http_port = None
@@ -64,14 +84,15 @@ class Server:
             if c.grpc_port > 0:
                 listen_socket(c.host, c.grpc_port, "gRPC").close()
             if c.grpc_port >= 0:
-                self.grpc, self.grpc_port, self._health = await start_grpc(self.bridge, c)
+                self.grpc, self.grpc_port, self._health = await start_grpc(self.router, c)
         except BaseException:
             if http_sock is not None:
                 http_sock.close()
-            await asyncio.to_thread(self.aengine.shutdown)
+            await asyncio.to_thread(self._shutdown_engines)
             raise
         if http_sock is not None:
-            api = HttpApi(self.bridge, load_chat_template(self.engine.runner.engine_dir))
+            api = HttpApi(self.router, {b.model_name: load_chat_template(b.aengine.engine.runner.engine_dir)
+                                        for b in self.bridges})
             tls = dict(ssl_certfile=str(c.tls_cert), ssl_keyfile=str(c.tls_key)) if c.tls_cert else {}
             self.http = _Uvicorn(uvicorn.Config(api.app, host=c.host, port=c.http_port, log_level="warning",
                                                 lifespan="off", access_log=False, timeout_graceful_shutdown=1, **tls))
@@ -81,32 +102,39 @@ class Server:
                     self._http_task.result()
                 await asyncio.sleep(0.01)
             self.http_port = http_sock.getsockname()[1]
-        e, m = self.engine, self.engine.runner.manifest
-        log.info("serving %s (%s, %s weights, %s KV, context %d, %d slots%s) on %s grpc=%s http=%s, loaded in %.2f s",
-                 self.bridge.model_name, m["model"]["architecture"], m["precision"]["weights"],
-                 m["precision"]["kv_cache"], e.max_model_len,
-                 e.kv.num_slots, f", speculation={e.config.speculation}" if e.speculator else "",
-                 c.host, self.grpc_port, self.http_port, self.load_s)
+        for b in self.bridges:
+            e = b.aengine.engine
+            m = e.runner.manifest
+            log.info("model %s: %s, %s weights, %s KV, context %d, %d slots%s", b.model_name,
+                     m["model"]["architecture"], m["precision"]["weights"], m["precision"]["kv_cache"],
+                     e.max_model_len, e.kv.num_slots, f", speculation={e.config.speculation}" if e.speculator else "")
+        log.info("serving %s on %s grpc=%s http=%s, loaded in %.2f s", ", ".join(self.router.bridges), c.host,
+                 self.grpc_port, self.http_port, self.load_s)
 
     async def stop(self) -> None:
         """Stop accepting, give in-flight requests `grace_s` to finish, cancel the rest, stop everything."""
-        b = self.bridge
-        b.draining = True
+        for b in self.bridges:
+            b.draining = True
         if self.grpc is not None:
             await self._health.enter_graceful_shutdown()
             grpc_stop = asyncio.create_task(self.grpc.stop(self.config.grace_s))
         deadline = time.monotonic() + self.config.grace_s
-        while b.in_flight and time.monotonic() < deadline:
+        while any(b.in_flight for b in self.bridges) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        b.abort_all()
+        for b in self.bridges:
+            b.abort_all()
         if self.grpc is not None:
             await grpc_stop
         if self.http is not None:
             self.http.should_exit = True
             await self._http_task
-        await asyncio.to_thread(self.aengine.shutdown)     # joins the engine thread: not on the event loop
+        await asyncio.to_thread(self._shutdown_engines)     # joins the engine threads: not on the event loop
         if self.tracing is not None:
             await asyncio.to_thread(self.tracing.shutdown)  # exports the spans still buffered
+
+    def _shutdown_engines(self) -> None:
+        for b in self.bridges:
+            b.aengine.shutdown()
 
 
 def check_config(c: ServerConfig) -> None:
@@ -139,8 +167,9 @@ def listen_socket(host: str, port: int, what: str) -> socket.socket:
         raise OSError(f"cannot listen for {what} on {host}:{port}: {e.strerror or e}") from None
 
 
-async def serve(engine_dir, engine_config: EngineConfig, config: ServerConfig) -> None:
-    server = Server(engine_dir, engine_config, config)
+async def serve(engine_dir, engine_config: EngineConfig, config: ServerConfig,
+                models: dict[str, Path] | None = None) -> None:
+    server = Server(engine_dir, engine_config, config, models)
     await server.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

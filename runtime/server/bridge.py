@@ -42,13 +42,17 @@ class Failed(Exception):
 
 
 class Bridge:
-    def __init__(self, aengine: AsyncEngine, metrics: Metrics, config: ServerConfig, tracing=None):
-        """`tracing`: a runtime.tracing.Tracing when requests are traced, else None (no tracing work at all)."""
+    def __init__(self, aengine: AsyncEngine, metrics: Metrics, config: ServerConfig, tracing=None,
+                 model_name: str | None = None, limits: TenantLimits | None = None):
+        """`tracing`: a runtime.tracing.Tracing when requests are traced, else None (no tracing work at all).
+        `model_name`: the id clients use (default: config.model_name, else the engine folder's name).
+        `limits`: the tenants' buckets, shared by every model a server hosts (default: built from config)."""
         self.aengine, self.metrics, self.config, self.tracing = aengine, metrics, config, tracing
-        self.limits = TenantLimits(config.tenants) if config.tenants else None
+        self.limits = limits if limits is not None else TenantLimits(config.tenants) if config.tenants else None
         engine = aengine.engine
-        self.model_name = config.model_name or engine.runner.engine_dir.resolve().name
+        self.model_name = model_name or config.model_name or engine.runner.engine_dir.resolve().name
         self.max_model_len = engine.max_model_len
+        self.max_waiting = engine.config.scheduler.max_waiting
         self.tokenizer = engine.tokenizer
         self.draining = False
         self.active: set[str] = set()   # engine ids of the requests being streamed (touched on the event loop only)
@@ -57,14 +61,15 @@ class Bridge:
     def in_flight(self) -> int:
         return len(self.active)
 
+    @property
+    def waiting(self) -> int:
+        """Requests queued for a slot (read from another thread: a snapshot, which is all routing needs)."""
+        return self.aengine.engine.scheduler.num_waiting
+
     def abort_all(self) -> None:
         """Abort every request being streamed (through the engine's inbox: no engine state is read here)."""
         for rid in list(self.active):
             self.aengine.abort(rid)
-
-    def check_model(self, model: str | None) -> None:
-        if model and model != self.model_name:
-            raise InvalidRequest(f"unknown model {model!r}; this server serves {self.model_name!r}")
 
     async def encode(self, text: str) -> list[int]:
         """Tokenize off the event loop. `encode_batch` releases the GIL while it works (`encode` holds it for the

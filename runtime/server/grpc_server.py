@@ -15,9 +15,10 @@ from ..constraints import Constraint
 from ..outputs import RequestOutput
 from ..request import InvalidRequest, SamplingParams
 from .auth import BearerAuthInterceptor, priority_floor, tenant_of
-from .bridge import Bridge, Draining, Failed, Overloaded
+from .bridge import Draining, Failed, Overloaded
 from .proto import quicksilver_pb2 as pb
 from .proto import quicksilver_pb2_grpc as pb_grpc
+from .router import Router
 
 SERVICE = "quicksilver.v1.Generation"
 _FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
@@ -73,25 +74,60 @@ def lenient(message_type):
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
-    def __init__(self, bridge: Bridge):
-        self.bridge = bridge
+    def __init__(self, router: Router):
+        self.router = router
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
-        arrival, b = time.monotonic(), self.bridge          # TTFT counts from here
+        arrival, b = time.monotonic(), self.router.primary          # TTFT counts from here
         try:
             if isinstance(request, Malformed):
                 raise InvalidRequest(f"malformed request: {request.error}")
-            b.check_model(request.model)
             which = request.WhichOneof("prompt")
             if which is None:
                 raise InvalidRequest("the request has no prompt (set text or token_ids)")
             prompt = request.text if which == "text" else [int(t) for t in request.token_ids.ids]
             params = sampling_from_pb(request.sampling)
             metadata = dict(context.invocation_metadata() or ())
-            floor = priority_floor(metadata.get("authorization"), b.config)
-            async for out in b.stream(prompt, params, request.request_id, request.priority, context.time_remaining(),
-                                      floor, arrival, metadata, tenant_of(metadata.get("authorization"), b.config)):
-                yield response_to_pb(out, request.request_id or out.request_id)   # the client's tag, if any
+            named, route = self.router.named(request.model), None
+            if named is None:          # "auto": counted with the first model's tokenizer, then routed
+                counted = prompt if isinstance(prompt, list) else await b.encode(prompt)
+                route = self.router.auto(len(counted), params.max_tokens)
+                prompt_tokens = len(counted)
+                b = route.bridge
+                prompt = counted if b is self.router.primary else prompt
+            else:
+                b = named
+
+            def open_stream(bridge):
+                return bridge.stream(prompt, params, request.request_id, request.priority, context.time_remaining(),
+                                     priority_floor(metadata.get("authorization"), bridge.config), arrival, metadata,
+                                     tenant_of(metadata.get("authorization"), bridge.config))
+
+            stream = open_stream(b)
+            try:
+                try:
+                    first = await stream.__anext__()   # admission (and shedding) happen here, before any reply
+                except Overloaded:
+                    fallback = route and self.router.fallback_after(b, prompt_tokens)
+                    if not fallback:
+                        raise
+                    await stream.aclose()
+                    route, b = fallback, fallback.bridge
+                    prompt = request.text if which == "text" else prompt   # re-tokenized by this model
+                    stream = open_stream(b)
+                    first = await stream.__anext__()
+                if route is not None:
+                    await context.send_initial_metadata(tuple(route.headers.items()))
+                out = first
+                while True:
+                    yield response_to_pb(out, request.request_id or out.request_id)   # the client's tag, if any
+                    if out.finished:
+                        break
+                    out = await stream.__anext__()
+            except StopAsyncIteration:
+                pass
+            finally:
+                await stream.aclose()
         except InvalidRequest as e:
             b.metrics.on_error("invalid_argument")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -112,12 +148,19 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
         if isinstance(request, Malformed):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {request.error}")
-        return pb.TokenizeResponse(token_ids=await self.bridge.encode(request.text))
+        return pb.TokenizeResponse(token_ids=await self.router.primary.encode(request.text))
 
     async def ModelInfo(self, request, context) -> pb.ModelInfoResponse:
-        engine = self.bridge.aengine.engine
+        """The first model's, or the one `model` names."""
+        if isinstance(request, Malformed):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {request.error}")
+        try:
+            bridge = self.router.named(request.model) or self.router.primary
+        except InvalidRequest as e:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        engine = bridge.aengine.engine
         m = engine.runner.manifest
-        return pb.ModelInfoResponse(model=self.bridge.model_name, architecture=m["model"]["architecture"],
+        return pb.ModelInfoResponse(model=bridge.model_name, architecture=m["model"]["architecture"],
                                     precision=m["precision"]["weights"], max_model_len=engine.max_model_len,
                                     vocab_size=engine.runner.vocab_size,
                                     # the draft's name only: its path is the server's business
@@ -125,14 +168,14 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                                     speculation=engine.config.speculation or "")
 
 
-async def start_grpc(bridge: Bridge, config: ServerConfig) -> tuple[grpc.aio.Server, int, health.HealthServicer]:
+async def start_grpc(router: Router, config: ServerConfig) -> tuple[grpc.aio.Server, int, health.HealthServicer]:
     """Start the gRPC server; returns (server, bound port, health servicer)."""
     options = [("grpc.max_receive_message_length", config.max_body_bytes),
                ("grpc.max_send_message_length", 16 << 20),
                ("grpc.so_reuseport", 0)]       # gRPC's default lets a second server share the port silently
     interceptors = [BearerAuthInterceptor(config)] if config.requires_auth else []
     server = grpc.aio.server(options=options, interceptors=interceptors)
-    servicer = GenerationServicer(bridge)
+    servicer = GenerationServicer(router)
     handlers = {
         "Generate": grpc.unary_stream_rpc_method_handler(servicer.Generate, lenient(pb.GenerateRequest),
                                                          pb.GenerateResponse.SerializeToString),

@@ -16,10 +16,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ..metrics import CONTENT_TYPE_LATEST
+from ..metrics import CONTENT_TYPE_LATEST, render
 from ..request import InvalidRequest, SamplingParams
 from .auth import authorized, priority_floor, tenant_of
 from .bridge import Bridge, Draining, Failed, Overloaded
+from .router import AUTO, Router
 from .structured import ToolRequest, response_format
 from .token_text import TokenText
 
@@ -116,9 +117,10 @@ def sampling_from_json(body: dict, chat: bool) -> tuple[SamplingParams, int]:
 
 
 class HttpApi:
-    def __init__(self, bridge: Bridge, chat_template):
-        self.bridge, self.chat_template = bridge, chat_template
-        self.token_text = TokenText(bridge.tokenizer)
+    def __init__(self, router: Router, chat_templates: dict):
+        """`chat_templates`: each model's, by name (runtime.server.chat.load_chat_template)."""
+        self.router, self.bridge, self.chat_templates = router, router.primary, chat_templates
+        self.token_texts = {name: TokenText(b.tokenizer) for name, b in router.bridges.items()}
         self.app = Starlette(routes=[
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
@@ -126,7 +128,7 @@ class HttpApi:
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
         ], exception_handlers={HTTPException: _http_error, Exception: self._internal_error})
-        self.app.add_middleware(_Guard, bridge=bridge)
+        self.app.add_middleware(_Guard, bridge=self.bridge)
 
     async def _internal_error(self, request: Request, e: Exception) -> JSONResponse:
         """An unexpected exception (uvicorn logs its traceback): OpenAI error JSON, not plain text."""
@@ -136,22 +138,45 @@ class HttpApi:
     async def health(self, request: Request) -> Response:
         if self.bridge.draining:
             return JSONResponse({"status": "draining"}, 503)
-        return JSONResponse({"status": "ok", "model": self.bridge.model_name})
+        return JSONResponse({"status": "ok", "model": self.bridge.model_name, "models": list(self.router.bridges)})
 
     async def metrics(self, request: Request) -> Response:
-        return Response(self.bridge.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        return Response(render({name: b.metrics for name, b in self.router.bridges.items()}),
+                        media_type=CONTENT_TYPE_LATEST)
 
     async def models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [{"id": self.bridge.model_name, "object": "model",
-                                                         "created": 0, "owned_by": "quicksilver",
-                                                         "max_model_len": self.bridge.max_model_len,
-                                                         "vocab_size": self.bridge.aengine.engine.runner.vocab_size}]})
+        data = [{"id": name, "object": "model", "created": 0, "owned_by": "quicksilver",
+                 "max_model_len": b.max_model_len, "vocab_size": b.aengine.engine.runner.vocab_size}
+                for name, b in self.router.bridges.items()]
+        if self.router.routes:
+            data.append({"id": AUTO, "object": "model", "created": 0, "owned_by": "quicksilver",
+                         "routes_to": list(self.router.bridges)})
+        return JSONResponse({"object": "list", "data": data})
 
     async def completions(self, request: Request) -> Response:
         return await self._handle(request, chat=False)
 
     async def chat(self, request: Request) -> Response:
         return await self._handle(request, chat=True)
+
+    async def _prepare(self, bridge: Bridge, body: dict, chat: bool, tools, params: SamplingParams):
+        """The request's prompt ids for this model (its chat template and tokenizer), its echo text, and params with
+        the chat default for max_tokens (the rest of this model's context)."""
+        # Templates, tokenization and decoding run in threads: a long prompt must not stall the event loop.
+        if chat:
+            prompt = await asyncio.to_thread(self.chat_templates[bridge.model_name], body.get("messages"),
+                                             tools.tools if tools.mode else None)
+        else:
+            prompt = _prompt(body.get("prompt"))
+        text = prompt if isinstance(prompt, str) else None
+        if text is not None:                       # once for every choice and the chat default below
+            prompt = await bridge.encode(text)
+        if chat and body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+            params = self._rest_of_context(bridge, prompt, params)
+        echo = "" if chat or not flag(body, "echo") else (text if text is not None else await bridge.decode(prompt))
+        if echo and params.logprobs is not None:
+            raise InvalidRequest("echo with logprobs is not supported (prompt log-probabilities are not computed)")
+        return prompt, echo, params
 
     async def _handle(self, request: Request, chat: bool) -> Response:
         try:
@@ -163,35 +188,29 @@ class HttpApi:
         streams = []
         try:
             _check_unicode(body)
-            stream, echo_prompt = flag(body, "stream"), flag(body, "echo")
+            stream = flag(body, "stream")
             options = body.get("stream_options") or {}
             if not isinstance(options, dict):
                 raise InvalidRequest("stream_options must be an object")
             include_usage = flag(options, "include_usage")
-            self.bridge.check_model(body.get("model"))
-            params, n = sampling_from_json(body, chat)
+            bridge = self.router.named(body.get("model"))          # None: "auto", routed once the prompt is counted
+            asked, n = sampling_from_json(body, chat)
             tools = ToolRequest(body) if chat else None
             if tools is not None and tools.mode in ("named", "required"):
-                if params.constraint is not None:
+                if asked.constraint is not None:
                     raise InvalidRequest("response_format cannot be combined with a required or named tool_choice")
-                params = replace(params, constraint=tools.constraint())
-            # Templates, tokenization and decoding run in threads: a long prompt must not stall the event loop.
-            if chat:
-                prompt = await asyncio.to_thread(self.chat_template, body.get("messages"),
-                                                 tools.tools if tools.mode else None)
-            else:
-                prompt = _prompt(body.get("prompt"))
-            text = prompt if isinstance(prompt, str) else None
-            if text is not None:                       # once for every choice and the chat default below
-                prompt = await self.bridge.encode(text)
-            if chat and body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
-                params = self._rest_of_context(prompt, params)
-            echo = "" if chat or not echo_prompt else (text if text is not None else await self.bridge.decode(prompt))
-            if echo and params.logprobs is not None:
-                raise InvalidRequest("echo with logprobs is not supported (prompt log-probabilities are not computed)")
+                asked = replace(asked, constraint=tools.constraint())
+            route = counted = None
+            if bridge is None:
+                counted = await self._prepare(self.router.primary, body, chat, tools, asked)
+                chat_default = chat and body.get("max_tokens") is None and body.get("max_completion_tokens") is None
+                route = self.router.auto(len(counted[0]), None if chat_default else asked.max_tokens)
+                bridge = route.bridge
+            prompt, echo, params = (counted if bridge is self.router.primary and counted
+                                    else await self._prepare(bridge, body, chat, tools, asked))
             priority = body.get("priority", 0)         # lower is more urgent, as vLLM's
-            floor = priority_floor(request.headers.get("authorization"), self.bridge.config)  # checked by the bridge
-            tenant = tenant_of(request.headers.get("authorization"), self.bridge.config)
+            floor = priority_floor(request.headers.get("authorization"), bridge.config)  # checked by the bridge
+            tenant = tenant_of(request.headers.get("authorization"), bridge.config)
             timeout = body.get("timeout")
             if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
                 raise InvalidRequest("timeout must be a positive number of seconds")
@@ -199,13 +218,23 @@ class HttpApi:
 
             def open_choice(i: int):
                 seeded = replace(params, seed=params.seed + i) if params.seed is not None and i else params
-                streams.append(self.bridge.stream(prompt, seeded, rid if n == 1 else f"{rid}-{i}", priority, timeout,
-                                                  floor, request.scope.get(ARRIVAL), request.headers, tenant))
+                streams.append(bridge.stream(prompt, seeded, rid if n == 1 else f"{rid}-{i}", priority, timeout,
+                                             floor, request.scope.get(ARRIVAL), request.headers, tenant))
                 return streams[-1].__anext__()    # surfaces validation, shedding and deadline errors as statuses
 
             # Choice 0 first: once it has a token its prompt blocks are in the prefix cache, so the other
             # choices prefill only the last partial block instead of the whole prompt again.
-            firsts = [await open_choice(0)]
+            try:
+                firsts = [await open_choice(0)]
+            except Overloaded:
+                fallback = route and self.router.fallback_after(bridge, len(prompt))
+                if not fallback:
+                    raise
+                await _close(streams)       # it filled between the check and admission: the fallback takes it
+                streams.clear()
+                route, bridge = fallback, fallback.bridge
+                prompt, echo, params = await self._prepare(bridge, body, chat, tools, asked)
+                firsts = [await open_choice(0)]
             rest = await asyncio.gather(*(open_choice(i) for i in range(1, n)), return_exceptions=True)
             for r in rest:                  # all settled first: a stream cannot be closed while it is awaited
                 if isinstance(r, BaseException):
@@ -214,19 +243,21 @@ class HttpApi:
         except (InvalidRequest, Overloaded, Draining, Failed, asyncio.TimeoutError, StopAsyncIteration) as e:
             await _close(streams)
             return _error_for(e)
-        shape = _Shape(rid, self.bridge.model_name, chat, self.token_text)
+        shape = _Shape(rid, bridge.model_name, chat, self.token_texts[bridge.model_name])
         shape.tool_outputs = [tools.output() for _ in firsts] if chat and tools.mode else None
+        headers = route.headers if route else {}
         if stream:
-            return StreamingResponse(self._sse(streams, firsts, shape, include_usage, echo),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return await self._collect(request, streams, firsts, shape, echo)
+            return StreamingResponse(self._sse(bridge, streams, firsts, shape, include_usage, echo),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache", **headers})
+        return await self._collect(request, streams, firsts, shape, echo, headers)
 
-    def _rest_of_context(self, ids: list[int], params: SamplingParams) -> SamplingParams:
+    @staticmethod
+    def _rest_of_context(bridge: Bridge, ids: list[int], params: SamplingParams) -> SamplingParams:
         """OpenAI's chat default for max_tokens: what the context leaves after the prompt (within the server's cap)."""
-        room, cap = self.bridge.max_model_len - len(ids), self.bridge.config.max_tokens_limit
+        room, cap = bridge.max_model_len - len(ids), bridge.config.max_tokens_limit
         return replace(params, max_tokens=max(1, room if cap is None else min(room, cap)))
 
-    async def _sse(self, streams, firsts, shape, include_usage: bool, echo: str = ""):
+    async def _sse(self, bridge: Bridge, streams, firsts, shape, include_usage: bool, echo: str = ""):
         """Server-sent events, the choices' chunks interleaved as they come; if the client goes away Starlette
         cancels this generator and every choice is aborted."""
         pending, usages = {}, {}
@@ -262,19 +293,19 @@ class HttpApi:
                 yield _event(shape.usage_chunk([usages[i] for i in sorted(usages)]))
             yield "data: [DONE]\n\n"
         except asyncio.TimeoutError:            # after the 200: the error goes in the stream, and is counted here
-            self.bridge.metrics.on_error(CODES[504])
+            bridge.metrics.on_error(CODES[504])
             yield _event({"error": {"message": "request timed out and was aborted", "type": "timeout_error",
                                     "code": CODES[504]}})
             yield "data: [DONE]\n\n"
         except Failed as e:
-            self.bridge.metrics.on_error(CODES[500])
+            bridge.metrics.on_error(CODES[500])
             yield _event({"error": {"message": str(e), "type": "internal_error", "code": CODES[500]}})
             yield "data: [DONE]\n\n"
         finally:
             await _cancel(pending)
             await _close(streams)
 
-    async def _collect(self, request: Request, streams, firsts, shape, echo: str = "") -> Response:
+    async def _collect(self, request: Request, streams, firsts, shape, echo: str = "", headers=None) -> Response:
         texts = [[echo, f.text] for f in firsts]
         logprobs = [list(f.logprobs or []) for f in firsts]
         tasks = [asyncio.ensure_future(_drain(s, texts[i], logprobs[i], firsts[i])) for i, s in enumerate(streams)]
@@ -291,7 +322,7 @@ class HttpApi:
             await _cancel(tasks)
             await _close(streams)
         return JSONResponse(shape.full([("".join(t), o.finish_reason, lp) for t, o, lp in zip(texts, outs, logprobs)],
-                                       [o.usage for o in outs]))
+                                       [o.usage for o in outs]), headers=headers)
 
 
 async def _drain(stream, text: list, logprobs: list, out):

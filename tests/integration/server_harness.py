@@ -13,33 +13,35 @@ from runtime.server.app import Server
 
 
 class ServerThread:
-    def __init__(self, engine_dir, engine_config: EngineConfig | None = None, **server_kwargs):
+    def __init__(self, engine_dir, engine_config: EngineConfig | None = None, models=None, **server_kwargs):
+        """`models`: more engines to host (name → folder); `server_kwargs`: ServerConfig fields."""
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         econf = engine_config or EngineConfig(SchedulerConfig(max_num_seqs=4, max_waiting=8),
                                               CacheConfig(kv_budget_bytes=32 << 20))
         sconf = ServerConfig(grpc_port=0, http_port=0, **server_kwargs)
-        self.server = self._run(self._make(engine_dir, econf, sconf))
+        self.server = self._run(self._make(engine_dir, econf, sconf, models))
         self._run(self.server.start())
         scheme = "https" if sconf.tls_cert else "http"
         self.grpc_target = f"127.0.0.1:{self.server.grpc_port}"
         self.http_url = f"{scheme}://127.0.0.1:{self.server.http_port}"
 
-    async def _make(self, engine_dir, econf, sconf):
-        return Server(engine_dir, econf, sconf)
+    async def _make(self, engine_dir, econf, sconf, models):
+        return Server(engine_dir, econf, sconf, models)
 
     def _run(self, coro, timeout=60):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def metric(self, name: str, **labels) -> float:
-        """The sample with exactly these labels; without labels, the sum over every label set of `name`."""
+        """The sum over the samples of `name` that carry these labels (among others, such as model_name)."""
         text = httpx.get(f"{self.http_url}/metrics", verify=False).text
-        if not labels:
-            return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M))
-        label = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))     # as prometheus_client writes them
-        m = re.search(rf"^{re.escape(name)}{re.escape('{' + label + '}')} ([0-9.e+-]+)$", text, re.M)
-        return float(m.group(1)) if m else 0.0
+        total = 0.0
+        for found, value in re.findall(rf"^{re.escape(name)}(?:{{([^}}]*)}})? ([0-9.e+-]+)$", text, re.M):
+            sample = dict(re.findall(r'(\w+)="([^"]*)"', found))
+            if all(sample.get(k) == str(v) for k, v in labels.items()):
+                total += float(value)
+        return total
 
     def stop(self) -> None:
         self._run(self.server.stop())
