@@ -151,6 +151,16 @@ def _priority_keys(values: tuple[str, ...]) -> tuple[tuple[str, int], ...]:
     return tuple(keys)
 
 
+def _cache_settings(on: bool, threshold: float | None, ttl: float, size: int):
+    from .server.semantic_cache import DEFAULT_THRESHOLD, CacheSettings
+
+    if not on:
+        if threshold is not None:
+            fail("--semantic-cache-threshold applies with --semantic-cache")
+        return None
+    return CacheSettings(DEFAULT_THRESHOLD if threshold is None else threshold, ttl, size)
+
+
 def _models(values: tuple[str, ...]) -> dict[str, Path]:
     """--model NAME=ENGINE values → {name: engine folder}; a usage error names a malformed or repeated one."""
     models: dict[str, Path] = {}
@@ -216,13 +226,23 @@ def _models(values: tuple[str, ...]) -> dict[str, Path]:
               help='Policy for "model": "auto", as JSON: {"auto": [{"model", "max_prompt_tokens", "max_tokens"}, ...] '
                    '(first rule that holds), "fallback": {"large": "small"} (taken when the chosen model has '
                    '"saturated_waiting" requests queued, default its --max-waiting, instead of shedding)}.')
+@click.option("--semantic-cache", is_flag=True,
+              help="Answer repeated and near-duplicate HTTP requests from earlier answers (greedy, n=1, or "
+                   "\"semantic_cache\": true); needs pip install '.[semantic-cache]'.")
+@click.option("--semantic-cache-threshold", type=click.FloatRange(0, 1, min_open=True), default=None,
+              show_default="0.91", help="Cosine similarity of two questions' embeddings that counts as the same.")
+@click.option("--semantic-cache-ttl", type=click.FloatRange(0, min_open=True), default=600.0, show_default=True,
+              help="Seconds an answer is kept.")
+@click.option("--semantic-cache-size", type=click.IntRange(1), default=10_000, show_default=True,
+              help="Most answers kept (least recently used go first).")
 def serve(engine: Path | None, draft: Path | None, speculation: str, host: str, grpc_port: int, http_port: int,
           max_num_seqs: int, max_waiting: int, token_budget: int, prefill_chunk: int, max_model_len: int | None,
           kv_budget_mib: int | None, no_prefix_cache: bool, threads: int | None, spin: bool, api_key: str | None,
           tls_cert: Path | None, tls_key: Path | None, served_model_name: str | None, request_timeout: float,
           max_body_bytes: int, max_tokens_limit: int | None, grace: float, priority_floor: int,
           priority_keys: tuple[str, ...], tenants_file: Path | None, otlp_endpoint: str | None,
-          models: tuple[str, ...], route_file: Path | None) -> None:
+          models: tuple[str, ...], route_file: Path | None, semantic_cache: bool,
+          semantic_cache_threshold: float | None, semantic_cache_ttl: float, semantic_cache_size: int) -> None:
     """Serve ENGINE (default: the bundled target) over gRPC and OpenAI-compatible HTTP, with /metrics.
     With --model, several engines share the server and requests name one, or "auto" (--route)."""
     import asyncio
@@ -248,7 +268,9 @@ def serve(engine: Path | None, draft: Path | None, speculation: str, host: str, 
                              max_body_bytes, None, max_tokens_limit, grace, priority_floor,
                              _priority_keys(priority_keys), otlp_endpoint,
                              load_tenants(tenants_file) if tenants_file else (),
-                             load_policy(route_file) if route_file else None)
+                             load_policy(route_file) if route_file else None,
+                             _cache_settings(semantic_cache, semantic_cache_threshold, semantic_cache_ttl,
+                                             semantic_cache_size))
         if route_file and not models:
             fail("--route chooses between models: add them with --model NAME=ENGINE")
         asyncio.run(run_server(engine_path, econf, sconf, _models(models)))

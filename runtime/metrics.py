@@ -55,6 +55,13 @@ class Metrics:
                                        "rate_limited)", ["tenant", "outcome"], registry=r)
         self.tenant_tokens = Counter("quicksilver_tenant_tokens", "Tokens by tenant and kind (prompt, generated)",
                                      ["tenant", "kind"], registry=r)
+        # semantic cache (runtime serve --semantic-cache; HTTP)
+        self.semantic_lookups = Counter("quicksilver_semantic_cache_lookups", "Semantic-cache lookups by result: "
+                                        "exact, semantic (hits), miss, bypass (not cacheable)", ["result"], registry=r)
+        self.semantic_lookup = h("quicksilver_semantic_cache_lookup_seconds", "Semantic-cache lookup (exact layer, "
+                                 "embedding, vector search)")
+        self.semantic_entries = Gauge("quicksilver_semantic_cache_entries", "Answers the semantic cache holds",
+                                      registry=r)
         self._seen = {"queries": 0, "hits": 0, "proposed": 0, "accepted": 0, "rounds": 0, "prompt": 0, "generation": 0, "steps": 0}
 
     def on_step(self, engine) -> None:
@@ -99,6 +106,11 @@ class Metrics:
         hist = self.itl.labels(prompt_tokens=prompt_bucket(prompt_tokens))
         for _ in range(num_tokens):
             hist.observe(gap_s / num_tokens)
+
+    def on_semantic_lookup(self, result: str, seconds: float | None = None) -> None:
+        self.semantic_lookups.labels(result=result).inc()
+        if seconds is not None:
+            self.semantic_lookup.observe(seconds)
 
     def on_finish(self, finish_reason: str, usage) -> None:
         self.finished.labels(finish_reason=finish_reason).inc()

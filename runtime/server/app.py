@@ -64,6 +64,10 @@ class Server:
                 self.bridges.append(Bridge(AsyncEngine(engine, on_step=metrics.on_step), metrics, config,
                                            self.tracing, name, limits))
             self.router = Router(self.bridges, config.route)
+            self.semantic_cache = None
+            if config.semantic_cache is not None:
+                from .semantic_cache import SemanticCache
+                self.semantic_cache = SemanticCache(config.semantic_cache)
         except BaseException:
             for b in self.bridges:
                 b.aengine.shutdown()
@@ -92,7 +96,7 @@ class Server:
             raise
         if http_sock is not None:
             api = HttpApi(self.router, {b.model_name: load_chat_template(b.aengine.engine.runner.engine_dir)
-                                        for b in self.bridges})
+                                        for b in self.bridges}, self.semantic_cache)
             tls = dict(ssl_certfile=str(c.tls_cert), ssl_keyfile=str(c.tls_key)) if c.tls_cert else {}
             self.http = _Uvicorn(uvicorn.Config(api.app, host=c.host, port=c.http_port, log_level="warning",
                                                 lifespan="off", access_log=False, timeout_graceful_shutdown=1, **tls))

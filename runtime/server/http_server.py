@@ -17,10 +17,13 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..metrics import CONTENT_TYPE_LATEST, render
+from ..outputs import Usage
 from ..request import InvalidRequest, SamplingParams
 from .auth import authorized, priority_floor, tenant_of
 from .bridge import Bridge, Draining, Failed, Overloaded
+from . import semantic_cache
 from .router import AUTO, Router
+from .tenants import DEFAULT as DEFAULT_TENANT
 from .structured import ToolRequest, response_format
 from .token_text import TokenText
 
@@ -117,9 +120,10 @@ def sampling_from_json(body: dict, chat: bool) -> tuple[SamplingParams, int]:
 
 
 class HttpApi:
-    def __init__(self, router: Router, chat_templates: dict):
-        """`chat_templates`: each model's, by name (runtime.server.chat.load_chat_template)."""
-        self.router, self.bridge, self.chat_templates = router, router.primary, chat_templates
+    def __init__(self, router: Router, chat_templates: dict, cache=None):
+        """`chat_templates`: each model's, by name (runtime.server.chat.load_chat_template); `cache`: a
+        runtime.server.semantic_cache.SemanticCache that answers near-duplicate requests, or None."""
+        self.router, self.bridge, self.chat_templates, self.cache = router, router.primary, chat_templates, cache
         self.token_texts = {name: TokenText(b.tokenizer) for name, b in router.bridges.items()}
         self.app = Starlette(routes=[
             Route("/v1/completions", self.completions, methods=["POST"]),
@@ -215,6 +219,13 @@ class HttpApi:
             if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
                 raise InvalidRequest("timeout must be a positive number of seconds")
             rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:16]}"
+            query, cache_headers = None, {}
+            if self.cache is not None:
+                query, hit, cache_headers = await self._lookup(bridge, body, chat, asked, n, tenant)
+                if hit is not None:
+                    shape = _Shape(rid, bridge.model_name, chat, self.token_texts[bridge.model_name])
+                    return self._cached(shape, hit, len(prompt), stream, include_usage,
+                                        {**(route.headers if route else {}), **cache_headers})
 
             def open_choice(i: int):
                 seeded = replace(params, seed=params.seed + i) if params.seed is not None and i else params
@@ -245,11 +256,61 @@ class HttpApi:
             return _error_for(e)
         shape = _Shape(rid, bridge.model_name, chat, self.token_texts[bridge.model_name])
         shape.tool_outputs = [tools.output() for _ in firsts] if chat and tools.mode else None
-        headers = route.headers if route else {}
+        headers = {**(route.headers if route else {}), **cache_headers}
+        keep = self._keeper(query) if query is not None else None
         if stream:
-            return StreamingResponse(self._sse(bridge, streams, firsts, shape, include_usage, echo),
+            return StreamingResponse(self._sse(bridge, streams, firsts, shape, include_usage, echo, keep),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache", **headers})
-        return await self._collect(request, streams, firsts, shape, echo, headers)
+        return await self._collect(request, streams, firsts, shape, echo, headers, keep)
+
+    async def _lookup(self, bridge: Bridge, body: dict, chat: bool, asked: SamplingParams, n: int, tenant):
+        """(query or None, hit or None, response headers): the semantic cache's answer for this request, if any.
+        `asked`: the parameters as the client gave them (the chat default for max_tokens depends on the prompt's
+        length, so it would keep a paraphrase from matching)."""
+        try:
+            query = semantic_cache.query_for(body, chat, asked, n, tenant.name if tenant else DEFAULT_TENANT,
+                                             bridge.model_name)
+        except ValueError as e:
+            raise InvalidRequest(str(e)) from None
+        if query is None:
+            bridge.metrics.on_semantic_lookup("bypass")
+            return None, None, {"x-quicksilver-cache": "bypass"}
+        t0 = time.perf_counter()
+        hit = await asyncio.to_thread(self.cache.lookup, query)
+        bridge.metrics.on_semantic_lookup(hit.kind if hit else "miss", time.perf_counter() - t0)
+        if hit is None:
+            return query, None, {"x-quicksilver-cache": "miss"}
+        how = "hit; exact" if hit.kind == "exact" else f"hit; semantic; similarity={hit.similarity:.3f}"
+        return query, hit, {"x-quicksilver-cache": how}
+
+    def _keeper(self, query):
+        """The callback that stores a finished answer (choice 0 of one) in the semantic cache."""
+        bridge = self.router.bridges[query.namespace[1]]
+
+        async def keep(text: str, out) -> None:
+            if out.finish_reason in ("stop", "length") and out.usage is not None:
+                answer = semantic_cache.Answer(text, out.finish_reason, out.usage.completion_tokens)
+                await asyncio.to_thread(self.cache.store, query, answer)
+                bridge.metrics.semantic_entries.set(self.cache.count(bridge.model_name))
+        return keep
+
+    def _cached(self, shape: "_Shape", hit, prompt_tokens: int, stream: bool, include_usage: bool,
+                headers: dict) -> Response:
+        """A semantic-cache hit as the response a generated answer would have been (whole or as SSE), its usage
+        saying where it came from."""
+        a = hit.answer
+        usage = _usage([Usage(prompt_tokens, 0, a.completion_tokens)])
+        usage["semantic_cache"] = {"hit": hit.kind, "similarity": round(hit.similarity, 4)}
+        if not stream:
+            return JSONResponse({**shape.full([(a.text, a.finish_reason, None)], [None]), "usage": usage},
+                                headers=headers)
+        events = ([_event(shape.chunk({"role": "assistant", "content": ""}, None))] if shape.chat else [])
+        events += [_event(shape.chunk(a.text, None)), _event(shape.chunk("", a.finish_reason))]
+        if include_usage:
+            events.append(_event({**shape.usage_chunk([None]), "usage": usage}))
+        events.append("data: [DONE]\n\n")
+        return StreamingResponse(iter(events), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", **headers})
 
     @staticmethod
     def _rest_of_context(bridge: Bridge, ids: list[int], params: SamplingParams) -> SamplingParams:
@@ -257,10 +318,11 @@ class HttpApi:
         room, cap = bridge.max_model_len - len(ids), bridge.config.max_tokens_limit
         return replace(params, max_tokens=max(1, room if cap is None else min(room, cap)))
 
-    async def _sse(self, bridge: Bridge, streams, firsts, shape, include_usage: bool, echo: str = ""):
+    async def _sse(self, bridge: Bridge, streams, firsts, shape, include_usage: bool, echo: str = "", keep=None):
         """Server-sent events, the choices' chunks interleaved as they come; if the client goes away Starlette
-        cancels this generator and every choice is aborted."""
-        pending, usages = {}, {}
+        cancels this generator and every choice is aborted. `keep(text, last output)`: given the whole answer of a
+        single choice once it finished (the semantic cache)."""
+        pending, usages, kept = {}, {}, []
         try:
             for i, out in enumerate(firsts):
                 if shape.chat:
@@ -275,6 +337,10 @@ class HttpApi:
                             yield _event(chunk)
                     elif out.text or out.finished:
                         yield _event(shape.chunk(out.text, out.finish_reason, out.logprobs, index=i))
+                    if keep is not None:
+                        kept.append(out.text)
+                        if out.finished:
+                            await keep("".join(kept), out)
                     if out.finished:
                         usages[i] = out.usage
                     else:
@@ -305,7 +371,8 @@ class HttpApi:
             await _cancel(pending)
             await _close(streams)
 
-    async def _collect(self, request: Request, streams, firsts, shape, echo: str = "", headers=None) -> Response:
+    async def _collect(self, request: Request, streams, firsts, shape, echo: str = "", headers=None,
+                       keep=None) -> Response:
         texts = [[echo, f.text] for f in firsts]
         logprobs = [list(f.logprobs or []) for f in firsts]
         tasks = [asyncio.ensure_future(_drain(s, texts[i], logprobs[i], firsts[i])) for i, s in enumerate(streams)]
@@ -321,6 +388,8 @@ class HttpApi:
         finally:
             await _cancel(tasks)
             await _close(streams)
+        if keep is not None:
+            await keep("".join(texts[0]), outs[0])
         return JSONResponse(shape.full([("".join(t), o.finish_reason, lp) for t, o, lp in zip(texts, outs, logprobs)],
                                        [o.usage for o in outs]), headers=headers)
 

@@ -1,0 +1,217 @@
+"""Semantic cache: answer a repeated or near-duplicate request from an earlier answer, without generating.
+
+Two layers, both keyed by a namespace (tenant, model: one tenant never sees another's answers) and a context key
+(everything besides the question that shapes the answer: sampling parameters, constraint, system prompt and
+earlier turns, as a hash):
+
+- exact: the same question text → the answer (a dict lookup, no embedding);
+- semantic: the question's sentence embedding (runtime.server.embedder) against an HNSW index (hnswlib, chosen by
+  `tools/bench_semantic_cache.py index`) of earlier questions; the nearest with the same context key and a cosine
+  similarity ≥ the threshold is a hit.
+
+Entries live `ttl_s` and at most `max_entries` are kept (least recently used go first; an index slot freed by
+either is reused). Thread-safe: the servers call it from worker threads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .embedder import DIM, Embedder
+
+DEFAULT_THRESHOLD = 0.91      # the best precision at recall ≥ 0.5 on tools/data/paraphrase_pairs.jsonl (0.912)
+CANDIDATES = 8                # nearest questions examined for one with the same context key
+
+
+@dataclass(frozen=True)
+class CacheSettings:
+    threshold: float = DEFAULT_THRESHOLD
+    ttl_s: float = 600.0
+    max_entries: int = 10_000
+
+    def __post_init__(self):
+        if not 0.0 < self.threshold <= 1.0:
+            raise ValueError(f"semantic cache threshold {self.threshold} is not a cosine similarity in (0, 1]")
+        if self.ttl_s <= 0 or self.max_entries < 1:
+            raise ValueError("semantic cache ttl and size must be positive")
+
+
+@dataclass(frozen=True)
+class Answer:
+    text: str
+    finish_reason: str
+    completion_tokens: int
+
+
+@dataclass(frozen=True)
+class Hit:
+    answer: Answer
+    kind: str                 # "exact" or "semantic"
+    similarity: float
+
+
+@dataclass
+class Query:
+    """One request's lookup key; `vector` is filled by the semantic layer and reused when the answer is stored."""
+    namespace: tuple[str, str]    # (tenant, model)
+    context: str                  # hash of what besides the question shapes the answer
+    question: str
+    vector: np.ndarray | None = None
+
+
+@dataclass
+class _Entry:
+    label: int
+    namespace: tuple[str, str]
+    context: str
+    question: str
+    answer: Answer
+    expires: float
+
+
+@dataclass
+class _Index:
+    """One namespace's HNSW index; labels are reused after deletion."""
+    index: object
+    capacity: int
+    free: list[int] = field(default_factory=list)
+    next_label: int = 0
+
+
+class SemanticCache:
+    def __init__(self, settings: CacheSettings = CacheSettings(), embedder: Embedder | None = None, clock=time.monotonic):
+        if importlib.util.find_spec("hnswlib") is None:     # at startup, not on the first request
+            raise FileNotFoundError("the semantic cache needs the package 'hnswlib': pip install '.[semantic-cache]'")
+        self.settings, self.clock = settings, clock
+        self.embedder = embedder or Embedder()
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[tuple, _Entry] = OrderedDict()      # (namespace, label) → entry, LRU order
+        self._exact: dict[tuple, tuple] = {}                           # (namespace, context, question) → key
+        self._indexes: dict[tuple[str, str], _Index] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def lookup(self, q: Query) -> Hit | None:
+        """An answer for this question, or None (a miss). Embeds the question on a miss of the exact layer."""
+        now = self.clock()
+        with self._lock:
+            key = self._exact.get((q.namespace, q.context, q.question))
+            if key is not None:
+                entry = self._entries[key]
+                if entry.expires > now:
+                    self._entries.move_to_end(key)
+                    return Hit(entry.answer, "exact", 1.0)
+                self._drop(key)
+        q.vector = self.embedder.embed([q.question])[0]      # outside the lock: ONNX Runtime releases the GIL
+        with self._lock:
+            idx = self._indexes.get(q.namespace)
+            live = 0 if idx is None else idx.index.get_current_count() - len(idx.free)
+            if live <= 0:
+                return None
+            labels, distances = idx.index.knn_query(q.vector, k=min(CANDIDATES, live))
+            best = None
+            for label, distance in zip(labels[0], distances[0]):
+                key = (q.namespace, int(label))
+                entry = self._entries.get(key)
+                if entry is None or entry.context != q.context:
+                    continue
+                if entry.expires <= now:
+                    self._drop(key)
+                    continue
+                similarity = 1.0 - float(distance)           # hnswlib's "ip" space: distance = 1 - dot
+                if similarity >= self.settings.threshold and (best is None or similarity > best[1]):
+                    best = (key, similarity)
+            if best is None:
+                return None
+            self._entries.move_to_end(best[0])
+            return Hit(self._entries[best[0]].answer, "semantic", best[1])
+
+    def store(self, q: Query, answer: Answer) -> None:
+        """Keep this answer for the question (replacing an equal question's); evicts expired, then LRU entries."""
+        vector = q.vector if q.vector is not None else self.embedder.embed([q.question])[0]
+        now = self.clock()
+        with self._lock:
+            old = self._exact.get((q.namespace, q.context, q.question))
+            if old is not None:
+                self._drop(old)
+            while self._entries and (len(self._entries) >= self.settings.max_entries
+                                     or next(iter(self._entries.values())).expires <= now):
+                self._drop(next(iter(self._entries)))
+            idx = self._indexes.get(q.namespace) or self._new_index(q.namespace)
+            if idx.free:
+                label = idx.free.pop()
+                idx.index.add_items(vector[None], [label], replace_deleted=True)
+            else:
+                if idx.next_label >= idx.capacity:
+                    idx.capacity *= 2
+                    idx.index.resize_index(idx.capacity)
+                label, idx.next_label = idx.next_label, idx.next_label + 1
+                idx.index.add_items(vector[None], [label])
+            key = (q.namespace, label)
+            self._entries[key] = _Entry(label, q.namespace, q.context, q.question, answer, now + self.settings.ttl_s)
+            self._exact[(q.namespace, q.context, q.question)] = key
+
+    def count(self, model: str) -> int:
+        """Entries answering for this model (all tenants): the entries gauge."""
+        with self._lock:
+            return sum(1 for ns, _ in self._entries if ns[1] == model)
+
+    def _new_index(self, namespace) -> _Index:
+        import hnswlib
+
+        capacity = min(1024, self.settings.max_entries)
+        index = hnswlib.Index(space="ip", dim=DIM)
+        index.init_index(max_elements=capacity, ef_construction=100, M=16, allow_replace_deleted=True)
+        index.set_ef(64)
+        index.set_num_threads(1)
+        self._indexes[namespace] = idx = _Index(index, capacity)
+        return idx
+
+    def _drop(self, key) -> None:
+        entry = self._entries.pop(key)
+        self._exact.pop((entry.namespace, entry.context, entry.question), None)
+        idx = self._indexes[entry.namespace]
+        idx.index.mark_deleted(entry.label)
+        idx.free.append(entry.label)
+
+
+def query_for(body: dict, chat: bool, params, n: int, tenant: str, model: str) -> Query | None:
+    """The cache key of an OpenAI request body, or None when it is not cacheable: n > 1, sampled (temperature > 0)
+    unless `"semantic_cache": true`, `"semantic_cache": false`, logprobs, echo, tools, a token-id prompt, or a chat
+    whose last message is not the user's text. The question is the prompt (completions) or the last user message
+    (chat); the earlier messages, tools, response format and sampling parameters make the context."""
+    asked = body.get("semantic_cache")
+    if asked is not None and not isinstance(asked, bool):
+        raise ValueError("semantic_cache must be true or false")
+    if asked is False or n != 1 or params.logprobs is not None or body.get("echo") or body.get("tools"):
+        return None
+    if params.temperature > 0 and asked is not True:
+        return None
+    if chat:
+        messages = body.get("messages")
+        last = messages[-1] if isinstance(messages, list) and messages else None
+        if not isinstance(last, dict) or last.get("role") != "user":
+            return None
+        content = last.get("content")
+        if isinstance(content, list):     # content parts: the text ones
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+        if not isinstance(content, str) or not content:
+            return None
+        question, context = content, messages[:-1]
+    else:
+        prompt = body.get("prompt")
+        prompt = prompt[0] if isinstance(prompt, list) and len(prompt) == 1 else prompt
+        if not isinstance(prompt, str):
+            return None
+        question, context = prompt, None
+    digest = hashlib.sha256(json.dumps([chat, context, repr(params)], sort_keys=True, default=str).encode())
+    return Query((tenant, model), digest.hexdigest(), question)

