@@ -21,6 +21,7 @@ def test_every_dashboard_query_names_an_exported_metric_and_label():
     m.on_finish("stop", Usage(300, 0, 5, queue_wait_s=0.01, ttft_s=0.1, tpot_s=0.02, e2e_s=0.2))
     m.observe_itl(0.02, 1, 300)
     m.on_error("overloaded")
+    m.on_semantic_lookup("semantic", 0.004)
     exported = render({"target": m}).decode()
     names = set(re.findall(r"^(quicksilver_\w+?)(?:\{| )", exported, re.M))
     dash = json.loads(DASHBOARD.read_text())
@@ -34,7 +35,7 @@ def test_every_dashboard_query_names_an_exported_metric_and_label():
     assert bucket_values == [name for _, name in PROMPT_BUCKETS] + ["8193+"]
     titles = {p["title"] for p in dash["panels"]}
     assert {"Time to first token", "Time per output token", "Inter-token latency", "Queue time", "KV cache",
-            "Prefix-cache hit rate", "Speculation"} <= titles
+            "Prefix-cache hit rate", "Speculation", "Semantic cache"} <= titles
 
 
 def test_several_models_share_one_family_per_metric_labelled_by_model():
