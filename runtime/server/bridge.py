@@ -28,9 +28,11 @@ MAX_TAG = 256             # longest client-chosen request id (echoed in every me
 
 
 class Overloaded(Exception):
-    def __init__(self, message: str, retry_after_s: float):
+    def __init__(self, message: str, retry_after_s: float, shed: bool = True):
+        """`shed`: the engine's queue was full (another model may take the request); False: the caller's own
+        rate limit, which holds on every model."""
         super().__init__(message)
-        self.retry_after_s = retry_after_s
+        self.retry_after_s, self.shed = retry_after_s, shed
 
 
 class Draining(Exception):
@@ -124,18 +126,21 @@ class Bridge:
                 self.limits.admit(tenant, len(prompt) + params.max_tokens)
             except RateLimited as e:
                 self.metrics.on_tenant(tenant_name, "rate_limited")
-                raise Overloaded(str(e), e.retry_after_s) from None
+                raise Overloaded(str(e), e.retry_after_s, shed=False) from None
         self.metrics.on_tenant(tenant_name, "admitted", len(prompt))
-        generated, inner = 0, self._stream(prompt, params, tag, priority, timeout_s, arrival, carrier)
+        generated, shed, inner = 0, False, self._stream(prompt, params, tag, priority, timeout_s, arrival, carrier)
         try:
             async for out in inner:
                 generated += len(out.token_ids)
                 yield out
+        except Overloaded:
+            shed = True               # never admitted: its prompt is refunded too
+            raise
         finally:
             await inner.aclose()      # now, not at garbage collection: closing it aborts an unfinished request
             self.metrics.on_tenant_tokens(tenant_name, generated)
             if tenant is not None and self.limits is not None:
-                self.limits.release(tenant, params.max_tokens - generated)
+                self.limits.release(tenant, params.max_tokens - generated + (len(prompt) if shed else 0))
 
     async def _stream(self, prompt: list[int], params: SamplingParams, tag: str, priority: int,
                       timeout_s: float | None, arrival: float | None, carrier) -> AsyncIterator[RequestOutput]:

@@ -48,6 +48,10 @@ class Embedder:
         opts.add_session_config_entry("session.intra_op.allow_spinning", "0")   # idle between lookups: sleep
         self.session = ort.InferenceSession(str(onnx_path), opts, providers=["CPUExecutionProvider"])
 
+    def count_tokens(self, text: str) -> int:
+        """Word pieces of `text` (with [CLS]/[SEP]), at most MAX_TOKENS: the embedding sees no more."""
+        return len(self.tokenizer.encode(text).ids)
+
     def embed(self, texts: list[str]) -> np.ndarray:
         """(len(texts), 384) float32, each row of norm 1 (so a dot product is the cosine similarity)."""
         encs = self.tokenizer.encode_batch(texts)

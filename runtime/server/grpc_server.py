@@ -90,7 +90,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             metadata = dict(context.invocation_metadata() or ())
             named, route = self.router.named(request.model), None
             if named is None:          # "auto": counted with the first model's tokenizer, then routed
-                counted = prompt if isinstance(prompt, list) else await b.encode(prompt)
+                if which != "text":
+                    raise InvalidRequest("token-id prompts belong to one model's vocabulary: name the model "
+                                         "(\"auto\" routes text prompts)")
+                counted = await b.encode(prompt)
                 route = self.router.auto(len(counted), params.max_tokens)
                 prompt_tokens = len(counted)
                 b = route.bridge
@@ -107,13 +110,13 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             try:
                 try:
                     first = await stream.__anext__()   # admission (and shedding) happen here, before any reply
-                except Overloaded:
-                    fallback = route and self.router.fallback_after(b, prompt_tokens)
+                except Overloaded as e:
+                    fallback = route and e.shed and self.router.fallback_after(b, prompt_tokens)
                     if not fallback:
                         raise
                     await stream.aclose()
                     route, b = fallback, fallback.bridge
-                    prompt = request.text if which == "text" else prompt   # re-tokenized by this model
+                    prompt = request.text                  # re-tokenized by this model
                     stream = open_stream(b)
                     first = await stream.__anext__()
                 if route is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import time
 import uuid
@@ -27,6 +28,7 @@ from .tenants import DEFAULT as DEFAULT_TENANT
 from .structured import ToolRequest, response_format
 from .token_text import TokenText
 
+log = logging.getLogger("quicksilver.server")
 OPEN_PATHS = ("/health", "/metrics")
 ARRIVAL = "quicksilver.arrival"   # scope key: time.monotonic() when the request's headers arrived
 MAX_CHOICES = 16          # most completions (n) one request may ask for
@@ -206,6 +208,9 @@ class HttpApi:
                 asked = replace(asked, constraint=tools.constraint())
             route = counted = None
             if bridge is None:
+                if not chat and not isinstance(_prompt(body.get("prompt")), str):
+                    raise InvalidRequest("token-id prompts belong to one model's vocabulary: name the model "
+                                         "(\"auto\" routes text prompts)")
                 counted = await self._prepare(self.router.primary, body, chat, tools, asked)
                 chat_default = chat and body.get("max_tokens") is None and body.get("max_completion_tokens") is None
                 route = self.router.auto(len(counted[0]), None if chat_default else asked.max_tokens)
@@ -221,6 +226,10 @@ class HttpApi:
             rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:16]}"
             query, cache_headers = None, {}
             if self.cache is not None:
+                if bridge.draining:     # what the bridge checks before admission holds for an answer from the cache
+                    raise Draining("the server is shutting down")
+                bridge.check_priority(priority, floor)
+                bridge.check_limits(prompt, params)
                 query, hit, cache_headers = await self._lookup(bridge, body, chat, asked, n, tenant)
                 if hit is not None:
                     shape = _Shape(rid, bridge.model_name, chat, self.token_texts[bridge.model_name])
@@ -237,13 +246,15 @@ class HttpApi:
             # choices prefill only the last partial block instead of the whole prompt again.
             try:
                 firsts = [await open_choice(0)]
-            except Overloaded:
-                fallback = route and self.router.fallback_after(bridge, len(prompt))
+            except Overloaded as e:
+                fallback = route and e.shed and self.router.fallback_after(bridge, len(prompt))
                 if not fallback:
                     raise
                 await _close(streams)       # it filled between the check and admission: the fallback takes it
                 streams.clear()
                 route, bridge = fallback, fallback.bridge
+                if query is not None:       # its answer will be this model's
+                    query.namespace = (query.namespace[0], bridge.model_name)
                 prompt, echo, params = await self._prepare(bridge, body, chat, tools, asked)
                 firsts = [await open_choice(0)]
             rest = await asyncio.gather(*(open_choice(i) for i in range(1, n)), return_exceptions=True)
@@ -285,13 +296,17 @@ class HttpApi:
 
     def _keeper(self, query):
         """The callback that stores a finished answer (choice 0 of one) in the semantic cache."""
-        bridge = self.router.bridges[query.namespace[1]]
 
         async def keep(text: str, out) -> None:
-            if out.finish_reason in ("stop", "length") and out.usage is not None:
+            if out.finish_reason not in ("stop", "length") or out.usage is None:
+                return
+            try:
                 answer = semantic_cache.Answer(text, out.finish_reason, out.usage.completion_tokens)
                 await asyncio.to_thread(self.cache.store, query, answer)
-                bridge.metrics.semantic_entries.set(self.cache.count(bridge.model_name))
+            except Exception:     # noqa: BLE001  (the answer was generated and goes out; only caching failed)
+                log.exception("semantic cache: storing an answer failed")
+            for name, b in self.router.bridges.items():     # a store may have evicted other models' entries
+                b.metrics.semantic_entries.set(self.cache.count(name))
         return keep
 
     def _cached(self, shape: "_Shape", hit, prompt_tokens: int, stream: bool, include_usage: bool,

@@ -6,11 +6,14 @@ earlier turns, as a hash):
 
 - exact: the same question text → the answer (a dict lookup, no embedding);
 - semantic: the question's sentence embedding (runtime.server.embedder) against an HNSW index (hnswlib, chosen by
-  `tools/bench_semantic_cache.py index`) of earlier questions; the nearest with the same context key and a cosine
-  similarity ≥ the threshold is a hit.
+  `tools/bench_semantic_cache.py index`) of earlier questions; the nearest of the CANDIDATES nearest with the same
+  context key and a cosine similarity ≥ the threshold is a hit. Only short questions (≤ SEMANTIC_MAX_TOKENS word
+  pieces) take part: the threshold was measured on questions, and a long text's embedding is dominated by what
+  two texts share (or cut at the model's 256 tokens), so long prompts are matched exactly or not at all.
 
-Entries live `ttl_s` and at most `max_entries` are kept (least recently used go first; an index slot freed by
-either is reused). Thread-safe: the servers call it from worker threads.
+Entries live `ttl_s` and at most `max_entries` are kept (expired entries go first, then the least recently used;
+an index label freed by either is reused for the next vector). Thread-safe: the servers call it from worker
+threads.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import importlib.util
 import json
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -29,6 +32,7 @@ from .embedder import DIM, Embedder
 
 DEFAULT_THRESHOLD = 0.91      # the best precision at recall ≥ 0.5 on tools/data/paraphrase_pairs.jsonl (0.912)
 CANDIDATES = 8                # nearest questions examined for one with the same context key
+SEMANTIC_MAX_TOKENS = 64      # longer questions are cached and matched exactly only
 
 
 @dataclass(frozen=True)
@@ -69,7 +73,7 @@ class Query:
 
 @dataclass
 class _Entry:
-    label: int
+    label: int | None             # its vector's label in the namespace's index; None: exact layer only
     namespace: tuple[str, str]
     context: str
     question: str
@@ -93,84 +97,102 @@ class SemanticCache:
         self.settings, self.clock = settings, clock
         self.embedder = embedder or Embedder()
         self._lock = threading.Lock()
-        self._entries: OrderedDict[tuple, _Entry] = OrderedDict()      # (namespace, label) → entry, LRU order
-        self._exact: dict[tuple, tuple] = {}                           # (namespace, context, question) → key
+        self._entries: OrderedDict[tuple, _Entry] = OrderedDict()   # (namespace, context, question) → entry, LRU
+        self._by_label: dict[tuple, tuple] = {}                     # (namespace, label) → entry key
+        self._expiry: deque[tuple[float, tuple, _Entry]] = deque()  # insertion order = expiry order (one TTL)
         self._indexes: dict[tuple[str, str], _Index] = {}
+        self._per_model: Counter[str] = Counter()
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def lookup(self, q: Query) -> Hit | None:
-        """An answer for this question, or None (a miss). Embeds the question on a miss of the exact layer."""
+        """An answer for this question, or None (a miss). Embeds a short question on a miss of the exact layer."""
         now = self.clock()
+        key = (q.namespace, q.context, q.question)
         with self._lock:
-            key = self._exact.get((q.namespace, q.context, q.question))
-            if key is not None:
-                entry = self._entries[key]
-                if entry.expires > now:
-                    self._entries.move_to_end(key)
-                    return Hit(entry.answer, "exact", 1.0)
-                self._drop(key)
+            self._expire(now)
+            entry = self._entries.get(key)
+            if entry is not None:
+                self._entries.move_to_end(key)
+                return Hit(entry.answer, "exact", 1.0)
+            if q.namespace not in self._indexes:
+                return None
+        if self.embedder.count_tokens(q.question) > SEMANTIC_MAX_TOKENS:
+            return None
         q.vector = self.embedder.embed([q.question])[0]      # outside the lock: ONNX Runtime releases the GIL
         with self._lock:
-            idx = self._indexes.get(q.namespace)
-            live = 0 if idx is None else idx.index.get_current_count() - len(idx.free)
+            idx = self._indexes[q.namespace]
+            live = idx.next_label - len(idx.free)
             if live <= 0:
                 return None
             labels, distances = idx.index.knn_query(q.vector, k=min(CANDIDATES, live))
             best = None
             for label, distance in zip(labels[0], distances[0]):
-                key = (q.namespace, int(label))
-                entry = self._entries.get(key)
+                found = self._by_label.get((q.namespace, int(label)))
+                entry = self._entries.get(found) if found else None
                 if entry is None or entry.context != q.context:
-                    continue
-                if entry.expires <= now:
-                    self._drop(key)
                     continue
                 similarity = 1.0 - float(distance)           # hnswlib's "ip" space: distance = 1 - dot
                 if similarity >= self.settings.threshold and (best is None or similarity > best[1]):
-                    best = (key, similarity)
+                    best = (found, similarity)
             if best is None:
                 return None
             self._entries.move_to_end(best[0])
             return Hit(self._entries[best[0]].answer, "semantic", best[1])
 
     def store(self, q: Query, answer: Answer) -> None:
-        """Keep this answer for the question (replacing an equal question's); evicts expired, then LRU entries."""
-        vector = q.vector if q.vector is not None else self.embedder.embed([q.question])[0]
+        """Keep this answer for the question (replacing an equal question's): expired entries go first, then the
+        least recently used while the cache is full."""
+        vector = q.vector
+        if vector is None and self.embedder.count_tokens(q.question) <= SEMANTIC_MAX_TOKENS:
+            vector = self.embedder.embed([q.question])[0]
         now = self.clock()
+        key = (q.namespace, q.context, q.question)
         with self._lock:
-            old = self._exact.get((q.namespace, q.context, q.question))
-            if old is not None:
-                self._drop(old)
-            while self._entries and (len(self._entries) >= self.settings.max_entries
-                                     or next(iter(self._entries.values())).expires <= now):
+            if key in self._entries:
+                self._drop(key)
+            self._expire(now)
+            while len(self._entries) >= self.settings.max_entries:
                 self._drop(next(iter(self._entries)))
-            idx = self._indexes.get(q.namespace) or self._new_index(q.namespace)
-            if idx.free:
-                label = idx.free.pop()
-                idx.index.add_items(vector[None], [label], replace_deleted=True)
-            else:
-                if idx.next_label >= idx.capacity:
-                    idx.capacity *= 2
-                    idx.index.resize_index(idx.capacity)
-                label, idx.next_label = idx.next_label, idx.next_label + 1
-                idx.index.add_items(vector[None], [label])
-            key = (q.namespace, label)
-            self._entries[key] = _Entry(label, q.namespace, q.context, q.question, answer, now + self.settings.ttl_s)
-            self._exact[(q.namespace, q.context, q.question)] = key
+            label = self._add_vector(q.namespace, vector) if vector is not None else None
+            entry = _Entry(label, q.namespace, q.context, q.question, answer, now + self.settings.ttl_s)
+            self._entries[key] = entry
+            self._expiry.append((entry.expires, key, entry))
+            self._per_model[q.namespace[1]] += 1
+            if label is not None:
+                self._by_label[(q.namespace, label)] = key
 
     def count(self, model: str) -> int:
         """Entries answering for this model (all tenants): the entries gauge."""
-        with self._lock:
-            return sum(1 for ns, _ in self._entries if ns[1] == model)
+        return self._per_model[model]
+
+    def _expire(self, now: float) -> None:
+        while self._expiry and self._expiry[0][0] <= now:
+            _, key, entry = self._expiry.popleft()
+            if self._entries.get(key) is entry:          # not replaced or evicted since
+                self._drop(key)
+
+    def _add_vector(self, namespace, vector: np.ndarray) -> int:
+        """Index the vector under a free label (hnswlib un-deletes a deleted label's slot and overwrites its
+        vector in place, so labels and slots stay one to one) or a new one."""
+        idx = self._indexes.get(namespace) or self._new_index(namespace)
+        if idx.free:
+            label = idx.free.pop()
+        else:
+            if idx.next_label >= idx.capacity:
+                idx.capacity *= 2
+                idx.index.resize_index(idx.capacity)
+            label, idx.next_label = idx.next_label, idx.next_label + 1
+        idx.index.add_items(vector[None], [label])
+        return label
 
     def _new_index(self, namespace) -> _Index:
         import hnswlib
 
         capacity = min(1024, self.settings.max_entries)
         index = hnswlib.Index(space="ip", dim=DIM)
-        index.init_index(max_elements=capacity, ef_construction=100, M=16, allow_replace_deleted=True)
+        index.init_index(max_elements=capacity, ef_construction=100, M=16)
         index.set_ef(64)
         index.set_num_threads(1)
         self._indexes[namespace] = idx = _Index(index, capacity)
@@ -178,11 +200,12 @@ class SemanticCache:
 
     def _drop(self, key) -> None:
         entry = self._entries.pop(key)
-        self._exact.pop((entry.namespace, entry.context, entry.question), None)
-        idx = self._indexes[entry.namespace]
-        idx.index.mark_deleted(entry.label)
-        idx.free.append(entry.label)
-
+        self._per_model[entry.namespace[1]] -= 1
+        if entry.label is not None:
+            del self._by_label[(entry.namespace, entry.label)]
+            idx = self._indexes[entry.namespace]
+            idx.index.mark_deleted(entry.label)
+            idx.free.append(entry.label)
 
 def query_for(body: dict, chat: bool, params, n: int, tenant: str, model: str) -> Query | None:
     """The cache key of an OpenAI request body, or None when it is not cacheable: n > 1, sampled (temperature > 0)

@@ -79,6 +79,36 @@ def test_exact_then_semantic_then_miss_with_ttl_and_isolation(embedder):
     assert cache.lookup(ask(QUESTION)) is None and cache.lookup(ask(PARAPHRASE)) is None and len(cache) == 0
 
 
+def test_expired_entries_go_before_live_ones_and_labels_survive_churn(embedder):
+    clock = Clock()
+    cache = SemanticCache(CacheSettings(ttl_s=50, max_entries=2), embedder, clock)
+    q0, q1, q2 = "Who wrote Hamlet?", "What is photosynthesis?", "How far is the Sun from the Earth?"
+    cache.store(ask(q0), Answer("a0", "stop", 1))
+    clock.now = 30
+    cache.store(ask(q1), Answer("a1", "stop", 1))
+    assert cache.lookup(ask(q0)).answer.text == "a0"       # q0 most recently used, but older
+    clock.now = 55                                          # q0 expired, q1 live: q0 goes, not q1
+    cache.store(ask(q2), Answer("a2", "stop", 1))
+    assert [cache.lookup(ask(q)) is not None for q in (q0, q1, q2)] == [False, True, True]
+    big = SemanticCache(CacheSettings(ttl_s=10, max_entries=40), embedder, clock)
+    words = ["lists", "files", "threads", "sockets", "dates", "strings", "regexes", "classes", "tests", "dicts"]
+    for rnd in range(3):                                    # fill, let all expire, fill again: labels reused
+        for i, w in enumerate(words * 4):
+            big.store(ask(f"how do I use {w} in python, case {i} of round {rnd}?"), Answer(f"{rnd}-{i}", "stop", 1))
+        assert_index_holds_every_entry(big)
+        clock.now += 11
+    assert big._indexes[("default", "m")].next_label <= 40
+
+
+def test_long_questions_are_matched_exactly_only(embedder):
+    cache = SemanticCache(CacheSettings(), embedder, Clock())
+    log = "Traceback (most recent call last):\n" + "  File \"app.py\", line 12, in main\n" * 30
+    cache.store(ask(log + "why does this crash?"), Answer("because", "stop", 1))
+    assert cache.lookup(ask(log + "why does this crash?")).kind == "exact"
+    assert cache.lookup(ask(log + "how do I silence the warning?")) is None   # same first 256 tokens: no match
+    assert cache._entries[next(iter(cache._entries))].label is None
+
+
 def test_size_bound_evicts_least_recently_used_and_reuses_index_slots(embedder):
     cache = SemanticCache(CacheSettings(ttl_s=1e9, max_entries=3), embedder, Clock())
     questions = ["What is the boiling point of water?", "Who wrote Hamlet?", "How far is the Sun from the Earth?",
@@ -93,6 +123,7 @@ def test_size_bound_evicts_least_recently_used_and_reuses_index_slots(embedder):
         ["answer 0", None, None, "answer 3", "answer 4"]
     index = cache._indexes[("default", "m")]
     assert index.next_label == 3 and index.index.get_current_count() == 3   # freed slots were reused
+    assert_index_holds_every_entry(cache)
     cache.store(ask(questions[0]), Answer("newer", "stop", 1))             # the same question: replaced
     assert cache.lookup(ask(questions[0])).answer.text == "newer" and len(cache) == 3
 
@@ -100,6 +131,9 @@ def test_size_bound_evicts_least_recently_used_and_reuses_index_slots(embedder):
 class _HashEmbedder:
     """Random, unrelated unit vectors per question (cosines ~0): the property below is about bookkeeping, where a
     real embedder's near neighbours would only blur which answer is expected."""
+
+    def count_tokens(self, text):
+        return len(text.split()) + 2
 
     def embed(self, texts):
         out = []
@@ -147,8 +181,20 @@ def test_cache_agrees_with_a_plain_lru_with_expiry(operations, size):
             else:
                 assert hit is None
         assert len(cache) <= size
-        live = sum(i.index.get_current_count() - len(i.free) for i in cache._indexes.values())
-        assert live == len(cache)
+        assert_index_holds_every_entry(cache)
+
+
+def assert_index_holds_every_entry(cache):
+    """Each entry's label returns its question's vector from hnswlib (a label lost by slot reuse raises), and
+    the index holds no other live label."""
+    live = 0
+    for entry in list(cache._entries.values()):
+        if entry.label is None:
+            continue
+        stored = np.asarray(cache._indexes[entry.namespace].index.get_items([entry.label]))[0]
+        assert np.allclose(stored, cache.embedder.embed([entry.question])[0], atol=1e-5)
+        live += 1
+    assert live == sum(i.next_label - len(i.free) for i in cache._indexes.values())
 
 
 # -- a real server ---------------------------------------------------------------------------------------------
@@ -202,8 +248,11 @@ def test_server_bypasses_what_must_be_generated(server):
                       ({"semantic_cache": False}, "asked not to"), ({"logprobs": True}, "logprobs")):
         r = chat(server, "Who wrote Hamlet?", **body)
         assert r.status_code == 200 and r.headers["x-quicksilver-cache"] == "bypass", why
-    sampled = chat(server, "Who wrote Hamlet?", temperature=0.8, semantic_cache=True)   # asked: the greedy answer
-    assert sampled.headers["x-quicksilver-cache"] != "bypass"                           # stored above may serve it
+    sampled = chat(server, "Who wrote Hamlet?", temperature=0.8, semantic_cache=True)   # asked: cached, but as a
+    assert sampled.headers["x-quicksilver-cache"] == "miss"                             # sampled request's own
+    assert chat(server, "Who wrote Hamlet?", temperature=0.8, semantic_cache=True).headers[
+        "x-quicksilver-cache"] == "hit; exact"
+    assert chat(server, "Who wrote Hamlet?", priority="x").status_code == 400           # a hit is checked as a miss
     assert chat(server, "Who wrote Hamlet?", max_tokens=5).headers["x-quicksilver-cache"] == "miss"   # other params
     assert chat(server, "Who wrote Hamlet?", semantic_cache="yes").status_code == 400
     completion = httpx.post(f"{server.http_url}/v1/completions", headers={"Authorization": f"Bearer {ALICE.key}"},
@@ -230,7 +279,6 @@ def test_concurrent_lookups_and_stores_keep_the_cache_consistent(embedder):
     for t in threads:
         t.join()
     assert not errors and 0 < len(cache) <= 50          # (the questions are near-duplicates: many hit)
-    live = sum(i.index.get_current_count() - len(i.free) for i in cache._indexes.values())
-    assert live == len(cache)
+    assert_index_holds_every_entry(cache)
     assert all(cache.lookup(ask(e.question, tenant=e.namespace[0])).answer == e.answer
                for e in list(cache._entries.values()))
