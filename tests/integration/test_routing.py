@@ -230,3 +230,44 @@ def test_cli_refuses_a_route_without_models_and_malformed_model_options(tmp_path
                        (["--model", "a=x", "--model", "a=y"], "model name 'a' is given twice")):
         r = CliRunner().invoke(main, ["serve", str(tmp_path), *args])
         assert r.exit_code == 2 and says in r.output, r.output
+
+
+def test_a_request_the_large_model_sheds_is_served_by_its_fallback(engine):
+    """The policy's saturation mark (5 waiting) is above the engine's own limit (1 waiting): the router picks
+    "large", its engine sheds the request at admission, and the request goes to "small" instead of a 429 — over
+    HTTP and gRPC, with the tenant charged once."""
+    econf = EngineConfig(SchedulerConfig(max_num_seqs=1, max_waiting=1), CacheConfig(kv_budget_bytes=32 << 20))
+    policy = RoutePolicy(fallback={"large": "small"}, saturated_waiting=5)
+    s = ServerThread(engine("llama"), econf, models={"small": engine("qwen2")}, model_name="large", route=policy)
+    stop = threading.Event()
+
+    def hog():
+        with httpx.stream("POST", f"{s.http_url}/v1/completions", timeout=60,
+                          json={"model": "large", "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True,
+                                "stream": True}) as r:
+            for _ in r.iter_lines():
+                if stop.is_set():
+                    return
+
+    hogs = [threading.Thread(target=hog) for _ in range(2)]
+    try:
+        for t, gauge in zip(hogs, ("quicksilver_requests_running", "quicksilver_requests_waiting")):
+            t.start()                 # one at a time: two arriving together would fill the one waiting place
+            deadline = time.monotonic() + 30
+            while s.metric(gauge, model_name="large") < 1:
+                assert time.monotonic() < deadline, f"the long request never showed in {gauge}"
+                time.sleep(0.02)
+        assert complete(s, model="large", max_tokens=2).status_code == 429          # named: shed, no fallback
+        r = complete(s, model="auto", max_tokens=12, ignore_eos=True)
+        assert r.status_code == 200 and r.json()["model"] == "small"
+        assert r.headers["x-quicksilver-route"] == "small; fallback: large shed the request"
+        assert r.json()["choices"][0]["text"] == alone(engine("qwen2"), PROMPT, 12)
+        with Client(s.grpc_target) as c:
+            call = c.stub.Generate(_grpc_request(PROMPT, 12), metadata=c.metadata)
+            assert "".join(m.text for m in call) == alone(engine("qwen2"), PROMPT, 12)
+            assert dict(call.initial_metadata())["x-quicksilver-route"] == "small; fallback: large shed the request"
+    finally:
+        stop.set()
+        for t in hogs:
+            t.join(30)
+        s.stop()
