@@ -36,7 +36,7 @@ def main() -> None:
               help="ONNX Runtime intra-op threads.")
 @click.option("--draft", type=click.Path(path_type=Path), default=None, help="Draft engine for speculative decoding.")
 @click.option("--speculation", type=click.Choice(["auto", "draft", "ngram", "off"]), default="auto", show_default=True,
-              help="auto: the draft if given (or bundled), else off.")
+              help="auto: the draft if given, else off; draft: --draft or the bundled draft.")
 @click.option("--server", default=None, metavar="HOST[:PORT]",
               help="Stream from a running `runtime serve` over gRPC instead (port default 50051).")
 @click.option("--api-key", envvar="QUICKSILVER_API_KEY", default=None, help="Bearer token for --server.")
@@ -46,7 +46,8 @@ def main() -> None:
 def generate(args: tuple[str, ...], max_tokens: int, temperature: float | None, top_k: int | None, top_p: float | None,
              min_p: float | None, repetition_penalty: float | None, seed: int | None, stop: tuple[str, ...], threads: int | None, draft: Path | None,
              speculation: str, server: str | None, api_key: str | None, tls_ca: Path | None, stats: bool) -> None:
-    """Stream a completion of PROMPT from a local engine (default: the bundled target, with the bundled draft).
+    """Stream a completion of PROMPT from a local engine (default: the bundled target; --speculation draft adds the
+    bundled draft).
     Sampling options left out take the model's own defaults (its generation_config.json), else greedy."""
     from .errors import QuicksilverError
 
@@ -73,7 +74,7 @@ def generate(args: tuple[str, ...], max_tokens: int, temperature: float | None, 
         return _generate_remote(server, api_key, tls_ca, args[-1], sampling, stats)
     try:
         engine_path = Path(args[0]) if len(args) == 2 else engine_dir("target")
-        draft, method = _speculation(draft, speculation, bundled=len(args) == 1)
+        draft, method = _speculation(draft, speculation)
         params = SamplingParams(max_tokens=max_tokens, seed=seed, stop=stop, **{**generation_defaults(engine_path), **given})
         # One request per process: a prefix cache could never be hit, so it reserves no memory.
         engine = Engine(engine_path, EngineConfig(SchedulerConfig(max_num_seqs=1), CacheConfig(enable_prefix_cache=False),
@@ -100,20 +101,18 @@ def _print_stats(prompt, cached, completion, finish, ttft_s, tpot_s, proposed=0,
                f"TTFT {ttft_s * 1e3:.1f} ms, TPOT {tpot}{spec}]", err=True)
 
 
-def _speculation(draft: Path | None, method: str, bundled: bool) -> tuple[Path | None, str | None]:
-    """Resolve --draft/--speculation: auto uses the given draft, or the bundled one with the bundled target."""
+def _speculation(draft: Path | None, method: str) -> tuple[Path | None, str | None]:
+    """Resolve --draft/--speculation: auto uses a given draft, else none; draft without --draft uses the bundled
+    one. (auto no longer picks the bundled draft: measured at the API it lost — conc 1 decode 1.01x, TTFT 1.31x,
+    conc 4 aggregate 0.87x of speculation off, tools/results/serve_bundled_spec_on_off_retrained.json.)"""
     from .bundled import engine_dir
 
     if method == "off":
         return None, None
     if method == "ngram":
         return None, "ngram"
-    if draft is None and (method == "draft" or bundled):
-        try:
-            draft = engine_dir("draft")
-        except FileNotFoundError:
-            if method == "draft":
-                raise
+    if draft is None and method == "draft":
+        draft = engine_dir("draft")
     return (draft, "draft") if draft is not None else (None, None)
 
 
@@ -178,7 +177,7 @@ def _models(values: tuple[str, ...]) -> dict[str, Path]:
 @click.argument("engine", required=False, type=click.Path(path_type=Path))
 @click.option("--draft", type=click.Path(path_type=Path), default=None, help="Draft engine for speculative decoding.")
 @click.option("--speculation", type=click.Choice(["auto", "draft", "ngram", "off"]), default="auto", show_default=True,
-              help="auto: the draft if given (or bundled with the bundled target), else off.")
+              help="auto: the draft if given, else off; draft: --draft or the bundled draft.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Interface to listen on (loopback by default).")
 @click.option("--grpc-port", type=click.IntRange(-1, 65535), default=50051, show_default=True,
               help="gRPC port (0: any free port; -1: no gRPC).")
@@ -259,7 +258,7 @@ def serve(engine: Path | None, draft: Path | None, speculation: str, host: str, 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         engine_path = engine or engine_dir("target")
-        draft_path, method = _speculation(draft, speculation, bundled=engine is None)
+        draft_path, method = _speculation(draft, speculation)
         econf = EngineConfig(SchedulerConfig(max_num_seqs, token_budget, prefill_chunk, max_waiting),
                              CacheConfig(max_model_len=max_model_len, enable_prefix_cache=not no_prefix_cache,
                                          kv_budget_bytes=kv_budget_mib << 20 if kv_budget_mib else None),
