@@ -67,8 +67,9 @@ def test_prefix_hit_equals_miss_on_bundled(bundled):
 
 
 def test_readme_first_command_defaults(tmp_path):
-    """`runtime generate "prompt"` with no engine builds the bundled pair once and speculates with it (here a copy
-    of the checkout's models/, named by QUICKSILVER_HOME, so the test builds nothing in the checkout)."""
+    """`runtime generate "prompt"` with no engine builds the bundled target once, without speculation (it does
+    not pay with the bundled pair: README, Performance); `--speculation draft` builds and uses the bundled draft.
+    (Here a copy of the checkout's models/, named by QUICKSILVER_HOME, so the test builds nothing in the checkout.)"""
     import os
     import shutil
     import subprocess
@@ -78,12 +79,19 @@ def test_readme_first_command_defaults(tmp_path):
     shutil.copytree(MODELS, root / "models")
     exe = Path(sys.executable).parent / "runtime"
     env = {**os.environ, "QUICKSILVER_HOME": str(root)}
-    for _ in range(2):   # first run builds engines/, second reuses them
-        r = subprocess.run([str(exe), "generate", "def fibonacci(n):", "--max-tokens", "16"], cwd=tmp_path, env=env,
-                           capture_output=True, text=True, timeout=300)
+
+    def generate(*extra):
+        r = subprocess.run([str(exe), "generate", "def fibonacci(n):", "--max-tokens", "16", *extra], cwd=tmp_path,
+                           env=env, capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr
         assert r.stdout.startswith("def fibonacci(n):") and "TTFT" in r.stderr
-    assert (root / "engines" / "target" / "manifest.json").is_file() and (root / "engines" / "draft").is_dir()
+        return r
+
+    for _ in range(2):   # first run builds engines/target, second reuses it
+        assert "speculation" not in generate().stderr
+    assert (root / "engines" / "target" / "manifest.json").is_file() and not (root / "engines" / "draft").exists()
+    spec = generate("--speculation", "draft", "--repetition-penalty", "1")   # a penalty would turn speculation off
+    assert "speculation" in spec.stderr and (root / "engines" / "draft" / "manifest.json").is_file()
 
 
 def test_seeded_sampling_is_reproducible_with_the_bundled_pair(bundled):

@@ -82,36 +82,40 @@ def test_auto_follows_the_rules_in_order(server, engine):
 
 
 def test_auto_falls_back_to_the_small_model_when_the_large_is_saturated(server, engine):
-    """Two long requests fill "large" (one runs, one waits); an auto request that rule 1 sends to "large" is served
+    """Long requests keep "large" full (one runs, one waits); an auto request that rule 1 sends to "large" is served
     by "small" instead of queueing, and says so; once "large" drains, auto goes back to it."""
-    stop, opened = threading.Event(), threading.Semaphore(0)
+    expected = alone(engine("qwen2"), PROMPT, 12)
+    stop = threading.Event()
 
-    def hog():
-        with httpx.stream("POST", f"{server.http_url}/v1/completions", timeout=60,
-                          json={"model": "large", "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True,
-                                "stream": True}) as r:
-            opened.release()
-            for _ in r.iter_lines():
-                if stop.is_set():
-                    return                    # closing the stream aborts the request and frees its KV
+    def hog():                        # long requests one after another until stop
+        while not stop.is_set():
+            with httpx.stream("POST", f"{server.http_url}/v1/completions", timeout=60,
+                              json={"model": "large", "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True,
+                                    "stream": True}) as r:
+                for _ in r.iter_lines():
+                    if stop.is_set():
+                        return        # closing the stream aborts the request and frees its KV
+
+    def full():
+        deadline = time.monotonic() + 30
+        while server.metric("quicksilver_requests_waiting", model_name="large") < 1:
+            assert time.monotonic() < deadline, "the long requests never queued"
+            time.sleep(0.005)
 
     hogs = [threading.Thread(target=hog) for _ in range(2)]
     for t in hogs:
         t.start()
     try:
-        deadline = time.monotonic() + 30
-        while server.metric("quicksilver_requests_waiting", model_name="large") < 1:
-            assert time.monotonic() < deadline, "the second long request never queued"
-            time.sleep(0.02)
+        full()
         r = complete(server, model="auto", max_tokens=12, ignore_eos=True)
         assert r.status_code == 200 and r.json()["model"] == "small"
         assert r.headers["x-quicksilver-route"] == "small; fallback: large saturated (1 waiting)"
-        assert r.json()["choices"][0]["text"] == alone(engine("qwen2"), PROMPT, 12)
+        assert r.json()["choices"][0]["text"] == expected
         with Client(server.grpc_target) as c:                          # gRPC: the same choice, in metadata
+            full()
             call = c.stub.Generate(_grpc_request(PROMPT, 12), metadata=c.metadata)
-            text = "".join(m.text for m in call)
             assert dict(call.initial_metadata())["x-quicksilver-route"] == "small; fallback: large saturated (1 waiting)"
-            assert text == alone(engine("qwen2"), PROMPT, 12)
+            assert "".join(m.text for m in call) == expected
     finally:
         stop.set()
         for t in hogs:
@@ -241,13 +245,20 @@ def test_a_request_the_large_model_sheds_is_served_by_its_fallback(engine):
     s = ServerThread(engine("llama"), econf, models={"small": engine("qwen2")}, model_name="large", route=policy)
     stop = threading.Event()
 
-    def hog():
-        with httpx.stream("POST", f"{s.http_url}/v1/completions", timeout=60,
-                          json={"model": "large", "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True,
-                                "stream": True}) as r:
-            for _ in r.iter_lines():
-                if stop.is_set():
-                    return
+    def hog():                        # long requests one after another, so "large" stays busy until stop
+        while not stop.is_set():
+            with httpx.stream("POST", f"{s.http_url}/v1/completions", timeout=60,
+                              json={"model": "large", "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True,
+                                    "stream": True}) as r:
+                for _ in r.iter_lines():
+                    if stop.is_set():
+                        return
+
+    def full():                       # one running and one waiting: the engine sheds the next request
+        deadline = time.monotonic() + 30
+        while s.metric("quicksilver_requests_waiting", model_name="large") < 1:
+            assert time.monotonic() < deadline, "the long requests never filled the queue"
+            time.sleep(0.005)
 
     hogs = [threading.Thread(target=hog) for _ in range(2)]
     try:
@@ -257,15 +268,18 @@ def test_a_request_the_large_model_sheds_is_served_by_its_fallback(engine):
             while s.metric(gauge, model_name="large") < 1:
                 assert time.monotonic() < deadline, f"the long request never showed in {gauge}"
                 time.sleep(0.02)
+        full()
         assert complete(s, model="large", max_tokens=2).status_code == 429          # named: shed, no fallback
+        full()
         r = complete(s, model="auto", max_tokens=12, ignore_eos=True)
         assert r.status_code == 200 and r.json()["model"] == "small"
         assert r.headers["x-quicksilver-route"] == "small; fallback: large shed the request"
         assert r.json()["choices"][0]["text"] == alone(engine("qwen2"), PROMPT, 12)
         with Client(s.grpc_target) as c:
+            full()
             call = c.stub.Generate(_grpc_request(PROMPT, 12), metadata=c.metadata)
-            assert "".join(m.text for m in call) == alone(engine("qwen2"), PROMPT, 12)
             assert dict(call.initial_metadata())["x-quicksilver-route"] == "small; fallback: large shed the request"
+            assert "".join(m.text for m in call) == alone(engine("qwen2"), PROMPT, 12)
     finally:
         stop.set()
         for t in hogs:
