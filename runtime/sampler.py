@@ -23,6 +23,8 @@ class SampleResult:
 
 def log_softmax(x: np.ndarray) -> np.ndarray:
     m = x.max()
+    if m == -np.inf:        # a row a grammar closed entirely (past its end, along speculative guesses): no choice
+        return x.copy()
     return x - (m + np.log(np.exp(x - m).sum()))
 
 
