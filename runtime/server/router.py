@@ -139,23 +139,23 @@ class Router:
         why = (f"auto: rule {self.policy.rules.index(rule)}" if rule else "auto: default model")
         if not self._saturated(chosen):
             return Route(chosen, why)
-        m = chosen.model_name
-        while m in self.policy.fallback:
-            m = self.policy.fallback[m]
-            candidate = self.bridges[m]
-            if not self._saturated(candidate) and prompt_tokens < candidate.max_model_len:
+        for candidate in self._chain(chosen, prompt_tokens):
+            if not self._saturated(candidate):
                 return Route(candidate, f"fallback: {chosen.model_name} saturated ({chosen.waiting} waiting)")
         return Route(chosen, why)         # nowhere better: the chosen model queues or sheds as usual
 
     def fallback_after(self, bridge: Bridge, prompt_tokens: int) -> Route | None:
         """Where an auto request goes if `bridge` shed it anyway (it filled between the check and admission)."""
+        candidate = next(self._chain(bridge, prompt_tokens), None)
+        return Route(candidate, f"fallback: {bridge.model_name} shed the request") if candidate else None
+
+    def _chain(self, bridge: Bridge, prompt_tokens: int):
+        """The models `bridge` falls back to, in order, that can hold the prompt."""
         m = bridge.model_name
         while m in self.policy.fallback:
             m = self.policy.fallback[m]
-            candidate = self.bridges[m]
-            if prompt_tokens < candidate.max_model_len:
-                return Route(candidate, f"fallback: {bridge.model_name} shed the request")
-        return None
+            if prompt_tokens < self.bridges[m].max_model_len:
+                yield self.bridges[m]
 
     def _saturated(self, bridge: Bridge) -> bool:
         limit = self.policy.saturated_waiting or bridge.max_waiting

@@ -2,6 +2,7 @@
 routed by the declared policy and falls back to the smaller model when the larger is saturated, saying so; the
 policy is validated; and (Hypothesis) the router never picks a saturated model while its fallback chain has room."""
 
+import contextlib
 import json
 import threading
 import time
@@ -81,31 +82,44 @@ def test_auto_follows_the_rules_in_order(server, engine):
     assert '"model":"large"' in chat.text
 
 
-def test_auto_falls_back_to_the_small_model_when_the_large_is_saturated(server, engine):
-    """Long requests keep "large" full (one runs, one waits); an auto request that rule 1 sends to "large" is served
-    by "small" instead of queueing, and says so; once "large" drains, auto goes back to it."""
-    expected = alone(engine("qwen2"), PROMPT, 12)
+@contextlib.contextmanager
+def large_kept_full(s):
+    """Long requests to "large", back to back, one running and one waiting, until the block ends; yields a function
+    that waits until the large model's queue (a gauge, a step old) shows a waiting request."""
     stop = threading.Event()
 
-    def hog():                        # long requests one after another until stop
+    def hog():
         while not stop.is_set():
-            with httpx.stream("POST", f"{server.http_url}/v1/completions", timeout=60,
+            with httpx.stream("POST", f"{s.http_url}/v1/completions", timeout=60,
                               json={"model": "large", "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True,
                                     "stream": True}) as r:
                 for _ in r.iter_lines():
                     if stop.is_set():
                         return        # closing the stream aborts the request and frees its KV
 
-    def full():
+    def wait_for(gauge):
         deadline = time.monotonic() + 30
-        while server.metric("quicksilver_requests_waiting", model_name="large") < 1:
-            assert time.monotonic() < deadline, "the long requests never queued"
+        while s.metric(gauge, model_name="large") < 1:
+            assert time.monotonic() < deadline, f"the long requests never showed in {gauge}"
             time.sleep(0.005)
 
     hogs = [threading.Thread(target=hog) for _ in range(2)]
-    for t in hogs:
-        t.start()
     try:
+        for t, gauge in zip(hogs, ("quicksilver_requests_running", "quicksilver_requests_waiting")):
+            t.start()                 # one at a time: two arriving together could fill a one-place queue
+            wait_for(gauge)
+        yield lambda: wait_for("quicksilver_requests_waiting")
+    finally:
+        stop.set()
+        for t in hogs:
+            t.join(30)
+
+
+def test_auto_falls_back_to_the_small_model_when_the_large_is_saturated(server, engine):
+    """Long requests keep "large" full (one runs, one waits); an auto request that rule 1 sends to "large" is served
+    by "small" instead of queueing, and says so; once "large" drains, auto goes back to it."""
+    expected = alone(engine("qwen2"), PROMPT, 12)
+    with large_kept_full(server) as full:
         full()
         r = complete(server, model="auto", max_tokens=12, ignore_eos=True)
         assert r.status_code == 200 and r.json()["model"] == "small"
@@ -116,10 +130,6 @@ def test_auto_falls_back_to_the_small_model_when_the_large_is_saturated(server, 
             call = c.stub.Generate(_grpc_request(PROMPT, 12), metadata=c.metadata)
             assert dict(call.initial_metadata())["x-quicksilver-route"] == "small; fallback: large saturated (1 waiting)"
             assert "".join(m.text for m in call) == expected
-    finally:
-        stop.set()
-        for t in hogs:
-            t.join(30)
     deadline = time.monotonic() + 30
     while server.metric("quicksilver_requests_running", model_name="large") > 0:
         assert time.monotonic() < deadline, "the hogs' KV was not freed"
@@ -243,70 +253,44 @@ def test_a_request_the_large_model_sheds_is_served_by_its_fallback(engine):
     econf = EngineConfig(SchedulerConfig(max_num_seqs=1, max_waiting=1), CacheConfig(kv_budget_bytes=32 << 20))
     policy = RoutePolicy(fallback={"large": "small"}, saturated_waiting=5)
     s = ServerThread(engine("llama"), econf, models={"small": engine("qwen2")}, model_name="large", route=policy)
-    stop = threading.Event()
-
-    def hog():                        # long requests one after another, so "large" stays busy until stop
-        while not stop.is_set():
-            with httpx.stream("POST", f"{s.http_url}/v1/completions", timeout=60,
-                              json={"model": "large", "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True,
-                                    "stream": True}) as r:
-                for _ in r.iter_lines():
-                    if stop.is_set():
-                        return
-
-    def full():                       # one running and one waiting: the engine sheds the next request
-        deadline = time.monotonic() + 30
-        while s.metric("quicksilver_requests_waiting", model_name="large") < 1:
-            assert time.monotonic() < deadline, "the long requests never filled the queue"
-            time.sleep(0.005)
-
-    hogs = [threading.Thread(target=hog) for _ in range(2)]
     try:
-        for t, gauge in zip(hogs, ("quicksilver_requests_running", "quicksilver_requests_waiting")):
-            t.start()                 # one at a time: two arriving together would fill the one waiting place
-            deadline = time.monotonic() + 30
-            while s.metric(gauge, model_name="large") < 1:
-                assert time.monotonic() < deadline, f"the long request never showed in {gauge}"
-                time.sleep(0.02)
-        # The queue's state is read from a gauge a step old: a request sent as the running one finishes may be
-        # admitted. So each check is tried until the engine really was full; nothing else may happen meanwhile.
-        def until(check, tries=40):
-            for _ in range(tries):
-                full()
-                if check():
-                    return
-            pytest.fail("the large model never shed a request")
+        with large_kept_full(s) as full:
+            # The queue's state is read from a gauge a step old: a request sent as the running one finishes may be
+            # admitted. So each check is tried until the engine really was full; nothing else may happen meanwhile.
+            def until(check, tries=40):
+                for _ in range(tries):
+                    full()
+                    if check():
+                        return
+                pytest.fail("the large model never shed a request")
 
-        def named_is_shed():
-            status = complete(s, model="large", max_tokens=2).status_code
-            assert status in (200, 429)
-            return status == 429                                                # named: shed, no fallback
-        until(named_is_shed)
-        expected = alone(engine("qwen2"), PROMPT, 12)
+            def named_is_shed():
+                status = complete(s, model="large", max_tokens=2).status_code
+                assert status in (200, 429)
+                return status == 429                                                # named: shed, no fallback
+            until(named_is_shed)
+            expected = alone(engine("qwen2"), PROMPT, 12)
 
-        def http_falls_back():
-            r = complete(s, model="auto", max_tokens=12, ignore_eos=True)
-            assert r.status_code == 200                                         # auto: never a 429 here
-            if r.json()["model"] == "large":
-                assert r.headers["x-quicksilver-route"] == "large; auto: default model"
-                return False
-            assert r.headers["x-quicksilver-route"] == "small; fallback: large shed the request"
-            assert r.json()["choices"][0]["text"] == expected
-            return True
-        until(http_falls_back)
+            def http_falls_back():
+                r = complete(s, model="auto", max_tokens=12, ignore_eos=True)
+                assert r.status_code == 200                                         # auto: never a 429 here
+                if r.json()["model"] == "large":
+                    assert r.headers["x-quicksilver-route"] == "large; auto: default model"
+                    return False
+                assert r.headers["x-quicksilver-route"] == "small; fallback: large shed the request"
+                assert r.json()["choices"][0]["text"] == expected
+                return True
+            until(http_falls_back)
 
-        def grpc_falls_back():
-            with Client(s.grpc_target) as c:
-                call = c.stub.Generate(_grpc_request(PROMPT, 12), metadata=c.metadata)
-                route = dict(call.initial_metadata())["x-quicksilver-route"]
-                text = "".join(m.text for m in call)
-            if route == "large; auto: default model":
-                return False
-            assert route == "small; fallback: large shed the request" and text == expected
-            return True
-        until(grpc_falls_back)
+            def grpc_falls_back():
+                with Client(s.grpc_target) as c:
+                    call = c.stub.Generate(_grpc_request(PROMPT, 12), metadata=c.metadata)
+                    route = dict(call.initial_metadata())["x-quicksilver-route"]
+                    text = "".join(m.text for m in call)
+                if route == "large; auto: default model":
+                    return False
+                assert route == "small; fallback: large shed the request" and text == expected
+                return True
+            until(grpc_falls_back)
     finally:
-        stop.set()
-        for t in hogs:
-            t.join(30)
         s.stop()
