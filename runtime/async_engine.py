@@ -70,6 +70,11 @@ class AsyncEngine:
             if not finished:          # also when the caller gave up before the engine took the request
                 self._post(("cancel", sub))
 
+    @property
+    def alive(self) -> bool:
+        """The loop thread runs (it stops only at shutdown, or if the loop itself failed)."""
+        return self._thread.is_alive()
+
     def abort(self, request_id: str) -> None:
         self._post(("abort", request_id))
 

@@ -160,6 +160,21 @@ def _cache_settings(on: bool, threshold: float | None, ttl: float, size: int):
     return CacheSettings(DEFAULT_THRESHOLD if threshold is None else threshold, ttl, size)
 
 
+def _cluster(replicas: int | None, threads: int | None, routing: str, address: str | None):
+    from .config import ClusterConfig
+
+    if replicas is None:
+        if address is not None:
+            fail("--ray-address applies with --replicas N")
+        return None
+    try:
+        import ray.serve  # noqa: F401
+    except ImportError:
+        fail("--replicas runs the engines on Ray Serve, which is not installed: pip install '.[cluster]' "
+             "(or pip install 'ray[serve]')")
+    return ClusterConfig(replicas, threads or 1, routing, address)
+
+
 def _models(values: tuple[str, ...]) -> dict[str, Path]:
     """--model NAME=ENGINE values → {name: engine folder}; a usage error names a malformed or repeated one."""
     models: dict[str, Path] = {}
@@ -225,6 +240,15 @@ def _models(values: tuple[str, ...]) -> dict[str, Path]:
               help='Policy for "model": "auto", as JSON: {"auto": [{"model", "max_prompt_tokens", "max_tokens"}, ...] '
                    '(first rule that holds), "fallback": {"large": "small"} (taken when the chosen model has '
                    '"saturated_waiting" requests queued, default its --max-waiting, instead of shedding)}.')
+@click.option("--replicas", type=click.IntRange(1), default=None, metavar="N",
+              help="Run N replicas of the engine on Ray Serve (pip install '.[cluster]'), each with --threads ONNX "
+                   "Runtime threads (default 1), behind the same HTTP and gRPC API; requests go to the replica that "
+                   "last served their prompt's prefix unless it is saturated.")
+@click.option("--replica-routing", type=click.Choice(["prefix", "round-robin"]), default="prefix", show_default=True,
+              help="With --replicas: prefix-aware routing, or plain round robin (for comparison).")
+@click.option("--ray-address", default=None, metavar="ADDRESS",
+              help="With --replicas: join this Ray cluster (auto, or ray://HEAD:10001) instead of starting Ray here; "
+                   "the engine folder must be at the same path on every node.")
 @click.option("--semantic-cache", is_flag=True,
               help="Answer repeated and near-duplicate HTTP requests from earlier answers (greedy, n=1, or "
                    "\"semantic_cache\": true); needs pip install '.[semantic-cache]'.")
@@ -241,7 +265,8 @@ def serve(engine: Path | None, draft: Path | None, speculation: str, host: str, 
           max_body_bytes: int, max_tokens_limit: int | None, grace: float, priority_floor: int,
           priority_keys: tuple[str, ...], tenants_file: Path | None, otlp_endpoint: str | None,
           models: tuple[str, ...], route_file: Path | None, semantic_cache: bool,
-          semantic_cache_threshold: float | None, semantic_cache_ttl: float, semantic_cache_size: int) -> None:
+          semantic_cache_threshold: float | None, semantic_cache_ttl: float, semantic_cache_size: int,
+          replicas: int | None, replica_routing: str, ray_address: str | None) -> None:
     """Serve ENGINE (default: the bundled target) over gRPC and OpenAI-compatible HTTP, with /metrics.
     With --model, several engines share the server and requests name one, or "auto" (--route)."""
     import asyncio
@@ -269,7 +294,8 @@ def serve(engine: Path | None, draft: Path | None, speculation: str, host: str, 
                              load_tenants(tenants_file) if tenants_file else (),
                              load_policy(route_file) if route_file else None,
                              _cache_settings(semantic_cache, semantic_cache_threshold, semantic_cache_ttl,
-                                             semantic_cache_size))
+                                             semantic_cache_size),
+                             _cluster(replicas, threads, replica_routing, ray_address))
         if route_file and not models:
             fail("--route chooses between models: add them with --model NAME=ENGINE")
         asyncio.run(run_server(engine_path, econf, sconf, _models(models)))

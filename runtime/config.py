@@ -83,6 +83,22 @@ class EngineConfig:
 
 
 @dataclass(frozen=True)
+class ClusterConfig:
+    """runtime serve --replicas: engine replicas on Ray Serve (runtime.cluster), behind the same API."""
+
+    replicas: int = 2
+    threads: int = 1                  # ONNX Runtime threads (and Ray CPUs) per replica
+    routing: str = "prefix"           # prefix: prefix-aware (runtime.cluster.routing) | round-robin
+    address: str | None = None        # a running Ray cluster ("auto", "ray://head:10001"); None: start Ray here
+
+    def __post_init__(self):
+        if self.replicas < 1 or self.threads < 1:
+            raise ValueError("--replicas and --threads must be at least 1")
+        if self.routing not in ("prefix", "round-robin"):
+            raise ValueError(f"routing must be prefix or round-robin, not {self.routing!r}")
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"           # loopback unless told otherwise
     grpc_port: int = 50051            # 0: any free port; -1: no gRPC server
@@ -105,6 +121,7 @@ class ServerConfig:
     tenants: tuple = ()               # runtime.server.tenants.Tenant: API keys with their own limits (auth required)
     route: object = None              # runtime.server.router.RoutePolicy for "model": "auto" (None: the first model)
     semantic_cache: object = None     # runtime.server.semantic_cache.CacheSettings: answer near-duplicates (HTTP)
+    cluster: ClusterConfig | None = None   # engines as replicas on Ray Serve (runtime serve --replicas)
 
     @property
     def requires_auth(self) -> bool:

@@ -86,6 +86,10 @@ class Metrics:
             (self.prefill_step if st.last_step_prefill else self.decode_step).observe(st.last_step_s)
         self._seen = current
 
+    def exposition(self) -> bytes:
+        """This registry as Prometheus text (what a replica publishes to its cluster's ingress)."""
+        return generate_latest(self.registry)
+
     def on_error(self, code: str) -> None:
         """A request refused or failed, counted once by the transport that answered it (code: invalid_argument,
         overloaded, deadline_exceeded, unavailable, unauthenticated, not_found, …, the names HTTP error.code uses)."""
@@ -124,24 +128,48 @@ class Metrics:
 
 
 
-def render(by_model: dict[str, Metrics]) -> bytes:
+# What an engine (not a transport) observes: under `runtime serve --replicas` these come from each replica, the rest
+# (request latencies, errors, tenants, semantic cache) from the ingress that answered the request.
+ENGINE_FAMILIES = frozenset({
+    "quicksilver_prefill_step_seconds", "quicksilver_decode_step_seconds", "quicksilver_requests_running",
+    "quicksilver_requests_waiting", "quicksilver_kv_cache_usage_percent", "quicksilver_prefix_cache_blocks_in_use",
+    "quicksilver_batch_size", "quicksilver_prefix_cache_queries_tokens", "quicksilver_prefix_cache_hits_tokens",
+    "quicksilver_spec_proposed_tokens", "quicksilver_spec_accepted_tokens", "quicksilver_spec_verifications",
+    "quicksilver_prompt_tokens", "quicksilver_generation_tokens"})
+
+
+def render(by_model: dict[str, Metrics], replicas: dict[str, dict[str, bytes]] | None = None) -> bytes:
     """One exposition for every model a server hosts: each sample carries a `model_name` label (vLLM's name for
-    it), so one family per metric holds every model's series."""
+    it), so one family per metric holds every model's series. `replicas`: model → replica → that replica's
+    published exposition (runtime serve --replicas); its engine families replace the ingress's own (idle) ones
+    and carry a `replica` label."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_ModelLabelled(by_model))
+    registry.register(_ModelLabelled(by_model, replicas or {}))
     return generate_latest(registry)
 
 
 class _ModelLabelled:
-    def __init__(self, by_model: dict[str, Metrics]):
-        self.by_model = by_model
+    def __init__(self, by_model: dict[str, Metrics], replicas: dict[str, dict[str, bytes]]):
+        self.by_model, self.replicas = by_model, replicas
 
     def collect(self):
+        from prometheus_client.parser import text_string_to_metric_families
+
         families: dict[str, Metric] = {}
+
+        def add(family, labels: dict[str, str]) -> None:
+            merged = families.get(family.name)
+            if merged is None:
+                merged = families[family.name] = Metric(family.name, family.documentation, family.type, family.unit)
+            merged.samples += [s._replace(labels={**labels, **s.labels}) for s in family.samples]
+
         for model, metrics in self.by_model.items():
+            remote = self.replicas.get(model)
             for family in metrics.registry.collect():
-                merged = families.get(family.name)
-                if merged is None:
-                    merged = families[family.name] = Metric(family.name, family.documentation, family.type, family.unit)
-                merged.samples += [s._replace(labels={"model_name": model, **s.labels}) for s in family.samples]
+                if remote is None or family.name not in ENGINE_FAMILIES:
+                    add(family, {"model_name": model})
+            for replica, text in (remote or {}).items():
+                for family in text_string_to_metric_families(text.decode()):
+                    if family.name in ENGINE_FAMILIES:
+                        add(family, {"model_name": model, "replica": replica})
         return families.values()

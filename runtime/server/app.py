@@ -55,22 +55,28 @@ class Server:
             self.tracing = Tracing(config.otlp_endpoint, service_name=f"quicksilver:{Path(engine_dir).name}")
         limits = TenantLimits(config.tenants) if config.tenants else None      # one set of buckets for all models
         self.bridges: list[Bridge] = []
+        self.cluster = None
         try:
             hosted = [(config.model_name, engine_dir, engine_config)]
             hosted += [(name, path, replace(engine_config, draft=None, speculation=None))
                        for name, path in (models or {}).items()]
+            if config.cluster is not None:     # engines as Ray Serve replicas; Ray is imported only here
+                from ..cluster.remote import Cluster
+                self.cluster = Cluster(config.cluster)
             for name, path, econf in hosted:
-                engine, metrics = Engine(path, econf), Metrics()
-                self.bridges.append(Bridge(AsyncEngine(engine, on_step=metrics.on_step), metrics, config,
-                                           self.tracing, name, limits))
+                metrics = Metrics()
+                if self.cluster is not None:
+                    aengine = self.cluster.deploy(name or Path(path).resolve().name, Path(path), econf)
+                else:
+                    aengine = AsyncEngine(Engine(path, econf), on_step=metrics.on_step)
+                self.bridges.append(Bridge(aengine, metrics, config, self.tracing, name, limits))
             self.router = Router(self.bridges, config.route)
             self.semantic_cache = None
             if config.semantic_cache is not None:
                 from .semantic_cache import SemanticCache
                 self.semantic_cache = SemanticCache(config.semantic_cache)
         except BaseException:
-            for b in self.bridges:
-                b.aengine.shutdown()
+            self._shutdown_engines()
             raise
         self.bridge = self.bridges[0]
         self.engine, self.aengine, self.metrics = self.bridge.aengine.engine, self.bridge.aengine, self.bridge.metrics
@@ -109,9 +115,10 @@ class Server:
         for b in self.bridges:
             e = b.aengine.engine
             m = e.runner.manifest
-            log.info("model %s: %s, %s weights, %s KV, context %d, %d slots%s", b.model_name,
+            log.info("model %s: %s, %s weights, %s KV, context %d, %d slots%s%s", b.model_name,
                      m["model"]["architecture"], m["precision"]["weights"], m["precision"]["kv_cache"],
-                     e.max_model_len, e.kv.num_slots, f", speculation={e.config.speculation}" if e.speculator else "")
+                     e.max_model_len, e.kv.num_slots, f", speculation={e.config.speculation}" if e.speculator else "",
+                     f" per replica, {c.cluster.replicas} replicas" if c.cluster else "")
         log.info("serving %s on %s grpc=%s http=%s, loaded in %.2f s", ", ".join(self.router.bridges), c.host,
                  self.grpc_port, self.http_port, self.load_s)
 
@@ -139,6 +146,8 @@ class Server:
     def _shutdown_engines(self) -> None:
         for b in self.bridges:
             b.aengine.shutdown()
+        if self.cluster is not None:
+            self.cluster.shutdown()
 
 
 def check_config(c: ServerConfig) -> None:

@@ -3,7 +3,7 @@ draining, metrics and the per-request log line. Transports translate its excepti
 count them in quicksilver_request_errors, since they also refuse requests before any reach the bridge):
 
     InvalidRequest → INVALID_ARGUMENT / 400      Overloaded → RESOURCE_EXHAUSTED / 429 (+ retry hint)
-    asyncio.TimeoutError → DEADLINE_EXCEEDED / 504   Draining → UNAVAILABLE / 503
+    asyncio.TimeoutError → DEADLINE_EXCEEDED / 504   Unavailable (Draining, ReplicaLost) → UNAVAILABLE / 503
     Failed (the engine step that carried the request failed) → INTERNAL / 500
 """
 
@@ -35,8 +35,16 @@ class Overloaded(Exception):
         self.retry_after_s, self.shed = retry_after_s, shed
 
 
-class Draining(Exception):
+class Unavailable(Exception):
+    """Not served now; the same request may succeed if retried."""
+
+
+class Draining(Unavailable):
     """The server is shutting down and takes no new requests."""
+
+
+class ReplicaLost(Unavailable):
+    """The replica running the request stopped (runtime serve --replicas); Ray Serve starts another."""
 
 
 class Failed(Exception):

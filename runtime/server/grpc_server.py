@@ -15,7 +15,7 @@ from ..constraints import Constraint
 from ..outputs import RequestOutput
 from ..request import InvalidRequest, SamplingParams
 from .auth import BearerAuthInterceptor, priority_floor, tenant_of
-from .bridge import Draining, Failed, Overloaded
+from .bridge import Failed, Overloaded, Unavailable
 from .proto import quicksilver_pb2 as pb
 from .proto import quicksilver_pb2_grpc as pb_grpc
 from .router import Router
@@ -138,7 +138,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             b.metrics.on_error("overloaded")
             context.set_trailing_metadata((("retry-after-ms", str(int(e.retry_after_s * 1000))),))
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{e}; retry after {e.retry_after_s:g} s")
-        except Draining as e:
+        except Unavailable as e:
             b.metrics.on_error("unavailable")
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         except Failed as e:

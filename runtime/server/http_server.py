@@ -21,7 +21,7 @@ from ..metrics import CONTENT_TYPE_LATEST, render
 from ..outputs import Usage
 from ..request import InvalidRequest, SamplingParams
 from .auth import authorized, priority_floor, tenant_of
-from .bridge import Bridge, Draining, Failed, Overloaded
+from .bridge import Bridge, Draining, Failed, Overloaded, Unavailable
 from . import semantic_cache
 from .router import AUTO, Router
 from .tenants import DEFAULT as DEFAULT_TENANT
@@ -147,7 +147,11 @@ class HttpApi:
         return JSONResponse({"status": "ok", "model": self.bridge.model_name, "models": list(self.router.bridges)})
 
     async def metrics(self, request: Request) -> Response:
-        return Response(render({name: b.metrics for name, b in self.router.bridges.items()}),
+        replicas = {}               # runtime serve --replicas: each replica's engine metrics, as it last published them
+        for name, b in self.router.bridges.items():
+            if hasattr(b.aengine, "replica_metrics"):
+                replicas[name] = await asyncio.to_thread(b.aengine.replica_metrics)
+        return Response(render({name: b.metrics for name, b in self.router.bridges.items()}, replicas),
                         media_type=CONTENT_TYPE_LATEST)
 
     async def models(self, request: Request) -> Response:
@@ -262,7 +266,7 @@ class HttpApi:
                 if isinstance(r, BaseException):
                     raise r
             firsts += rest
-        except (InvalidRequest, Overloaded, Draining, Failed, asyncio.TimeoutError, StopAsyncIteration) as e:
+        except (InvalidRequest, Overloaded, Unavailable, Failed, asyncio.TimeoutError, StopAsyncIteration) as e:
             await _close(streams)
             return _error_for(e)
         shape = _Shape(rid, bridge.model_name, chat, self.token_texts[bridge.model_name])
@@ -382,6 +386,10 @@ class HttpApi:
             bridge.metrics.on_error(CODES[500])
             yield _event({"error": {"message": str(e), "type": "internal_error", "code": CODES[500]}})
             yield "data: [DONE]\n\n"
+        except Unavailable as e:
+            bridge.metrics.on_error(CODES[503])
+            yield _event({"error": {"message": str(e), "type": "unavailable_error", "code": CODES[503]}})
+            yield "data: [DONE]\n\n"
         finally:
             await _cancel(pending)
             await _close(streams)
@@ -398,7 +406,7 @@ class HttpApi:
                 if not done and await request.is_disconnected():
                     return Response(status_code=499)
             outs = consume.result()
-        except (asyncio.TimeoutError, Failed) as e:
+        except (asyncio.TimeoutError, Failed, Unavailable) as e:
             return _error_for(e)
         finally:
             await _cancel(tasks)
@@ -441,8 +449,8 @@ def _error_for(e: Exception) -> JSONResponse:
         return error(400, str(e))
     if isinstance(e, Overloaded):
         return error(429, f"{e}; retry later", "overloaded_error", {"Retry-After": str(max(1, round(e.retry_after_s)))})
-    if isinstance(e, Draining):
-        return error(503, str(e), "unavailable_error")
+    if isinstance(e, Unavailable):
+        return error(503, str(e), "unavailable_error", {"Retry-After": "1"})
     if isinstance(e, asyncio.TimeoutError):
         return error(504, "request timed out and was aborted", "timeout_error")
     if isinstance(e, Failed):

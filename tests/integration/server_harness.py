@@ -13,15 +13,17 @@ from runtime.server.app import Server
 
 
 class ServerThread:
-    def __init__(self, engine_dir, engine_config: EngineConfig | None = None, models=None, **server_kwargs):
-        """`models`: more engines to host (name → folder); `server_kwargs`: ServerConfig fields."""
+    def __init__(self, engine_dir, engine_config: EngineConfig | None = None, models=None, start_timeout: float = 60,
+                 **server_kwargs):
+        """`models`: more engines to host (name → folder); `server_kwargs`: ServerConfig fields;
+        `start_timeout`: seconds the server may take to load (replicas on Ray take longer)."""
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         econf = engine_config or EngineConfig(SchedulerConfig(max_num_seqs=4, max_waiting=8),
                                               CacheConfig(kv_budget_bytes=32 << 20))
         sconf = ServerConfig(grpc_port=0, http_port=0, **server_kwargs)
-        self.server = self._run(self._make(engine_dir, econf, sconf, models))
+        self.server = self._run(self._make(engine_dir, econf, sconf, models), start_timeout)
         self._run(self.server.start())
         scheme = "https" if sconf.tls_cert else "http"
         self.grpc_target = f"127.0.0.1:{self.server.grpc_port}"
@@ -43,7 +45,7 @@ class ServerThread:
                 total += float(value)
         return total
 
-    def stop(self) -> None:
-        self._run(self.server.stop())
+    def stop(self, timeout: float = 60) -> None:
+        self._run(self.server.stop(), timeout)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)

@@ -1,0 +1,193 @@
+"""The ingress side of `runtime serve --replicas N`: engine replicas on Ray Serve behind the usual transports.
+
+`Cluster` starts (or joins) Ray, deploys EngineReplica × N with the prefix-aware request router, and gives the
+server a `RemoteAsyncEngine` per model: the same surface as AsyncEngine (generate / abort / shutdown and an
+`engine` to read the tokenizer, limits and manifest from), so the Bridge — limits, shedding, deadlines, draining,
+tenants, tracing — and both transports run unchanged in front of it. The engine folder must be readable at the
+same path on every node (the ingress reads its tokenizer and manifest; each replica loads the model).
+
+What crosses to a replica is token ids, sampling parameters and the prompt's prefix keys (the router's); what
+comes back is the engine's RequestOutputs. A replica that dies takes its streams with it: they end with
+ReplicaLost (503 / UNAVAILABLE, retryable) at once, and Serve starts a replacement.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+
+import ray
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+from tokenizers import Tokenizer
+
+from .. import artifact
+from ..config import ClusterConfig, EngineConfig
+from ..constraints import Grammars
+from ..engine import EngineOverloaded
+from ..request import InvalidRequest
+from ..server.bridge import Failed, ReplicaLost
+from .replica import PUBLISH_S, EngineReplica, MetricsBoard
+from .routing import prefix_keys
+
+log = logging.getLogger("quicksilver.cluster")
+ROUTERS = {"prefix": "runtime.cluster.ray_router:PrefixAwareRouter",
+           "round-robin": "runtime.cluster.ray_router:RoundRobinRouter"}
+
+
+class Cluster:
+    """Ray + Serve for one server: an app per hosted model, a metrics board, and their shutdown."""
+
+    def __init__(self, config: ClusterConfig):
+        self.config = config
+        self.prefix = f"quicksilver-{secrets.token_hex(4)}"      # this server's apps and actors
+        started = config.address is None
+        if started:
+            cpus = os.cpu_count() or 1
+            if config.replicas * config.threads > cpus:
+                log.warning("%d replicas x %d threads need more CPUs than this machine's %d: they will share cores",
+                            config.replicas, config.threads, cpus)
+            ray.init(num_cpus=max(cpus, config.replicas * config.threads), include_dashboard=False,
+                     namespace="quicksilver", log_to_driver=False, configure_logging=False)
+        else:
+            ray.init(address=config.address, namespace="quicksilver", log_to_driver=False, configure_logging=False)
+        self._owns_ray = started
+        serve.start(proxy_location="Disabled")      # our own HTTP and gRPC servers are the ingress
+        self.board = MetricsBoard.options(name=f"{self.prefix}-metrics").remote()
+        self.apps: list[str] = []
+
+    def deploy(self, name: str, engine_dir: Path, config: EngineConfig) -> "RemoteAsyncEngine":
+        """Start `replicas` engines of `engine_dir` and wait until all are up; the handle routes by prefix."""
+        c, sched = self.config, config.scheduler
+        app = f"{self.prefix}-{len(self.apps)}"
+        deployment = serve.deployment(EngineReplica).options(
+            name="engine", num_replicas=c.replicas,
+            ray_actor_options={"num_cpus": c.threads},
+            # Serve never queues for the engines: a replica takes what its engine would (slots + queue) and the
+            # engine itself sheds beyond that, as a single server does
+            max_ongoing_requests=sched.max_num_seqs + sched.max_waiting, max_queued_requests=sched.max_waiting,
+            health_check_period_s=2.0, health_check_timeout_s=30.0, graceful_shutdown_timeout_s=5.0,
+            request_router_config=RequestRouterConfig(request_router_class=ROUTERS[c.routing],
+                                                      request_router_kwargs={"saturated_at": sched.max_num_seqs}))
+        replica_config = replace(config, threads=c.threads)
+        handle = serve.run(deployment.bind(str(Path(engine_dir).resolve()), replica_config, f"{self.prefix}-metrics"),
+                           name=app, route_prefix=None)
+        self.apps.append(app)
+        with ThreadPoolExecutor(1) as pool:     # a handle's blocking result() refuses to run on an event loop
+            info = pool.submit(lambda: handle.describe.remote().result()).result()
+        log.info("model %s: %d replicas x %d threads on Ray (%s routing)", name, c.replicas, c.threads, c.routing)
+        return RemoteAsyncEngine(handle, RemoteEngine(Path(engine_dir), config, info, self, app), app)
+
+    def published(self, app: str) -> dict[str, tuple[bytes, int]]:
+        """replica → (metrics exposition, requests waiting), as the app's replicas last published them."""
+        return ray.get(self.board.get.remote(app))
+
+    def shutdown(self) -> None:
+        try:
+            for app in self.apps:
+                serve.delete(app)
+            ray.kill(self.board)
+            if self._owns_ray:
+                serve.shutdown()
+        finally:
+            if self._owns_ray:
+                ray.shutdown()
+
+
+class _Waiting:
+    """scheduler.num_waiting for the routing between models: the replicas' queues as last published (read at most
+    every PUBLISH_S: it is asked on the event loop)."""
+
+    def __init__(self, cluster: Cluster, app: str):
+        self.cluster, self.app = cluster, app
+        self._value, self._at = 0, float("-inf")
+
+    @property
+    def num_waiting(self) -> int:
+        if time.monotonic() - self._at > PUBLISH_S:
+            self._value = sum(waiting for _, waiting in self.cluster.published(self.app).values())
+            self._at = time.monotonic()
+        return self._value
+
+
+class RemoteEngine:
+    """What the server reads of an engine (Bridge, /v1/models, ModelInfo), for engines that run on replicas."""
+
+    def __init__(self, engine_dir: Path, config: EngineConfig, info: dict, cluster: Cluster, app: str):
+        manifest = artifact.load(engine_dir, verify=False)
+        self.config, self.cluster, self.app = config, cluster, app
+        self.runner = SimpleNamespace(engine_dir=engine_dir, manifest=manifest,
+                                      vocab_size=manifest["model"]["vocab_size"])
+        self.max_model_len, self.block_size = info["max_model_len"], info["block_size"]
+        self.kv = SimpleNamespace(num_slots=info["num_slots"])
+        self.speculator = info["speculation"]
+        self.draft = SimpleNamespace(engine_dir=Path(info["draft"])) if info["draft"] else None
+        self.tokenizer = Tokenizer.from_file(str(engine_dir / "tokenizer.json"))
+        self.grammars = Grammars(self.tokenizer.to_str(), manifest["model"]["vocab_size"],
+                                 frozenset(manifest["tokenizer"]["eos_token_ids"]))
+        self.scheduler = _Waiting(cluster, app)
+
+
+class RemoteAsyncEngine:
+    """AsyncEngine's surface over a Serve deployment handle."""
+
+    def __init__(self, handle, engine: RemoteEngine, app: str):
+        self.handle, self.engine, self.app = handle.options(stream=True), engine, app
+        self._streams: dict[str, object] = {}
+        self.on_step = None
+
+    @property
+    def alive(self) -> bool:
+        return True
+
+    async def generate(self, prompt, params, request_id: str = "", priority: int = 0, arrival: float | None = None):
+        """Stream a request from the replica the router picks; raises InvalidRequest / EngineOverloaded before the
+        first output, ReplicaLost if its replica dies, Failed if the replica raised. Closing it early cancels the
+        request on the replica (which aborts it and frees its KV)."""
+        if isinstance(prompt, str):
+            prompt = (await asyncio.to_thread(self.engine.tokenizer.encode_batch, [prompt]))[0].ids
+        waited = time.monotonic() - arrival if arrival is not None else 0.0
+        response = self.handle.generate.remote(list(prompt), params, priority, waited,
+                                               prefix_keys=prefix_keys(prompt, self.engine.block_size))
+        self._streams[request_id] = response
+        finished = False
+        try:
+            async for kind, payload in response:
+                if kind == "overloaded":
+                    raise EngineOverloaded(payload)
+                if kind == "invalid":
+                    raise InvalidRequest(payload)
+                finished = payload.finished
+                yield payload
+                if finished:
+                    return
+            raise ReplicaLost("the replica ended the stream early; retry the request")
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
+            raise ReplicaLost(f"the replica serving this request stopped ({type(e).__name__}); retry it") from None
+        except ray.exceptions.RayTaskError as e:
+            raise Failed(f"replica error: {e.cause!r}" if e.cause is not None else str(e).splitlines()[0]) from None
+        except serve.exceptions.BackPressureError as e:
+            raise EngineOverloaded(str(e).splitlines()[0]) from None
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                response.cancel()
+
+    def replica_metrics(self) -> dict[str, bytes]:
+        """replica → its engine metrics (Prometheus text), for /metrics."""
+        return {r: text for r, (text, _) in self.engine.cluster.published(self.app).items()}
+
+    def abort(self, request_id: str) -> None:
+        response = self._streams.get(request_id)
+        if response is not None:
+            response.cancel()
+
+    def shutdown(self) -> None:
+        """The cluster (runtime.server.app.Server) deletes the deployments; nothing is held here."""

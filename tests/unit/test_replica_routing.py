@@ -1,0 +1,79 @@
+"""The prefix-aware replica policy (runtime.cluster.routing) as a function: what it ranks first, and why."""
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from runtime.cluster.routing import PrefixAffinity, prefix_keys
+from runtime.kv.hashing import hash_blocks
+
+REPLICAS = ["a", "b", "c", "d"]
+
+
+def test_prefix_keys_are_the_kv_caches_own_block_keys():
+    ids = list(range(100, 190))                         # 90 tokens: 5 full blocks of 16 and a partial one
+    assert prefix_keys(ids, 16) == hash_blocks(ids[:80], 16)
+    assert len(prefix_keys(ids, 16)) == 5
+    assert prefix_keys(ids, 16, max_blocks=2) == hash_blocks(ids[:32], 16)
+    assert prefix_keys(ids[:15], 16) == []             # no full block: nothing to match on
+    shared = prefix_keys(ids[:48] + [1] * 40, 16)       # the same first 3 blocks, then different ones
+    assert shared[:3] == prefix_keys(ids, 16)[:3] and shared[3:] != prefix_keys(ids, 16)[3:5]
+
+
+def test_a_recorded_prefix_goes_back_to_its_replica_until_that_replica_is_saturated():
+    policy = PrefixAffinity()
+    keys = prefix_keys(list(range(64)), 16)
+    policy.record(keys, "b")
+    ranks, why = policy.choose(keys, {"a": 0, "b": 3, "c": 1}, saturated_at=4)
+    assert ranks == [["b"], ["a", "c"]] and why == "prefix match (4 blocks)"
+    longer = keys + [12345]                             # the same prefix with a new last block
+    assert policy.choose(longer, {"a": 0, "b": 3}, 4)[0][0] == ["b"]
+    ranks, why = policy.choose(keys, {"a": 2, "b": 4, "c": 1}, saturated_at=4)
+    assert ranks == [["c", "a", "b"]] and why.startswith("prefix owner saturated")
+    policy.forget("b")                                  # its replacement holds nothing
+    assert policy.choose(keys, {"a": 2, "b": 0}, 4)[1] == "no prefix match: least loaded"
+
+
+def test_the_longest_owned_prefix_wins():
+    policy = PrefixAffinity()
+    first = prefix_keys(list(range(64)), 16)
+    policy.record(first[:2], "a")                       # two blocks went to a
+    policy.record(first, "c")                           # the whole prompt later went to c
+    assert policy.choose(first, {"a": 0, "c": 0}, 8)[0][0] == ["c"]
+    other = first[:2] + prefix_keys([7] * 64, 16)[2:]   # shares only the first two blocks, owned last by c too
+    assert policy.choose(other, {"a": 0, "c": 0}, 8)[0][0] == ["c"]
+
+
+def test_the_owner_map_is_bounded_and_forgets_the_least_recent():
+    policy = PrefixAffinity(capacity=10)
+    for i in range(8):
+        policy.record([i, 100 + i], "a")                # 16 keys through a map of 10
+    assert len(policy.owner) == 10
+    assert list(policy.owner)[:2] == [3, 103]           # the 3 oldest requests' keys are gone
+    assert policy.choose([0, 100], {"a": 0, "b": 0}, 4)[1] == "no prefix match: least loaded"
+    assert policy.choose([7, 107], {"a": 1, "b": 0}, 4)[0][0] == ["a"]
+
+
+@settings(max_examples=400, deadline=None)
+@given(history=st.lists(st.tuples(st.lists(st.integers(0, 5), max_size=4), st.sampled_from(REPLICAS)), max_size=12),
+       keys=st.lists(st.integers(0, 5), max_size=5),
+       loads=st.dictionaries(st.sampled_from(REPLICAS), st.one_of(st.none(), st.integers(0, 6)), min_size=1),
+       saturated_at=st.integers(1, 6))
+def test_choice_properties(history, keys, loads, saturated_at):
+    policy = PrefixAffinity()
+    for ks, replica in history:
+        policy.record(ks, replica)
+    ranks, why = policy.choose(keys, loads, saturated_at)
+    ranked = [r for rank in ranks for r in rank]
+    assert sorted(ranked) == sorted(loads)              # every candidate once, nothing else
+    first = ranked[0]
+    load = {r: v or 0 for r, v in loads.items()}
+    room = [r for r in loads if load[r] < saturated_at]
+    assert load[first] < saturated_at or not room       # never a saturated replica while one has room
+    owners = [policy.owner[k] for k in reversed(keys) if policy.owner.get(k) in loads]
+    if owners and load[owners[0]] < saturated_at:       # the deepest owned prefix's replica, when it has room
+        assert first == owners[0] and why.startswith("prefix match")
+    else:                                               # else a least-loaded replica
+        assert load[first] == min(load.values())
+    policy.record(keys, first)
+    if keys and load[first] < saturated_at:             # the same prompt again goes where this one went
+        assert policy.choose(keys, loads, saturated_at)[0][0] == [first]
