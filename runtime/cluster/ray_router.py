@@ -2,7 +2,7 @@
 
 PrefixAwareRouter ranks replicas with runtime.cluster.routing.PrefixAffinity: the replica that last took the
 request's longest prompt prefix first, unless it holds `saturated_at` requests (its engine's slots are full, so the
-request would queue there), then the others by load. RoundRobinRouter is the baseline the benchmark compares it
+request would queue there) or holds `max_imbalance` more than the least-loaded replica, then the others by load. RoundRobinRouter is the baseline the benchmark compares it
 with. Both rank single replicas: Serve takes the first rank whose replica accepts (a replica at its
 max_ongoing_requests refuses, and the next rank is tried).
 
@@ -27,15 +27,16 @@ def _keys(request: PendingRequest | None) -> list[int]:
 
 
 class PrefixAwareRouter(FIFOMixin, RequestRouter):
-    def initialize_state(self, saturated_at: int = 16, capacity: int = 200_000, **_: Any) -> None:
+    def initialize_state(self, saturated_at: int = 16, max_imbalance: int | None = None, capacity: int = 200_000,
+                         **_: Any) -> None:
         self.policy = PrefixAffinity(capacity)
-        self.saturated_at = saturated_at
+        self.saturated_at, self.max_imbalance = saturated_at, max_imbalance
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         by_id = {r.replica_id: r for r in candidate_replicas}
         loads = {rid: self.replica_queue_len_cache.get(rid) for rid in by_id}
-        ranks, why = self.policy.choose(_keys(pending_request), loads, self.saturated_at)
+        ranks, why = self.policy.choose(_keys(pending_request), loads, self.saturated_at, self.max_imbalance)
         log.debug("route: %s", why)
         return [[by_id[rid]] for rank in ranks for rid in rank]
 

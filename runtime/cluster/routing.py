@@ -1,11 +1,12 @@
-"""Prefix-aware replica choice: send a request where its prompt's first blocks were last sent, unless that replica
-is saturated; otherwise to the least-loaded replica (ties broken by rendezvous hashing on the first block, so
-distinct new prefixes spread over equally loaded replicas instead of piling onto the first).
+"""Prefix-aware replica choice: send a request to a replica that took its longest prefix before (the least loaded
+of them), unless that replica is saturated or holds `max_imbalance` more requests than the least-loaded one;
+otherwise to the least-loaded replica (ties broken by rendezvous hashing on the first block, so distinct new
+prefixes spread over equally loaded replicas).
 
 This is the policy alone, with no Ray in it (runtime.cluster.ray_router wraps it as a Ray Serve request router),
 so it can be tested as a function. The keys are the KV cache's own chained block hashes (runtime.kv.hashing) of
-the prompt's token ids: a key names a whole prefix, so the longest key a replica owns is the longest prefix it
-was last given — what its prefix cache (and retained slots) most likely still hold. That is the approach of
+the prompt's token ids: a key names a whole prefix, so the longest key a replica holds is the longest prefix it
+was given — what its prefix cache (and retained slots) most likely still hold. That is the approach of
 vLLM's prefix-aware Ray Serve router and SGLang's cache-aware router, on block hashes instead of a text tree.
 """
 
@@ -26,44 +27,59 @@ def prefix_keys(token_ids: Sequence[int], block_size: int, max_blocks: int = MAX
 
 
 class PrefixAffinity:
-    """Which replica each prefix key was last routed to, as a bounded LRU map."""
+    """Which replicas each prefix key was routed to (a bounded LRU map of key → replicas, most recent last). Every
+    replica that took a prefix may still hold it: a prefix all users share (a system prompt) soon belongs to
+    every replica, and then the least loaded of them takes the request; a user's own history belongs to one."""
 
     def __init__(self, capacity: int = 200_000):
         self.capacity = capacity
-        self.owner: OrderedDict[int, Hashable] = OrderedDict()
+        self.holders: OrderedDict[int, dict[Hashable, None]] = OrderedDict()
 
-    def choose(self, keys: Sequence[int], loads: Mapping[Hashable, int | None],
-               saturated_at: int) -> tuple[list[list[Hashable]], str]:
+    def choose(self, keys: Sequence[int], loads: Mapping[Hashable, int | None], saturated_at: int,
+               max_imbalance: int | None = None) -> tuple[list[list[Hashable]], str]:
         """Ranked replicas for a request (best first) and why.
 
         keys: the request's prefix keys (prefix_keys); loads: every candidate replica → requests it holds (None:
-        unknown, taken as 0); saturated_at: a replica holding this many is not given a prefix match (it would
-        queue the request behind a full batch), the least-loaded replica takes it instead.
+        unknown, taken as 0). The replicas that took the longest of its prefixes come first, the least loaded of
+        them ahead, unless that one is saturated (holds `saturated_at`: the request would queue behind a full
+        batch) or holds `max_imbalance` more than the least-loaded replica (default: a quarter of saturated_at, at
+        least 2); then, and for prefixes never seen, the least-loaded replica.
         """
         if not loads:
             return [], "no replica"
-        by_load = sorted(loads, key=lambda r: (loads[r] or 0, _rendezvous(keys, r)))
+        if max_imbalance is None:
+            max_imbalance = max(2, saturated_at // 4)
+        load = {r: v or 0 for r, v in loads.items()}
+        by_load = sorted(load, key=lambda r: (load[r], _rendezvous(keys, r)))
         for depth in range(len(keys), 0, -1):
-            replica = self.owner.get(keys[depth - 1])
-            if replica is None or replica not in loads:
+            held = [r for r in by_load if r in self.holders.get(keys[depth - 1], ())]
+            if not held:
                 continue
-            if (loads[replica] or 0) >= saturated_at:
-                return [by_load], f"prefix owner saturated ({loads[replica]} requests): least loaded"
-            return [[replica], [r for r in by_load if r != replica]], f"prefix match ({depth} blocks)"
+            best = held[0]
+            if load[best] >= saturated_at:
+                return [by_load], f"prefix holders saturated ({load[best]} requests): least loaded"
+            if load[best] - load[by_load[0]] >= max_imbalance:
+                return [by_load], f"prefix holders busier by {load[best] - load[by_load[0]]}: least loaded"
+            return [held, [r for r in by_load if r not in held]], f"prefix match ({depth} blocks)"
         return [by_load], "no prefix match: least loaded"
 
     def record(self, keys: Sequence[int], replica: Hashable) -> None:
-        """The request with these keys went to `replica`: every prefix of it now points there."""
+        """The request with these keys went to `replica`: it now holds every prefix of it."""
         for key in keys:
-            self.owner[key] = replica
-            self.owner.move_to_end(key)
-        while len(self.owner) > self.capacity:
-            self.owner.popitem(last=False)
+            held = self.holders.setdefault(key, {})
+            held.pop(replica, None)
+            held[replica] = None
+            self.holders.move_to_end(key)
+        while len(self.holders) > self.capacity:
+            self.holders.popitem(last=False)
 
     def forget(self, replica: Hashable) -> None:
-        """A replica is gone: its prefixes belong to nobody (its replacement starts with an empty cache)."""
-        for key in [k for k, r in self.owner.items() if r == replica]:
-            del self.owner[key]
+        """A replica is gone: it holds nothing (its replacement starts with an empty cache)."""
+        for key in list(self.holders):
+            held = self.holders[key]
+            held.pop(replica, None)
+            if not held:
+                del self.holders[key]
 
 
 def _rendezvous(keys: Sequence[int], replica: Hashable) -> int:

@@ -23,32 +23,37 @@ def test_a_recorded_prefix_goes_back_to_its_replica_until_that_replica_is_satura
     policy = PrefixAffinity()
     keys = prefix_keys(list(range(64)), 16)
     policy.record(keys, "b")
-    ranks, why = policy.choose(keys, {"a": 0, "b": 3, "c": 1}, saturated_at=4)
+    ranks, why = policy.choose(keys, {"a": 0, "b": 3, "c": 1}, saturated_at=4, max_imbalance=4)
     assert ranks == [["b"], ["a", "c"]] and why == "prefix match (4 blocks)"
+    ranks, why = policy.choose(keys, {"a": 0, "b": 3, "c": 1}, saturated_at=4)   # default imbalance 2: too busy
+    assert ranks == [["a", "c", "b"]] and why == "prefix holders busier by 3: least loaded"
     longer = keys + [12345]                             # the same prefix with a new last block
-    assert policy.choose(longer, {"a": 0, "b": 3}, 4)[0][0] == ["b"]
+    assert policy.choose(longer, {"a": 2, "b": 3}, 4)[0][0] == ["b"]
     ranks, why = policy.choose(keys, {"a": 2, "b": 4, "c": 1}, saturated_at=4)
-    assert ranks == [["c", "a", "b"]] and why.startswith("prefix owner saturated")
+    assert ranks == [["c", "a", "b"]] and why.startswith("prefix holders saturated")
     policy.forget("b")                                  # its replacement holds nothing
     assert policy.choose(keys, {"a": 2, "b": 0}, 4)[1] == "no prefix match: least loaded"
 
 
-def test_the_longest_owned_prefix_wins():
+def test_the_longest_held_prefix_wins_and_a_shared_one_goes_to_its_least_loaded_holder():
     policy = PrefixAffinity()
     first = prefix_keys(list(range(64)), 16)
     policy.record(first[:2], "a")                       # two blocks went to a
     policy.record(first, "c")                           # the whole prompt later went to c
-    assert policy.choose(first, {"a": 0, "c": 0}, 8)[0][0] == ["c"]
-    other = first[:2] + prefix_keys([7] * 64, 16)[2:]   # shares only the first two blocks, owned last by c too
-    assert policy.choose(other, {"a": 0, "c": 0}, 8)[0][0] == ["c"]
+    assert policy.choose(first, {"a": 0, "b": 0, "c": 0}, 8)[0] == [["c"], ["a", "b"]] or \
+        policy.choose(first, {"a": 0, "b": 0, "c": 0}, 8)[0] == [["c"], ["b", "a"]]
+    other = first[:2] + prefix_keys([7] * 64, 16)[2:]   # shares only the first two blocks: a and c hold them
+    ranks, why = policy.choose(other, {"a": 1, "b": 0, "c": 0}, 8)
+    assert ranks == [["c", "a"], ["b"]] and why == "prefix match (2 blocks)"
+    assert policy.choose(other, {"a": 0, "b": 0, "c": 1}, 8)[0] == [["a", "c"], ["b"]]
 
 
 def test_the_owner_map_is_bounded_and_forgets_the_least_recent():
     policy = PrefixAffinity(capacity=10)
     for i in range(8):
         policy.record([i, 100 + i], "a")                # 16 keys through a map of 10
-    assert len(policy.owner) == 10
-    assert list(policy.owner)[:2] == [3, 103]           # the 3 oldest requests' keys are gone
+    assert len(policy.holders) == 10
+    assert list(policy.holders)[:2] == [3, 103]         # the 3 oldest requests' keys are gone
     assert policy.choose([0, 100], {"a": 0, "b": 0}, 4)[1] == "no prefix match: least loaded"
     assert policy.choose([7, 107], {"a": 1, "b": 0}, 4)[0][0] == ["a"]
 
@@ -57,23 +62,28 @@ def test_the_owner_map_is_bounded_and_forgets_the_least_recent():
 @given(history=st.lists(st.tuples(st.lists(st.integers(0, 5), max_size=4), st.sampled_from(REPLICAS)), max_size=12),
        keys=st.lists(st.integers(0, 5), max_size=5),
        loads=st.dictionaries(st.sampled_from(REPLICAS), st.one_of(st.none(), st.integers(0, 6)), min_size=1),
-       saturated_at=st.integers(1, 6))
-def test_choice_properties(history, keys, loads, saturated_at):
+       saturated_at=st.integers(1, 6), max_imbalance=st.integers(1, 7))
+def test_choice_properties(history, keys, loads, saturated_at, max_imbalance):
     policy = PrefixAffinity()
     for ks, replica in history:
         policy.record(ks, replica)
-    ranks, why = policy.choose(keys, loads, saturated_at)
+    ranks, why = policy.choose(keys, loads, saturated_at, max_imbalance)
     ranked = [r for rank in ranks for r in rank]
     assert sorted(ranked) == sorted(loads)              # every candidate once, nothing else
     first = ranked[0]
     load = {r: v or 0 for r, v in loads.items()}
     room = [r for r in loads if load[r] < saturated_at]
     assert load[first] < saturated_at or not room       # never a saturated replica while one has room
-    owners = [policy.owner[k] for k in reversed(keys) if policy.owner.get(k) in loads]
-    if owners and load[owners[0]] < saturated_at:       # the deepest owned prefix's replica, when it has room
-        assert first == owners[0] and why.startswith("prefix match")
+    holders = [[r for r in policy.holders.get(k, ()) if r in loads] for k in reversed(keys)]
+    deepest = next((h for h in holders if h), [])       # who holds the longest held prefix
+    least = min(load.values())
+    best = min((load[r] for r in deepest), default=None)
+    if deepest and best < saturated_at and best - least < max_imbalance:
+        # a least-loaded holder of the deepest prefix, when it has room and is not far busier than the least loaded
+        assert first in deepest and load[first] == best and why.startswith("prefix match")
+        assert set(ranks[0]) == set(deepest)
     else:                                               # else a least-loaded replica
-        assert load[first] == min(load.values())
+        assert load[first] == least
     policy.record(keys, first)
-    if keys and load[first] < saturated_at:             # the same prompt again goes where this one went
-        assert policy.choose(keys, loads, saturated_at)[0][0] == [first]
+    if keys and load[first] < saturated_at and load[first] - least < max_imbalance:   # the same prompt again
+        assert first in policy.choose(keys, loads, saturated_at, max_imbalance)[0][0]   # may go where this went
