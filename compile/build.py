@@ -20,7 +20,7 @@ from .config import CompileConfig, QuantConfig
 from .quantize import report
 from .quantize.awq import awq_reader
 from .graph.builder import OPSET, GraphBuilder
-from .graph.layers import Ctx
+from .graph.layers import MIN_ROWS, Ctx
 from .hf_source import CheckpointReader, ModelSpec, fingerprint, read_spec, tokenizer_files
 from .errors import CheckpointError
 
@@ -76,6 +76,8 @@ def _precision_record(cfg: CompileConfig) -> dict:
         record.update(scheme=f"int4 symmetric, block {q.block_size} along K; MatMulNBits accuracy_level 4"
                              + ("; one-row steps padded to two (batch-invariant)" if cfg.batch_invariant else ""),
                       block_size=q.block_size, awq=q.calib is not None)
+        if cfg.batch_invariant:       # the runtime drops the pad where this CPU computes one row like many
+            record["min_rows"] = MIN_ROWS
     elif p == "fp8":
         record.update(scheme="float8 e4m3fn, per output channel scale, 1 byte per weight")
         if not gpu:

@@ -65,6 +65,40 @@ def session_options(threads: int | None, config: dict[str, str] | None = None, s
     return so
 
 
+def one_row_matches(model: dict, block_size: int, threads: int | None = None) -> bool:
+    """Whether this CPU's 4-bit MatMulNBits (accuracy level 4) computes a row alone bit-identically to the same row
+    among others, for every K × N of the engine's linears. MLAS computes one row with a GEMV kernel that rounded
+    differently from its multi-row kernel on an AVX2 EPYC and agrees on AVX-512 VNNI Xeons; batch-invariant int4
+    graphs pad one-row steps to two unless this probe, run at load on random weights, finds them equal."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    hidden, heads, kv, hd = model["hidden_size"], model["num_heads"], model["num_kv_heads"], model["head_dim"]
+    ffn = model["intermediate_size"]
+    shapes = {(hidden, (heads + 2 * kv) * hd), (heads * hd, hidden), (hidden, 2 * ffn), (ffn, hidden),
+              (hidden, model["vocab_size"])}
+    rng = np.random.default_rng(0)
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads or min(2, os.cpu_count() or 1)
+    so.log_severity_level = 3
+    for k, n in sorted(shapes):
+        n = min(n, 1024)            # output columns are computed independently; K is what orders the sums
+        blocks = (k + block_size - 1) // block_size
+        weights = [numpy_helper.from_array(rng.integers(0, 256, (n, blocks, block_size // 2), dtype=np.uint8), "B"),
+                   numpy_helper.from_array(rng.uniform(1e-3, 2e-2, n * blocks).astype(np.float32), "S")]
+        node = helper.make_node("MatMulNBits", ["A", "B", "S"], ["Y"], domain="com.microsoft", K=k, N=n, bits=4,
+                                block_size=block_size, accuracy_level=4)
+        graph = helper.make_graph([node], "probe", [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["M", k])],
+                                  [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["M", n])], weights)
+        proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                        helper.make_opsetid("com.microsoft", 1)])
+        session = ort.InferenceSession(proto.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        x = rng.standard_normal((8, k)).astype(np.float32)
+        many = session.run(None, {"A": x})[0]
+        if not all(np.array_equal(session.run(None, {"A": x[i:i + 1]})[0][0], many[i]) for i in range(3)):
+            return False
+    return True
+
+
 class ModelRunner:
     def __init__(self, engine_dir: str | Path, threads: int | None = None, verify: bool = True, spin: bool = True):
         self.engine_dir = Path(engine_dir)
@@ -77,7 +111,14 @@ class ModelRunner:
             raise ArtifactError(f"{engine_dir} targets {target!r}: the continuous-batching engine runs cpu engines; "
                                 "a cuda engine runs through runtime.paged_runner.PagedModelRunner (the GPU serving "
                                 "loop is not wired yet), or rebuild with --target cpu")
-        so = session_options(threads, self.manifest["precision"].get("session_config"), spin)
+        precision = self.manifest["precision"]
+        so = session_options(threads, precision.get("session_config"), spin)
+        # batch-invariant int4: one-row steps are padded to two rows only where this CPU needs it
+        self.one_row_padded = "min_rows" in precision and not one_row_matches(self.manifest["model"],
+                                                                              precision["block_size"], threads)
+        if "min_rows" in precision and not self.one_row_padded:
+            self._min_rows = ort.OrtValue.ortvalue_from_numpy(np.array([1], np.int64))   # must outlive the session
+            so.add_initializer(precision["min_rows"], self._min_rows)
         self.session = open_session(self.engine_dir, self.manifest, so, ["CPUExecutionProvider"])
         m = self.manifest["model"]
         self.num_layers, self.vocab_size = m["num_layers"], m["vocab_size"]

@@ -70,6 +70,13 @@ class GraphBuilder:
             self._constants[key] = name
         return self._constants[key]
 
+    def overridable(self, name: str, values, dtype=np.int64) -> str:
+        """A small inline constant under a fixed name, which a session may replace at load
+        (SessionOptions.add_initializer): a graph setting the runtime can decide on the machine it runs on."""
+        if name not in {t.name for t in self.initializers}:
+            self.initializers.append(numpy_helper.from_array(np.asarray(values, dtype=dtype), name))
+        return name
+
     # -- nodes --------------------------------------------------------------------------------
     def node(self, op: str, inputs: list[str], name: str, num_outputs: int = 1, domain: str = "",
              outputs: list[str] | None = None, **attrs) -> list[str]:

@@ -121,6 +121,9 @@ def row_quantized_matmul(ctx: Ctx, x: str, weight: str, scale: str, k: int, bias
     return b.node("Add", [y, bias], f"{name}/Add", outputs=[output] if output else None)[0] if bias else y
 
 
+MIN_ROWS = "batch_invariant/min_rows"      # int4 graphs: rows MatMulNBits runs on at least (manifest: precision.min_rows)
+
+
 def nbits_matmul(ctx: Ctx, x: str, inputs: list[str], k: int, n: int, name: str, rows: str = "tokens",
                  output: str | None = None) -> str:
     """MatMulNBits (4-bit, accuracy_level 4) that never sees a single row, so it is batch-invariant:
@@ -130,7 +133,10 @@ def nbits_matmul(ctx: Ctx, x: str, inputs: list[str], k: int, n: int, name: str,
     x: [B, S, K] (rows "tokens") or [N, K] ("logit_rows").  MLAS computes one row with a GEMV kernel whose
     rounding differs from its multi-row kernel (every M ≥ 2 agrees bit for bit with every other), so without
     the pad a request's logits would change with the number of rows beside it. The pad amount and the row
-    count are built once per graph (`ctx.shared`); with two or more rows the pad adds nothing.
+    count are built once per graph (`ctx.shared`); with two or more rows the pad adds nothing. Whether the GEMV
+    rounds differently depends on the CPU (it did on an AVX2 EPYC; on AVX-512 VNNI Xeons every M agrees), so the
+    least row count is the named initializer MIN_ROWS, which the runtime sets to 1 where a probe of this CPU's
+    kernels finds one row bit-identical to many (runtime.model_runner.one_row_matches).
     """
     b, axis = ctx.b, 1 if rows == "tokens" else 0
     attrs = dict(domain=MS_DOMAIN, K=k, N=n, bits=4, block_size=ctx.block_size, accuracy_level=4)
@@ -140,7 +146,8 @@ def nbits_matmul(ctx: Ctx, x: str, inputs: list[str], k: int, n: int, name: str,
         shape = b.op("Shape", [x], f"{name}/PadRows/Shape")
         m = b.op("ReduceProd", [b.op("Slice", [shape, b.const([0]), b.const([axis + 1])], f"{name}/PadRows/Lead")],
                  f"{name}/PadRows/Rows", keepdims=1)                                                 # [1]: B·S or N
-        pad = b.op("Max", [b.op("Sub", [b.const([2]), m], f"{name}/PadRows/Missing"), b.const([0])], f"{name}/PadRows/Pad")
+        min_rows = b.overridable(MIN_ROWS, [2])      # the runtime sets 1 where this CPU's kernels agree (see below)
+        pad = b.op("Max", [b.op("Sub", [min_rows, m], f"{name}/PadRows/Missing"), b.const([0])], f"{name}/PadRows/Pad")
         ends = [b.const([0] * (2 * axis + 2)), pad, b.const([0])]      # [begins..., ends...]: pad the end of `axis`
         ctx.shared[f"{rows}/pads"] = b.op("Concat", ends, f"{name}/PadRows/Pads", axis=0)
         ctx.shared[f"{rows}/length"] = b.op("Slice", [shape, b.const([axis]), b.const([axis + 1])], f"{name}/PadRows/Length")

@@ -26,6 +26,7 @@ from types import SimpleNamespace
 import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
+from ray.serve.exceptions import BackPressureError
 from tokenizers import Tokenizer
 
 from .. import artifact
@@ -70,9 +71,11 @@ class Cluster:
         deployment = serve.deployment(EngineReplica).options(
             name="engine", num_replicas=c.replicas,
             ray_actor_options={"num_cpus": c.threads},
-            # Serve never queues for the engines: a replica takes what its engine would (slots + queue) and the
-            # engine itself sheds beyond that, as a single server does
-            max_ongoing_requests=sched.max_num_seqs + sched.max_waiting, max_queued_requests=sched.max_waiting,
+            # the engines shed, as a single server does: a replica takes more than its engine holds (slots + queue),
+            # so a full engine refuses at once (429) rather than Serve queueing for it; the handle's own queue only
+            # holds requests being routed, bounded by what the whole deployment can hold
+            max_ongoing_requests=2 * sched.max_num_seqs + sched.max_waiting,
+            max_queued_requests=c.replicas * (sched.max_num_seqs + sched.max_waiting),
             health_check_period_s=2.0, health_check_timeout_s=30.0, graceful_shutdown_timeout_s=5.0,
             request_router_config=RequestRouterConfig(request_router_class=ROUTERS[c.routing],
                                                       request_router_kwargs={"saturated_at": sched.max_num_seqs}))
@@ -154,11 +157,11 @@ class RemoteAsyncEngine:
         if isinstance(prompt, str):
             prompt = (await asyncio.to_thread(self.engine.tokenizer.encode_batch, [prompt]))[0].ids
         waited = time.monotonic() - arrival if arrival is not None else 0.0
-        response = self.handle.generate.remote(list(prompt), params, priority, waited,
-                                               prefix_keys=prefix_keys(prompt, self.engine.block_size))
-        self._streams[request_id] = response
-        finished = False
+        response, finished = None, False
         try:
+            response = self.handle.generate.remote(list(prompt), params, priority, waited,
+                                                   prefix_keys=prefix_keys(prompt, self.engine.block_size))
+            self._streams[request_id] = response
             async for kind, payload in response:
                 if kind == "overloaded":
                     raise EngineOverloaded(payload)
@@ -173,11 +176,12 @@ class RemoteAsyncEngine:
             raise ReplicaLost(f"the replica serving this request stopped ({type(e).__name__}); retry it") from None
         except ray.exceptions.RayTaskError as e:
             raise Failed(f"replica error: {e.cause!r}" if e.cause is not None else str(e).splitlines()[0]) from None
-        except serve.exceptions.BackPressureError as e:
+        except BackPressureError as e:     # every replica is full and the handle's queue too: never sent
+            response = None                # (cancelling it would raise the refusal again)
             raise EngineOverloaded(str(e).splitlines()[0]) from None
         finally:
             self._streams.pop(request_id, None)
-            if not finished:
+            if response is not None and not finished:
                 response.cancel()
 
     def replica_metrics(self) -> dict[str, bytes]:

@@ -15,8 +15,10 @@ import pytest
 
 from compile.build import build
 from compile.config import CompileConfig, QuantConfig
+from compile.graph.layers import MIN_ROWS
 from runtime.config import CacheConfig, EngineConfig, SchedulerConfig
 from runtime.engine import Engine
+from runtime.model_runner import ModelRunner, one_row_matches
 from runtime.request import SamplingParams
 from runtime.spec_decode.speculator import SpecConfig
 
@@ -169,9 +171,27 @@ def test_no_batch_invariant_build_depends_on_the_batch(engines):
 
 def test_no_batch_invariant_int4_build_drops_the_one_row_pad(engines):
     """int4: whether MLAS computes a one-row MatMulNBits with a kernel that rounds differently depends on the CPU
-    and ONNX Runtime version (ORT 1.31 on an AVX2 machine: yes; 1.32 on AVX-512 EPYC: no), so the batch-invariant
-    build pads one-row steps to two everywhere, and `--no-batch-invariant` leaves the pad out."""
-    def pads(precision_dir):
-        model = onnx.load(str(precision_dir / "model.onnx"), load_external_data=False)
-        return sum(n.op_type == "Pad" for n in model.graph.node)
-    assert pads(engines("target", "int4")) > 0 and pads(engines("target", "int4", batch_invariant=False)) == 0
+    and ONNX Runtime version (ORT 1.31 on an AVX2 machine: yes; 1.32 on AVX-512 EPYC and VNNI Xeons: no), so the
+    batch-invariant build pads one-row steps to MIN_ROWS = 2 rows, an initializer the runtime sets to 1 where its
+    probe of this CPU finds one row computed like many; `--no-batch-invariant` leaves the pad out."""
+    def graph(precision_dir):
+        return onnx.load(str(precision_dir / "model.onnx"), load_external_data=False).graph
+    padded = graph(engines("target", "int4"))
+    assert sum(n.op_type == "Pad" for n in padded.node) > 0
+    assert [list(onnx.numpy_helper.to_array(t)) for t in padded.initializer if t.name == MIN_ROWS] == [[2]]
+    assert sum(n.op_type == "Pad" for n in graph(engines("target", "int4", batch_invariant=False)).node) == 0
+
+
+def test_int4_pads_one_row_steps_exactly_where_this_cpu_needs_it(engines):
+    """The runner keeps the pad iff the probe finds a one-row MatMulNBits rounding differently here; either way a
+    sequence decoded alone gives bitwise the logits it gets beside a neighbour (the probe is checked, not trusted)."""
+    runner = ModelRunner(engines("target", "int4"))
+    m = runner.manifest
+    assert runner.one_row_padded == (not one_row_matches(m["model"], m["precision"]["block_size"]))
+    pool = runner.new_pool(2, 64)
+    prompts = [[5, 17, 99, 3, 250, 7], [8, 40, 41, 42, 43, 44]]
+    for slot, prompt in enumerate(prompts):
+        runner.prefill(pool, slot, prompt, 0)
+    alone = runner.decode(pool, [(0, 11, 6)], set())
+    both = runner.decode(pool, [(0, 11, 6), (1, 12, 6)], set())        # row 0 rewritten with the same token
+    assert np.array_equal(alone[0], both[0])

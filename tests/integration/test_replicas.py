@@ -3,6 +3,7 @@ servers. Streams equal the engine's greedy output; a shared prefix goes to one r
 hang-up frees the KV on the replica; a killed replica fails its stream with a retryable error at once and Ray
 starts another; without --replicas, Ray is never imported."""
 
+import asyncio
 import subprocess
 import sys
 import time
@@ -121,6 +122,29 @@ def test_a_client_hang_up_frees_the_kv_on_its_replica(server):
              and all(v == 0 for v in replica_values(server, "quicksilver_kv_cache_usage_percent").values()),
              15, "the replica to free the request's KV")
     assert server.metric("quicksilver_requests_finished_total", finish_reason="abort") >= 1
+
+
+def test_past_every_replicas_slots_and_queues_requests_are_shed_with_a_retry_hint(server):
+    """Each replica's engine holds 4 running + 8 waiting; past that it refuses at once with 429 + Retry-After, as a
+    single server sheds (Serve does not queue for it), and nothing is left running."""
+    async def burst(n: int) -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=120) as http:
+            async def one(i: int) -> httpx.Response:
+                async with http.stream("POST", f"{server.http_url}/v1/completions", json={
+                        "prompt": f"# burst {i}\n" + PROMPTS[i % 4], "max_tokens": 400, "stream": True,
+                        "ignore_eos": True}) as r:
+                    await r.aread() if r.status_code != 200 else None
+                    return r              # a 200 is closed after its first token: the request is cancelled
+            return await asyncio.gather(*[one(i) for i in range(n)])
+
+    responses = asyncio.run(burst(40))
+    codes = [r.status_code for r in responses]
+    shed = [r for r in responses if r.status_code == 429]
+    assert set(codes) <= {200, 429} and codes.count(200) > 12 and shed, codes     # > one engine's 12: both took
+    assert all(r.headers["retry-after"] and r.json()["error"]["code"] == "overloaded" for r in shed)
+    wait_for(lambda: all(v == 0 for v in replica_values(server, "quicksilver_requests_running").values())
+             and all(v == 0 for v in replica_values(server, "quicksilver_kv_cache_usage_percent").values()),
+             60, "every replica to be idle again")
 
 
 def test_a_killed_replica_fails_its_stream_retryably_and_is_replaced(server):
