@@ -167,9 +167,9 @@ def _cluster(replicas: int | None, threads: int | None, routing: str, address: s
         if address is not None:
             fail("--ray-address applies with --replicas N")
         return None
-    try:
-        import ray.serve  # noqa: F401
-    except ImportError:
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is None or importlib.util.find_spec("ray.serve") is None:
         fail("--replicas runs the engines on Ray Serve, which is not installed: pip install '.[cluster]' "
              "(or pip install 'ray[serve]')")
     return ClusterConfig(replicas, threads or 1, routing, address)

@@ -144,11 +144,6 @@ class RemoteAsyncEngine:
     def __init__(self, handle, engine: RemoteEngine, app: str):
         self.handle, self.engine, self.app = handle.options(stream=True), engine, app
         self._streams: dict[str, object] = {}
-        self.on_step = None
-
-    @property
-    def alive(self) -> bool:
-        return True
 
     async def generate(self, prompt, params, request_id: str = "", priority: int = 0, arrival: float | None = None):
         """Stream a request from the replica the router picks; raises InvalidRequest / EngineOverloaded before the

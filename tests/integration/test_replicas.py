@@ -92,7 +92,9 @@ def test_a_users_turns_go_to_the_replica_that_holds_their_prefix(server):
                                       max_tokens=4, temperature=0)
         cached.append(r.usage.prompt_tokens_details.cached_tokens)
     prompt_tokens = r.usage.prompt_tokens
-    assert cached[0] == 0 and all(c >= prompt_tokens - 16 for c in cached[1:]), cached   # every later turn hit
+    # every later turn hit all but its own last line (~8 tokens) and, served from cached blocks rather than a
+    # retained slot, the partial block before it
+    assert cached[0] == 0 and all(c >= prompt_tokens - 8 - 16 for c in cached[1:]), (cached, prompt_tokens)
     time.sleep(1.2)                                   # the replicas publish their metrics twice a second
     gained = {r: v - before.get(r, 0) for r, v in replica_values(server, "quicksilver_prefix_cache_hits_tokens_total").items()}
     assert len(gained) == 2 and sorted(gained.values())[0] == 0 and sorted(gained.values())[1] >= sum(cached)

@@ -4,7 +4,8 @@
   from artifact → errors;
 - no runtime module imports `compile`, except the CLI glue that builds the bundled engines (cli.py, bundled.py);
 - nothing in runtime/ imports torch or transformers (the runtime ships without them);
-- the servers (runtime/server/) import no `compile` at all.
+- the servers (runtime/server/) import no `compile` at all;
+- only runtime/cluster/ imports Ray (an optional extra: runtime serve --replicas).
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ def violations(rel: str, source: str | None = None) -> list[str]:
             bad.append(f"{where}: the runtime core never imports the compile stage")
         elif rel.startswith("runtime/") and top in ("torch", "transformers"):
             bad.append(f"{where}: the runtime never imports {top}")
+        elif top == "ray" and not rel.startswith("runtime/cluster/"):
+            bad.append(f"{where}: only runtime/cluster imports Ray (an optional extra)")
     return bad
 
 
@@ -71,4 +74,7 @@ def test_the_checker_reports_each_kind_of_violation():
     assert violations("runtime/cli.py", "import transformers\n") == \
         ["runtime/cli.py:1 imports transformers: the runtime never imports transformers"]      # not even the glue
     assert violations("runtime/bundled.py", "from compile.build import build\n") == []      # CLI glue may
+    assert violations("runtime/server/app.py", "def f():\n    from ray import serve\n") == \
+        ["runtime/server/app.py:2 imports ray: only runtime/cluster imports Ray (an optional extra)"]
+    assert violations("runtime/cluster/replica.py", "import ray\n") == []
     assert violations("compile/verify.py", "from runtime.model_runner import ModelRunner\n") == []   # compile → runtime
