@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import grpc
 import httpx
 import pytest
 from openai import OpenAI
@@ -85,6 +86,7 @@ def test_streams_over_http_and_grpc_equal_the_engines_greedy_output(server, alon
 
 def test_a_users_turns_go_to_the_replica_that_holds_their_prefix(server):
     client = OpenAI(base_url=f"{server.http_url}/v1", api_key="none")
+    time.sleep(1.2)                                   # what earlier tests did is published (twice a second)
     before = replica_values(server, "quicksilver_prefix_cache_hits_tokens_total")
     cached = []
     for turn in range(5):
@@ -101,6 +103,7 @@ def test_a_users_turns_go_to_the_replica_that_holds_their_prefix(server):
 
 
 def test_distinct_prefixes_spread_over_both_replicas(server):
+    time.sleep(1.2)
     before = replica_values(server, "quicksilver_prompt_tokens_total")
     for i in range(16):       # idle replicas tie on load; a new prefix is placed by its first block's hash
         httpx.post(f"{server.http_url}/v1/completions", timeout=60,
@@ -124,6 +127,17 @@ def test_a_client_hang_up_frees_the_kv_on_its_replica(server):
              and all(v == 0 for v in replica_values(server, "quicksilver_kv_cache_usage_percent").values()),
              15, "the replica to free the request's KV")
     assert server.metric("quicksilver_requests_finished_total", finish_reason="abort") >= 1
+
+
+def test_a_grpc_deadline_aborts_the_request_on_its_replica(server):
+    with Client(server.grpc_target) as grpc_client:
+        with pytest.raises(grpc.RpcError) as e:
+            for _ in grpc_client.generate(PROMPTS[3], timeout=0.5, max_tokens=1500, ignore_eos=True):
+                pass
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_for(lambda: all(v == 0 for v in replica_values(server, "quicksilver_requests_running").values())
+             and all(v == 0 for v in replica_values(server, "quicksilver_kv_cache_usage_percent").values()),
+             15, "the replica to free the request's KV")
 
 
 def test_past_every_replicas_slots_and_queues_requests_are_shed_with_a_retry_hint(server):
