@@ -62,6 +62,12 @@ class Metrics:
                                  "embedding, vector search)")
         self.semantic_entries = Gauge("quicksilver_semantic_cache_entries", "Answers the semantic cache holds",
                                       registry=r)
+        # What the engine (not a transport) observes: under `runtime serve --replicas` these come from each replica,
+        # the rest (request latencies, errors, tenants, semantic cache) from the front that answered the request.
+        self.engine_families = frozenset(family.name for m in (
+            self.prefill_step, self.decode_step, self.running, self.waiting, self.kv_usage, self.prefix_blocks,
+            self.batch, self.prefix_queries, self.prefix_hits, self.spec_proposed, self.spec_accepted,
+            self.spec_rounds, self.prompt_tokens, self.generation_tokens) for family in m.collect())
         self._seen = {"queries": 0, "hits": 0, "proposed": 0, "accepted": 0, "rounds": 0, "prompt": 0, "generation": 0, "steps": 0}
 
     def on_step(self, engine) -> None:
@@ -128,16 +134,6 @@ class Metrics:
 
 
 
-# What an engine (not a transport) observes: under `runtime serve --replicas` these come from each replica, the rest
-# (request latencies, errors, tenants, semantic cache) from the ingress that answered the request.
-ENGINE_FAMILIES = frozenset({
-    "quicksilver_prefill_step_seconds", "quicksilver_decode_step_seconds", "quicksilver_requests_running",
-    "quicksilver_requests_waiting", "quicksilver_kv_cache_usage_percent", "quicksilver_prefix_cache_blocks_in_use",
-    "quicksilver_batch_size", "quicksilver_prefix_cache_queries_tokens", "quicksilver_prefix_cache_hits_tokens",
-    "quicksilver_spec_proposed_tokens", "quicksilver_spec_accepted_tokens", "quicksilver_spec_verifications",
-    "quicksilver_prompt_tokens", "quicksilver_generation_tokens"})
-
-
 def render(by_model: dict[str, Metrics], replicas: dict[str, dict[str, bytes]] | None = None) -> bytes:
     """One exposition for every model a server hosts: each sample carries a `model_name` label (vLLM's name for
     it), so one family per metric holds every model's series. `replicas`: model → replica → that replica's
@@ -166,10 +162,10 @@ class _ModelLabelled:
         for model, metrics in self.by_model.items():
             remote = self.replicas.get(model)
             for family in metrics.registry.collect():
-                if remote is None or family.name not in ENGINE_FAMILIES:
+                if remote is None or family.name not in metrics.engine_families:
                     add(family, {"model_name": model})
             for replica, text in (remote or {}).items():
                 for family in text_string_to_metric_families(text.decode()):
-                    if family.name in ENGINE_FAMILIES:
+                    if family.name in metrics.engine_families:
                         add(family, {"model_name": model, "replica": replica})
         return families.values()

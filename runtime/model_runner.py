@@ -8,6 +8,7 @@ ids, lengths and logits rows.
 
 from __future__ import annotations
 
+import functools
 import os
 import weakref
 from collections import OrderedDict
@@ -70,17 +71,21 @@ def one_row_matches(model: dict, block_size: int, threads: int | None = None) ->
     among others, for every K × N of the engine's linears. MLAS computes one row with a GEMV kernel that rounded
     differently from its multi-row kernel on an AVX2 EPYC and agrees on AVX-512 VNNI Xeons; batch-invariant int4
     graphs pad one-row steps to two unless this probe, run at load on random weights, finds them equal."""
-    from onnx import TensorProto, helper, numpy_helper
-
     hidden, heads, kv, hd = model["hidden_size"], model["num_heads"], model["num_kv_heads"], model["head_dim"]
     ffn = model["intermediate_size"]
     shapes = {(hidden, (heads + 2 * kv) * hd), (heads * hd, hidden), (hidden, 2 * ffn), (ffn, hidden),
               (hidden, model["vocab_size"])}
+    return _one_row_matches(tuple(sorted(shapes)), block_size, threads)
+
+
+@functools.lru_cache(maxsize=None)
+def _one_row_matches(shapes: tuple[tuple[int, int], ...], block_size: int, threads: int | None) -> bool:
+    """The probe itself, once per process for each set of shapes (a target and its draft, every test engine)."""
+    from onnx import TensorProto, helper, numpy_helper
+
     rng = np.random.default_rng(0)
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = threads or min(2, os.cpu_count() or 1)
-    so.log_severity_level = 3
-    for k, n in sorted(shapes):
+    so = session_options(threads, spin=False)
+    for k, n in shapes:
         n = min(n, 1024)            # output columns are computed independently; K is what orders the sums
         blocks = (k + block_size - 1) // block_size
         weights = [numpy_helper.from_array(rng.integers(0, 256, (n, blocks, block_size // 2), dtype=np.uint8), "B"),
@@ -114,11 +119,12 @@ class ModelRunner:
         precision = self.manifest["precision"]
         so = session_options(threads, precision.get("session_config"), spin)
         # batch-invariant int4: one-row steps are padded to two rows only where this CPU needs it
-        self.one_row_padded = "min_rows" in precision and not one_row_matches(self.manifest["model"],
-                                                                              precision["block_size"], threads)
-        if "min_rows" in precision and not self.one_row_padded:
-            self._min_rows = ort.OrtValue.ortvalue_from_numpy(np.array([1], np.int64))   # must outlive the session
-            so.add_initializer(precision["min_rows"], self._min_rows)
+        self.one_row_padded = False
+        if "min_rows" in precision:
+            self.one_row_padded = not one_row_matches(self.manifest["model"], precision["block_size"], threads)
+            if not self.one_row_padded:
+                self._min_rows = ort.OrtValue.ortvalue_from_numpy(np.array([1], np.int64))   # outlives the session
+                so.add_initializer(precision["min_rows"], self._min_rows)
         self.session = open_session(self.engine_dir, self.manifest, so, ["CPUExecutionProvider"])
         m = self.manifest["model"]
         self.num_layers, self.vocab_size = m["num_layers"], m["vocab_size"]

@@ -86,7 +86,7 @@ class Cluster:
         with ThreadPoolExecutor(1) as pool:     # a handle's blocking result() refuses to run on an event loop
             info = pool.submit(lambda: handle.describe.remote().result()).result()
         log.info("model %s: %d replicas x %d threads on Ray (%s routing)", name, c.replicas, c.threads, c.routing)
-        return RemoteAsyncEngine(handle, RemoteEngine(Path(engine_dir), config, info, self, app), app)
+        return RemoteAsyncEngine(handle, RemoteEngine(Path(engine_dir), config, info, _Waiting(self, app)), self, app)
 
     def published(self, app: str) -> dict[str, tuple[bytes, int]]:
         """replica → (metrics exposition, requests waiting), as the app's replicas last published them."""
@@ -123,9 +123,9 @@ class _Waiting:
 class RemoteEngine:
     """What the server reads of an engine (Bridge, /v1/models, ModelInfo), for engines that run on replicas."""
 
-    def __init__(self, engine_dir: Path, config: EngineConfig, info: dict, cluster: Cluster, app: str):
+    def __init__(self, engine_dir: Path, config: EngineConfig, info: dict, waiting: _Waiting):
         manifest = artifact.load(engine_dir, verify=False)
-        self.config, self.cluster, self.app = config, cluster, app
+        self.config = config
         self.runner = SimpleNamespace(engine_dir=engine_dir, manifest=manifest,
                                       vocab_size=manifest["model"]["vocab_size"])
         self.max_model_len, self.block_size = info["max_model_len"], info["block_size"]
@@ -135,14 +135,14 @@ class RemoteEngine:
         self.tokenizer = Tokenizer.from_file(str(engine_dir / "tokenizer.json"))
         self.grammars = Grammars(self.tokenizer.to_str(), manifest["model"]["vocab_size"],
                                  frozenset(manifest["tokenizer"]["eos_token_ids"]))
-        self.scheduler = _Waiting(cluster, app)
+        self.scheduler = waiting
 
 
 class RemoteAsyncEngine:
     """AsyncEngine's surface over a Serve deployment handle."""
 
-    def __init__(self, handle, engine: RemoteEngine, app: str):
-        self.handle, self.engine, self.app = handle.options(stream=True), engine, app
+    def __init__(self, handle, engine: RemoteEngine, cluster: Cluster, app: str):
+        self.handle, self.engine, self.cluster, self.app = handle.options(stream=True), engine, cluster, app
         self._streams: dict[str, object] = {}
 
     async def generate(self, prompt, params, request_id: str = "", priority: int = 0, arrival: float | None = None):
@@ -181,7 +181,7 @@ class RemoteAsyncEngine:
 
     def replica_metrics(self) -> dict[str, bytes]:
         """replica → its engine metrics (Prometheus text), for /metrics."""
-        return {r: text for r, (text, _) in self.engine.cluster.published(self.app).items()}
+        return {r: text for r, (text, _) in self.cluster.published(self.app).items()}
 
     def abort(self, request_id: str) -> None:
         response = self._streams.get(request_id)
