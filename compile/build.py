@@ -58,12 +58,14 @@ def _eos_ids(spec: ModelSpec, model_dir: Path) -> list[int]:
     return ids
 
 
-def _precision_record(cfg: CompileConfig) -> dict:
+def _precision_record(cfg: CompileConfig, attention: str) -> dict:
     """What the precision means on this target, including the session options the graph relies on."""
     p, q = cfg.precision, cfg.quant
     gpu = cfg.target != "cpu"
     record = {"weights": p, "compute": "fp16" if gpu else "fp32", "kv_cache": "fp16" if gpu else cfg.kv_cache,
               "embeddings": q.embeddings, "session_config": {}}
+    if cfg.target == "cpu":
+        record["attention"] = "qs.CausalAttention" if attention == "qs" else "com.microsoft.GroupQueryAttention"
     if cfg.target == "cpu" and p in ("int8", "int4"):
         record["batch_invariant"] = cfg.batch_invariant
     if p == "int8" and not cfg.batch_invariant:
@@ -97,6 +99,20 @@ def _check_head_dim(spec: ModelSpec, cfg: CompileConfig) -> None:
         raise CheckpointError(f"head_dim {spec.head_dim} (hidden_size / num_attention_heads, or config.json's "
                               "head_dim) is not a multiple of 16, which ONNX Runtime's GroupQueryAttention on the "
                               "CPU requires; --target cpu cannot run this model")
+
+
+QS_HEAD_DIMS = (16, 32, 64, 96, 128)     # what qs.CausalAttention is compiled for (plugins/cpu/attention.cpp)
+
+
+def _attention_op(spec: ModelSpec, cfg: CompileConfig) -> str:
+    """cfg.attention_op for this model: auto falls back to ORT's op for a head size ours is not compiled for."""
+    op = cfg.attention_op
+    if op == "qs" and spec.head_dim not in QS_HEAD_DIMS:
+        if cfg.attention == "qs":
+            raise CheckpointError(f"--attention qs supports head_dim {', '.join(map(str, QS_HEAD_DIMS))}, not "
+                                  f"{spec.head_dim}; use --attention ort")
+        return "ort"
+    return op
 
 
 def _check_block_size(spec: ModelSpec, cfg: CompileConfig) -> None:
@@ -145,6 +161,7 @@ def build(cfg: CompileConfig, log=print) -> dict:
     if cfg.quant.calib is not None:
         calib = Tokenizer.from_file(str(tok_files[0])).encode(cfg.quant.calib.read_text(errors="replace")).ids
         reader = awq_reader(spec, reader, calib[:CALIB_TOKENS], cfg.quant.block_size, log)
+    attention = _attention_op(spec, cfg)
     max_len = cfg.max_seq_len or spec.max_position_embeddings
     if max_len > spec.max_position_embeddings:
         raise CheckpointError(f"--max-model-len {max_len} exceeds the model's max_position_embeddings "
@@ -156,7 +173,7 @@ def build(cfg: CompileConfig, log=print) -> dict:
         try:
             arch = REGISTRY[spec.architecture](spec, reader)
             ctx = Ctx(builder, spec, cfg.precision, cfg.quant.block_size, cfg.quant.embeddings, cfg.target, max_len,
-                      _kv_scales(spec, reader, cfg, tok_files[0], log), cfg.batch_invariant)
+                      _kv_scales(spec, reader, cfg, tok_files[0], log), cfg.batch_invariant, attention=attention)
             with tqdm(total=spec.num_layers, desc="export", unit="layer", leave=False) as bar:
                 arch.emit(ctx, max_len, progress=bar.update)
         finally:
@@ -175,7 +192,7 @@ def build(cfg: CompileConfig, log=print) -> dict:
             "compiler_version": __version__,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "target": cfg.target,
-            "precision": _precision_record(cfg),
+            "precision": _precision_record(cfg, attention),
             "model": {**spec.to_dict(), "max_seq_len": max_len,
                       "num_parameters": reader.num_parameters()},
             "graph": {"file": GRAPH_FILE, "data": DATA_FILE, "opset": OPSET, **builder.interface()},

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from . import artifact
+from . import artifact, cpu_ops
 from .errors import ArtifactError
 
 from .kv.manager import KVLayout
@@ -118,6 +118,11 @@ class ModelRunner:
                                 "loop is not wired yet), or rebuild with --target cpu")
         precision = self.manifest["precision"]
         so = session_options(threads, precision.get("session_config"), spin)
+        if precision.get("attention") == "qs.CausalAttention":
+            try:
+                cpu_ops.register(so)
+            except cpu_ops.Unavailable as e:
+                raise ArtifactError(f"{engine_dir}: {e}") from None
         # batch-invariant int4: one-row steps are padded to two rows only where this CPU needs it
         self.one_row_padded = False
         if "min_rows" in precision:

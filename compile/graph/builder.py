@@ -16,6 +16,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 OPSET = 21
 MS_DOMAIN = "com.microsoft"
+QS_DOMAIN = "qs"               # Quicksilver's own cpu ops (plugins/cpu, registered from runtime._native)
 _ALIGN = 64
 _INLINE_BYTES = 1024
 
@@ -110,6 +111,7 @@ class GraphBuilder:
         self._data.close()
         graph = helper.make_graph(self.nodes, self.name, self.inputs, self.outputs, self.initializers)
         model = helper.make_model(graph, producer_name="quicksilver-compile",
-                                  opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS_DOMAIN, 1)])
+                                  opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS_DOMAIN, 1),
+                                                 helper.make_opsetid(QS_DOMAIN, 1)])
         model.ir_version = 10
         onnx.save_model(model, str(graph_path))

@@ -13,7 +13,7 @@ from onnx import TensorProto
 
 from ..hf_source import ModelSpec
 from ..quantize import fp8, int8, int4, kv_int8
-from .builder import MS_DOMAIN, GraphBuilder
+from .builder import MS_DOMAIN, QS_DOMAIN, GraphBuilder
 
 STORAGE_DTYPES = {"fp32": np.float32, "fp16": np.float16}
 TRT_PLUGIN_DOMAIN = "trt.plugins"
@@ -31,6 +31,7 @@ class Ctx:
     max_seq_len: int = 0       # the engine's context (sizes the TensorRT plugin's workspace)
     kv_scales: list[tuple[np.ndarray, np.ndarray]] | None = None  # cpu int8 KV cache: (k, v) scales per layer
     batch_invariant: bool = True  # row-local int8 activation quantization, no one-row MatMulNBits (cpu graphs)
+    attention: str = "ort"     # cpu: "qs" (qs.CausalAttention, plugins/cpu) or "ort" (GroupQueryAttention)
     shared: dict[str, str] = field(default_factory=dict)  # values built once per graph (per-row shapes)
 
     @property
@@ -198,7 +199,8 @@ def attention(ctx: Ctx, x: str, w: dict[str, np.ndarray], layer: int, kv: dict[s
 
         x ─▶ MatMul(Wq|Wk|Wv) (+bias) ─▶ attention (rotary inside, cache updated in place) ─▶ MatMul(Wo)
 
-    One fused QKV projection feeds the attention op packed. cpu: GroupQueryAttention over the shared static
+    One fused QKV projection feeds the attention op packed. cpu: qs.CausalAttention (ours) or GroupQueryAttention
+    (ONNX Runtime's; the int8 cache, or --attention ort) over the shared static
     buffers (past ≡ present), writing the new K/V at each row's `seqlens_k` position. cuda: PagedAttention on
     packed tokens, rotating at past_seqlens + index, writing K/V at `slot_mapping` (-1 skips: prefix-cache
     hits), reading each sequence's blocks through `block_table`. tensorrt: our QsPagedAttention plugin, the
@@ -215,7 +217,14 @@ def attention(ctx: Ctx, x: str, w: dict[str, np.ndarray], layer: int, kv: dict[s
     if s.sliding_window:
         attrs["local_window_size"] = int(s.sliding_window)
     paged = ["cumulative_sequence_length", "past_seqlens", "block_table", "cos_cache", "sin_cache", "slot_mapping"]
-    if ctx.target == "cpu":
+    if ctx.target == "cpu" and ctx.attention == "qs":
+        # the same inputs and meaning as GroupQueryAttention below, computed by our kernel (plugins/cpu)
+        out = b.node("CausalAttention", [qkv, kv["past_key"], kv["past_value"], "seqlens_k", "total_sequence_length",
+                                         "cos_cache", "sin_cache"], f"{name}/CausalAttention", domain=QS_DOMAIN,
+                     outputs=[f"{name}/output", kv["present_key"], kv["present_value"]],
+                     num_heads=s.num_heads, kv_num_heads=s.num_kv_heads, scale=scale,
+                     local_window_size=int(s.sliding_window or -1))[0]
+    elif ctx.target == "cpu":
         inputs = [qkv, "", "", kv["past_key"], kv["past_value"], "seqlens_k", "total_sequence_length",
                   "cos_cache", "sin_cache"]
         if ctx.kv_scales is not None:     # int8 cache: quantized on write, widened on read, one scale per channel

@@ -33,6 +33,12 @@ PYBIND11_MODULE(_native, m) {
   m.doc() = "Quicksilver runtime native helpers";
   m.def("hash_block", &py_hash_block, py::arg("parent"), py::arg("tokens"),
         "Chained hash of one block of token ids onto the parent block's key.");
+  // ONNX Runtime loads this module's file as a custom-op library (RegisterCustomOps, plugins/cpu/attention.cpp)
+#ifdef QS_CPU_OPS
+  m.attr("cpu_ops") = true;
+#else
+  m.attr("cpu_ops") = false;
+#endif
   m.def("hash_blocks", &py_hash_blocks, py::arg("tokens"), py::arg("block_size"), py::arg("parent") = 0,
         "Keys [len(tokens) // block_size] (uint64) of the full blocks of tokens.");
 }

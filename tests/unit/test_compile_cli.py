@@ -171,3 +171,34 @@ def test_context_option_has_the_runtime_name_too(checkpoint, tmp_path):
                                      "--no-report"])
         assert r.exit_code == 0, r.output
         assert json.loads((out / "manifest.json").read_text())["model"]["max_seq_len"] == 96
+
+
+def test_attention_op_choice(checkpoint, tmp_path, monkeypatch):
+    """cpu engines take our qs.CausalAttention when this install has it (auto), ONNX Runtime's GroupQueryAttention
+    with --attention ort or an int8 KV cache; the manifest says which, `compile verify` passes either way, and a
+    runtime built without our ops refuses a qs engine with what to do instead of ORT's missing-kernel error."""
+    import onnx
+
+    from runtime import cpu_ops
+    from runtime.errors import ArtifactError
+    from runtime.model_runner import ModelRunner
+
+    if not cpu_ops.available():
+        pytest.skip("this install was built without the qs ops")
+    model = checkpoint("llama")
+    expect = {(): "qs.CausalAttention", ("--attention", "ort"): "com.microsoft.GroupQueryAttention",
+              ("--kv-cache", "int8"): "com.microsoft.GroupQueryAttention"}
+    for i, (flags, op) in enumerate(expect.items()):
+        out = tmp_path / f"e{i}"
+        assert run_build(model, out, "--no-report", *flags).exit_code == 0
+        assert json.loads((out / "manifest.json").read_text())["precision"]["attention"] == op
+        graph = onnx.load(str(out / "model.onnx"), load_external_data=False)
+        assert {f"{n.domain}.{n.op_type}" for n in graph.graph.node if "Attention" in n.op_type} == {op}
+        verified = CliRunner().invoke(main, ["verify", str(out), "--model", str(model)])
+        assert verified.exit_code == 0 and "PASS" in verified.output, verified.output
+    out = tmp_path / "bad"
+    assert_clean_failure(run_build(model, out, "--attention", "qs", "--kv-cache", "int8"), out,
+                         "--attention qs is the cpu op over an fp32 KV cache")
+    monkeypatch.setattr(cpu_ops, "library", lambda: None)
+    with pytest.raises(ArtifactError, match="--attention ort"):
+        ModelRunner(tmp_path / "e0")

@@ -1,0 +1,334 @@
+// qs.CausalAttention: causal self-attention over a static KV cache for the cpu engines, an ONNX Runtime custom op.
+//
+// It takes what com.microsoft.GroupQueryAttention takes in our cpu graphs (packed QKV, the past ≡ present static
+// cache [B, kv_heads, max_len, head_dim], seqlens_k, rotary tables) and means the same: rotate the new tokens'
+// q and k at positions total - S + s, write k/v into the cache at those rows, attend causally (optionally within a
+// local window: the query and the `local_window_size` - 1 keys before it, as GroupQueryAttention does), and write
+// [B, S, heads·head_dim].
+//
+// Why our own: ORT's CPU kernel runs every (row, head) as a GEMM with M = S, which for a decode step (M = 1)
+// reads ~6 GB/s of KV; over 30 layers and a few hundred tokens of context that was a third of a smollm2 decode
+// step, and at batch 8 most of it. Here every query row is one task: its dots against the keys in one pass, a
+// vectorised softmax, and the weighted sum of values, each with a fixed order of operations, so a row's result
+// does not depend on the batch it is in, the chunk it was prefilled in or the thread that ran it (prefix-cache
+// hits, chunked prefill and batched decoding give bitwise the same attention).
+
+#define ORT_API_MANUAL_INIT
+#include <onnxruntime_cxx_api.h>
+#undef ORT_API_MANUAL_INIT
+
+#include <algorithm>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace {
+
+constexpr int kLanes = 16;   // softmax reductions in 16 independent lanes
+
+// exp(x) for x <= 0 (softmax arguments after the max is subtracted): Cody-Waite range reduction and a degree-6
+// polynomial (Cephes expf), ~1 ulp; plain arithmetic on arrays so the compiler vectorises the loop.
+inline void exp_inplace(float* x, int n) {
+  for (int i = 0; i < n; ++i) {
+    float v = std::max(x[i], -87.0f);
+    float t = v * 1.44269504088896341f + 12582912.0f;      // round(v·log2 e) by the 1.5·2^23 trick
+    float k = t - 12582912.0f;
+    float r = v - k * 0.693359375f + k * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
+    float scale;
+    std::memcpy(&scale, &bits, sizeof scale);
+    x[i] = p * scale;
+  }
+}
+
+// Scores of one query row against 8 consecutive keys: lane partial sums over d (one FMA chain per lane), then a
+// fixed pairwise tree per key, so a key's score is the same whichever block it falls in.
+template <int D>
+inline void dot8(const float* __restrict q, const float* __restrict k, float* __restrict out) {
+#ifdef __AVX2__
+  __m256 a[8];
+  for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
+  for (int d = 0; d < D; d += 8) {
+    __m256 qv = _mm256_loadu_ps(q + d);
+    for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + i * D + d), a[i]);
+  }
+  __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+  __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+  __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31)));
+#else
+  for (int i = 0; i < 8; ++i) {
+    float a[8] = {};
+    for (int d = 0; d < D; d += 8)
+      for (int l = 0; l < 8; ++l) a[l] = std::fma(q[d + l], k[i * D + d + l], a[l]);
+    out[i] = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+  }
+#endif
+}
+
+// acc[0:D] += Σ_k p[k] · v[k, 0:D], in key order, in registers.
+template <int D>
+inline void accumulate(const float* __restrict p, const float* __restrict v, int n, float* __restrict acc) {
+#ifdef __AVX2__
+  __m256 a[D / 8];
+  for (int i = 0; i < D / 8; ++i) a[i] = _mm256_loadu_ps(acc + i * 8);
+  for (int k = 0; k < n; ++k) {
+    __m256 pk = _mm256_set1_ps(p[k]);
+    for (int i = 0; i < D / 8; ++i) a[i] = _mm256_fmadd_ps(pk, _mm256_loadu_ps(v + k * D + i * 8), a[i]);
+  }
+  for (int i = 0; i < D / 8; ++i) _mm256_storeu_ps(acc + i * 8, a[i]);
+#else
+  for (int k = 0; k < n; ++k)
+    for (int d = 0; d < D; ++d) acc[d] = std::fma(p[k], v[k * D + d], acc[d]);
+#endif
+}
+
+// GQA's rotary (rotary_interleaved = 0): x[i], x[i + D/2] rotated by the angle of (pos, i).
+inline void rotate(const float* __restrict x, const float* __restrict cos, const float* __restrict sin,
+                   int head_dim, float scale, float* __restrict out) {
+  int half = head_dim / 2;
+  for (int i = 0; i < half; ++i) {
+    float x1 = x[i], x2 = x[i + half];
+    out[i] = (x1 * cos[i] - x2 * sin[i]) * scale;
+    out[i + half] = (x2 * cos[i] + x1 * sin[i]) * scale;
+  }
+}
+
+struct Step {
+  const float* qkv;
+  float* keys;         // present key cache [B, kv_heads, capacity, D]
+  float* values;
+  const int32_t* seqlens_k;
+  const float* cos;    // [max_pos, D/2]
+  const float* sin;
+  float* out;          // [B, S, heads·D]
+  int64_t batch, seq, heads, kv_heads, head_dim, capacity, max_pos, window, tile, heads_per_task;
+  float scale;
+
+  int64_t total(int64_t b) const { return static_cast<int64_t>(seqlens_k[b]) + 1; }
+  int64_t past(int64_t b) const { return std::max<int64_t>(0, total(b) - seq); }
+  const float* token(int64_t b, int64_t s) const { return qkv + (b * seq + s) * (heads + 2 * kv_heads) * head_dim; }
+  float* cache(float* base, int64_t b, int64_t kvh, int64_t pos) const {
+    return base + ((b * kv_heads + kvh) * capacity + pos) * head_dim;
+  }
+};
+
+// Phase 1, one task per (b, s): rotate k and write k, v at the token's position (padding rows write nothing).
+void write_kv(void* user, size_t task) {
+  const Step& st = *static_cast<const Step*>(user);
+  int64_t b = task / st.seq, s = task % st.seq, pos = st.past(b) + s;
+  if (pos >= st.total(b)) return;
+  const float* tok = st.token(b, s);
+  const float* cos = st.cos + pos * (st.head_dim / 2);
+  const float* sin = st.sin + pos * (st.head_dim / 2);
+  for (int64_t h = 0; h < st.kv_heads; ++h) {
+    const float* k = tok + (st.heads + h) * st.head_dim;
+    const float* v = tok + (st.heads + st.kv_heads + h) * st.head_dim;
+    rotate(k, cos, sin, static_cast<int>(st.head_dim), 1.0f, st.cache(st.keys, b, h, pos));
+    std::memcpy(st.cache(st.values, b, h, pos), v, st.head_dim * sizeof(float));
+  }
+}
+
+constexpr int kTile = 8;        // query tokens per prefill task (× the heads sharing a KV head)
+constexpr int kValueBlock = 32; // keys whose values stay in L1 while every row of a tile takes them
+constexpr int kMinGroupedTasks = 8;  // fewer (b, KV head, tile) tasks than this: one task per head instead
+
+// softmax in place over n scores; returns 1 / Σ exp(score − max)
+inline float softmax_unnormalised(float* scores, int n) {
+  float lane_max[kLanes];
+  std::fill(lane_max, lane_max + kLanes, -INFINITY);
+  int j = 0;
+  for (; j + kLanes <= n; j += kLanes)
+    for (int l = 0; l < kLanes; ++l) lane_max[l] = std::max(lane_max[l], scores[j + l]);
+  for (int l = 0; j < n; ++j, ++l) lane_max[l] = std::max(lane_max[l], scores[j]);
+  float m = lane_max[0];
+  for (int l = 1; l < kLanes; ++l) m = std::max(m, lane_max[l]);
+  for (j = 0; j < n; ++j) scores[j] -= m;
+  exp_inplace(scores, n);
+  float lane_sum[kLanes] = {};
+  j = 0;
+  for (; j + kLanes <= n; j += kLanes)
+    for (int l = 0; l < kLanes; ++l) lane_sum[l] += scores[j + l];
+  for (int l = 0; j < n; ++j, ++l) lane_sum[l] += scores[j];
+  for (int w = kLanes / 2; w > 0; w /= 2)
+    for (int l = 0; l < w; ++l) lane_sum[l] += lane_sum[l + w];
+  return 1.0f / lane_sum[0];
+}
+
+// One task: query tokens [s0, s0 + count) of batch row b, heads [h0, h0 + nh) (which read one KV head). The rows share
+// each block of keys and values while it is in L1; each row's arithmetic (its dots, softmax, and the sum of
+// values in key order) is the same as if it were alone, so results do not depend on the tiling.
+template <int D>
+void attend_tile(const Step& st, int64_t b, int64_t s0, int64_t count, int64_t h0, int64_t nh) {
+  const int64_t kvh = h0 / (st.heads / st.kv_heads);
+  const int rows = static_cast<int>(count * nh);
+  thread_local std::vector<float> scores, qbuf, acc;
+  thread_local std::vector<int> lo, len;
+  const int64_t capacity = std::min(st.capacity, st.max_pos);
+  const int stride = static_cast<int>(capacity) + 8;      // a row's scores, with room for a padded last block
+  if (scores.size() < static_cast<size_t>(rows) * stride) scores.resize(static_cast<size_t>(rows) * stride);
+  qbuf.resize(static_cast<size_t>(rows) * D);
+  acc.resize(static_cast<size_t>(rows) * D);
+  lo.assign(rows, 0);
+  len.assign(rows, 0);
+  const float* keys = st.cache(st.keys, b, kvh, 0);
+  const float* values = st.cache(st.values, b, kvh, 0);
+  int max_len = 0, min_lo = INT32_MAX;
+  for (int r = 0; r < rows; ++r) {
+    int64_t s = s0 + r / nh, h = h0 + r % nh, pos = st.past(b) + s;
+    if (pos >= st.total(b)) continue;             // right padding of a batched prompt: len 0
+    rotate(st.token(b, s) + h * D, st.cos + pos * (D / 2), st.sin + pos * (D / 2), D, st.scale, &qbuf[r * D]);
+    lo[r] = static_cast<int>(st.window > 0 ? std::max<int64_t>(0, pos - st.window + 1) : 0);
+    len[r] = static_cast<int>(pos + 1 - lo[r]);
+    max_len = std::max(max_len, lo[r] + len[r]);
+    min_lo = std::min(min_lo, lo[r]);
+  }
+  // scores: blocks of 8 keys from each row's lo; a block is taken by every row that covers it fully, and each
+  // row's last partial block is scored against a zero-padded copy.
+  alignas(64) float tail[8 * D];
+  for (int r = 0; r < rows; ++r) {
+    if (!len[r]) continue;
+    int full = len[r] / 8 * 8;
+    if (full < len[r]) {
+      std::memset(tail, 0, sizeof tail);
+      std::memcpy(tail, keys + static_cast<int64_t>(lo[r] + full) * D, sizeof(float) * D * (len[r] - full));
+      dot8<D>(&qbuf[r * D], tail, &scores[static_cast<size_t>(r) * stride + full]);
+    }
+  }
+  for (int j = min_lo; j < max_len; j += 8)
+    for (int r = 0; r < rows; ++r) {
+      int k = j - lo[r];
+      if (len[r] && k >= 0 && k + 8 <= len[r] / 8 * 8 && k % 8 == 0)
+        dot8<D>(&qbuf[r * D], keys + static_cast<int64_t>(j) * D, &scores[static_cast<size_t>(r) * stride + k]);
+    }
+  std::vector<float> inv(rows, 0.0f);
+  for (int r = 0; r < rows; ++r)
+    if (len[r]) inv[r] = softmax_unnormalised(&scores[static_cast<size_t>(r) * stride], len[r]);
+  // values: blocks of kValueBlock keys, each row adds its share in key order
+  std::fill(acc.begin(), acc.end(), 0.0f);
+  for (int j = min_lo; j < max_len; j += kValueBlock)
+    for (int r = 0; r < rows; ++r) {
+      int from = std::max(j, lo[r]), to = std::min(j + kValueBlock, lo[r] + len[r]);
+      if (len[r] && from < to)
+        accumulate<D>(&scores[static_cast<size_t>(r) * stride + (from - lo[r])], values + static_cast<int64_t>(from) * D,
+                      to - from, &acc[r * D]);
+    }
+  for (int r = 0; r < rows; ++r) {
+    int64_t s = s0 + r / nh, h = h0 + r % nh;
+    float* out = st.out + ((b * st.seq + s) * st.heads + h) * D;
+    for (int d = 0; d < D; ++d) out[d] = acc[r * D + d] * inv[r];
+  }
+}
+
+// Phase 2, one task per (b, heads_per_task heads, tile of query tokens).
+template <int D>
+void attend(void* user, size_t task) {
+  const Step& st = *static_cast<const Step*>(user);
+  int64_t tiles = (st.seq + st.tile - 1) / st.tile, chunks = st.heads / st.heads_per_task;
+  int64_t t = task % tiles, c = (task / tiles) % chunks, b = task / tiles / chunks;
+  attend_tile<D>(st, b, t * st.tile, std::min(st.tile, st.seq - t * st.tile), c * st.heads_per_task, st.heads_per_task);
+}
+
+std::vector<int64_t> shape_of(const Ort::ConstValue& v) { return v.GetTensorTypeAndShapeInfo().GetShape(); }
+
+struct CausalAttentionKernel {
+  int64_t heads, kv_heads, window;
+  float scale;
+
+  CausalAttentionKernel(const OrtApi&, const OrtKernelInfo* info) {
+    Ort::ConstKernelInfo ki(info);
+    heads = ki.GetAttribute<int64_t>("num_heads");
+    kv_heads = ki.GetAttribute<int64_t>("kv_num_heads");
+    scale = ki.GetAttribute<float>("scale");
+    window = ki.GetAttribute<int64_t>("local_window_size");
+    if (heads <= 0 || kv_heads <= 0 || heads % kv_heads) throw std::invalid_argument("num_heads must be a multiple of kv_num_heads");
+  }
+
+  void Compute(OrtKernelContext* context) {
+    Ort::KernelContext ctx(context);
+    auto qkv = ctx.GetInput(0), past_k = ctx.GetInput(1), past_v = ctx.GetInput(2), seqlens = ctx.GetInput(3);
+    auto cos = ctx.GetInput(5), sin = ctx.GetInput(6);
+    auto qs = shape_of(qkv), ks = shape_of(past_k), cs = shape_of(cos);
+    if (qs.size() != 3 || ks.size() != 4 || cs.size() != 2) throw std::invalid_argument("qs.CausalAttention: bad input ranks");
+    Step st{};
+    st.batch = qs[0], st.seq = qs[1], st.heads = heads, st.kv_heads = kv_heads, st.head_dim = ks[3];
+    st.capacity = ks[2], st.max_pos = cs[0], st.window = window, st.scale = scale;
+    if (qs[2] != (heads + 2 * kv_heads) * st.head_dim || ks[0] != st.batch || ks[1] != kv_heads || cs[1] * 2 != st.head_dim)
+      throw std::invalid_argument("qs.CausalAttention: qkv, cache and rotary shapes disagree");
+    st.qkv = qkv.GetTensorData<float>();
+    st.seqlens_k = seqlens.GetTensorData<int32_t>();
+    st.cos = cos.GetTensorData<float>();
+    st.sin = sin.GetTensorData<float>();
+    for (int64_t b = 0; b < st.batch; ++b)
+      if (st.total(b) > std::min(st.capacity, st.max_pos) || st.total(b) < 1)
+        throw std::out_of_range("qs.CausalAttention: a sequence is longer than the KV cache or rotary table");
+    auto out = ctx.GetOutput(0, {st.batch, st.seq, heads * st.head_dim});
+    auto present_k = ctx.GetOutput(1, ks), present_v = ctx.GetOutput(2, ks);
+    st.out = out.GetTensorMutableData<float>();
+    st.keys = present_k.GetTensorMutableData<float>();
+    st.values = present_v.GetTensorMutableData<float>();
+    size_t cache_bytes = static_cast<size_t>(ks[0] * ks[1] * ks[2] * ks[3]) * sizeof(float);
+    if (st.keys != past_k.GetTensorData<float>()) std::memcpy(st.keys, past_k.GetTensorData<float>(), cache_bytes);
+    if (st.values != past_v.GetTensorData<float>()) std::memcpy(st.values, past_v.GetTensorData<float>(), cache_bytes);
+
+    ctx.ParallelFor(write_kv, static_cast<size_t>(st.batch * st.seq), 0, &st);
+    // prefill: tiles of kTile tokens share key blocks (one token per task when a local window gives each its own)
+    st.tile = st.seq > 1 && window <= 0 ? kTile : 1;
+    // the heads of a KV group share its reads, unless that leaves too few tasks to keep every thread streaming
+    // (batch-1 decode: one task per head; a row's arithmetic is the same either way)
+    int64_t tiles = (st.seq + st.tile - 1) / st.tile;
+    st.heads_per_task = st.batch * kv_heads * tiles >= kMinGroupedTasks ? heads / kv_heads : 1;
+    auto rows = static_cast<size_t>(st.batch * (heads / st.heads_per_task) * tiles);
+    switch (st.head_dim) {
+      case 64: ctx.ParallelFor(attend<64>, rows, 0, &st); break;
+      case 128: ctx.ParallelFor(attend<128>, rows, 0, &st); break;
+      case 16: ctx.ParallelFor(attend<16>, rows, 0, &st); break;
+      case 32: ctx.ParallelFor(attend<32>, rows, 0, &st); break;
+      case 96: ctx.ParallelFor(attend<96>, rows, 0, &st); break;
+      default: throw std::invalid_argument("qs.CausalAttention: head_dim must be 16, 32, 64, 96 or 128");
+    }
+  }
+};
+
+struct CausalAttentionOp : Ort::CustomOpBase<CausalAttentionOp, CausalAttentionKernel> {
+  void* CreateKernel(const OrtApi& api, const OrtKernelInfo* info) const { return new CausalAttentionKernel(api, info); }
+  const char* GetName() const { return "CausalAttention"; }
+  const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
+  size_t GetInputTypeCount() const { return 7; }
+  ONNXTensorElementDataType GetInputType(size_t i) const {
+    return i == 3 || i == 4 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  }
+  size_t GetOutputTypeCount() const { return 3; }
+  ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+};
+
+CausalAttentionOp causal_attention_op;
+
+}  // namespace
+
+extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOptions* options,
+                                                                               const OrtApiBase* api_base) {
+  Ort::InitApi(api_base->GetApi(ORT_API_VERSION));
+  try {
+    static Ort::CustomOpDomain domain{"qs"};   // one per process: sessions share the op definitions
+    static bool filled = [] { domain.Add(&causal_attention_op); return true; }();
+    (void)filled;
+    Ort::UnownedSessionOptions(options).Add(domain);
+  } catch (const std::exception& e) {
+    return Ort::GetApi().CreateStatus(ORT_FAIL, e.what());
+  }
+  return nullptr;
+}

@@ -1,0 +1,43 @@
+"""Quicksilver's own ONNX Runtime ops for cpu engines (plugins/cpu), compiled into `runtime._native`.
+
+ONNX Runtime loads that module's file as a custom-op library: `register(so)` adds the `qs` domain
+(qs.CausalAttention, the decode-friendly replacement of com.microsoft.GroupQueryAttention) to a session. The ops
+are built when ONNX Runtime's API headers were found at install time (CMakeLists.txt); `available()` says
+whether this install has them, and the compiler emits them only then.
+"""
+
+from __future__ import annotations
+
+import onnxruntime as ort
+
+DOMAIN = "qs"
+ATTENTION = "CausalAttention"
+
+
+def library() -> str | None:
+    """Path of the library that registers the `qs` ops, or None when this install was built without them."""
+    try:
+        from . import _native
+    except ImportError:
+        return None
+    return _native.__file__ if getattr(_native, "cpu_ops", False) else None
+
+
+def available() -> bool:
+    return library() is not None
+
+
+class Unavailable(RuntimeError):
+    """The graph uses the qs ops and this install has none."""
+
+
+def register(so: ort.SessionOptions) -> None:
+    """Add the `qs` domain to `so`; raises Unavailable with what to do when this install lacks it."""
+    path = library()
+    if path is None:
+        raise Unavailable(
+            "this engine uses Quicksilver's cpu attention op (qs.CausalAttention), and this install was built "
+            "without it (ONNX Runtime's headers were not found at build time): reinstall where "
+            "deb.debian.org is reachable or with -C cmake.define.QS_ORT_INCLUDE_DIR=DIR, or rebuild the engine "
+            "with `compile build ... --attention ort`")
+    so.register_custom_ops_library(path)

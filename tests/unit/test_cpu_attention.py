@@ -1,0 +1,199 @@
+"""qs.CausalAttention (plugins/cpu/attention.cpp) against slow truth and against the op it replaces.
+
+Slow truth is a numpy transcription of what the op means (rotary at positions total − S + s, K/V written into the
+static cache, causal softmax over the keys up to the query, optionally within a local window). The op must also
+agree with com.microsoft.GroupQueryAttention on the same inputs, and be invariant in a way GroupQueryAttention is
+not: a query row's output is bitwise the same whether it is decoded alone, beside other sequences, or computed
+inside a prompt chunk.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from onnx import TensorProto, helper
+
+from runtime import cpu_ops
+
+pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="this install was built without the qs ops")
+
+CAPACITY = 96
+
+
+def graph(op: str, heads: int, kv_heads: int, head_dim: int, window: int) -> bytes:
+    width = (heads + 2 * kv_heads) * head_dim
+    inputs = [helper.make_tensor_value_info("qkv", TensorProto.FLOAT, ["B", "S", width]),
+              helper.make_tensor_value_info("past_key", TensorProto.FLOAT, ["B", kv_heads, CAPACITY, head_dim]),
+              helper.make_tensor_value_info("past_value", TensorProto.FLOAT, ["B", kv_heads, CAPACITY, head_dim]),
+              helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, ["B"]),
+              helper.make_tensor_value_info("total_sequence_length", TensorProto.INT32, []),
+              helper.make_tensor_value_info("cos_cache", TensorProto.FLOAT, [CAPACITY, head_dim // 2]),
+              helper.make_tensor_value_info("sin_cache", TensorProto.FLOAT, [CAPACITY, head_dim // 2])]
+    outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("out", "present_key", "present_value")]
+    attrs = dict(num_heads=heads, kv_num_heads=kv_heads, scale=head_dim ** -0.5)
+    names = [i.name for i in inputs]
+    if op == "qs":
+        node = helper.make_node("CausalAttention", names, [o.name for o in outputs], domain=cpu_ops.DOMAIN,
+                                local_window_size=window, **attrs)
+    else:
+        node = helper.make_node("GroupQueryAttention", names[:1] + ["", ""] + names[1:], [o.name for o in outputs],
+                                domain="com.microsoft", do_rotary=1, rotary_interleaved=0, local_window_size=window,
+                                **attrs)
+    model = helper.make_model(helper.make_graph([node], "attention", inputs, outputs),
+                              opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1),
+                                             helper.make_opsetid(cpu_ops.DOMAIN, 1)])
+    return model.SerializeToString()
+
+
+_sessions: dict[tuple, ort.InferenceSession] = {}
+
+
+def session(op: str, heads: int, kv_heads: int, head_dim: int, window: int = -1, threads: int = 2):
+    key = (op, heads, kv_heads, head_dim, window, threads)
+    if key not in _sessions:
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = threads
+        so.log_severity_level = 3
+        cpu_ops.register(so)
+        _sessions[key] = ort.InferenceSession(graph(op, heads, kv_heads, head_dim, window), so,
+                                              providers=["CPUExecutionProvider"])
+    return _sessions[key]
+
+
+def rotary(head_dim: int) -> tuple[np.ndarray, np.ndarray]:
+    angles = np.outer(np.arange(CAPACITY), 1.0 / 10000 ** (np.arange(0, head_dim, 2) / head_dim))
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+def run(op, qkv, keys, values, seqlens, heads, kv_heads, window=-1, threads=2):
+    """One call with the cache bound as past ≡ present (as the runner binds it); returns (out, keys, values)."""
+    head_dim = keys.shape[-1]
+    keys, values = keys.copy(), values.copy()
+    cos, sin = rotary(head_dim)
+    sess = session(op, heads, kv_heads, head_dim, window, threads)
+    io = sess.io_binding()
+    io.bind_cpu_input("qkv", qkv)
+    io.bind_output("out")                       # first: copy_outputs_to_cpu() lists outputs in binding order
+    for name, cache in (("key", keys), ("value", values)):
+        io.bind_input(f"past_{name}", "cpu", 0, np.float32, cache.shape, cache.ctypes.data)
+        io.bind_output(f"present_{name}", "cpu", 0, np.float32, cache.shape, cache.ctypes.data)
+    io.bind_cpu_input("seqlens_k", np.asarray(seqlens, np.int32))
+    io.bind_cpu_input("total_sequence_length", np.array(int(max(seqlens)) + 1, np.int32))
+    io.bind_cpu_input("cos_cache", cos)
+    io.bind_cpu_input("sin_cache", sin)
+    sess.run_with_iobinding(io)
+    return io.copy_outputs_to_cpu()[0], keys, values
+
+
+def reference(qkv, keys, values, seqlens, heads, kv_heads, window=-1):
+    """What the op means, in float64."""
+    batch, seq, _ = qkv.shape
+    head_dim = keys.shape[-1]
+    cos, sin = rotary(head_dim)
+    keys, values = keys.astype(np.float64), values.astype(np.float64)
+    out = np.zeros((batch, seq, heads * head_dim))
+
+    def rot(x, pos):
+        half = head_dim // 2
+        x1, x2 = x[:half], x[half:]
+        return np.concatenate([x1 * cos[pos] - x2 * sin[pos], x2 * cos[pos] + x1 * sin[pos]])
+
+    tokens = qkv.astype(np.float64).reshape(batch, seq, heads + 2 * kv_heads, head_dim)
+    for b in range(batch):
+        total = int(seqlens[b]) + 1
+        past = max(0, total - seq)
+        for s in range(min(seq, total - past)):
+            for h in range(kv_heads):
+                keys[b, h, past + s] = rot(tokens[b, s, heads + h], past + s)
+                values[b, h, past + s] = tokens[b, s, heads + kv_heads + h]
+        for s in range(min(seq, total - past)):
+            pos = past + s
+            lo = max(0, pos - window + 1) if window > 0 else 0
+            for h in range(heads):
+                kvh = h // (heads // kv_heads)
+                q = rot(tokens[b, s, h], pos) * head_dim ** -0.5
+                scores = keys[b, kvh, lo:pos + 1] @ q
+                p = np.exp(scores - scores.max())
+                out[b, s, h * head_dim:(h + 1) * head_dim] = (p / p.sum()) @ values[b, kvh, lo:pos + 1]
+    return out, keys, values
+
+
+def inputs(rng, batch, seq, heads, kv_heads, head_dim):
+    qkv = rng.standard_normal((batch, seq, (heads + 2 * kv_heads) * head_dim)).astype(np.float32)
+    keys = rng.standard_normal((batch, kv_heads, CAPACITY, head_dim)).astype(np.float32)
+    values = rng.standard_normal((batch, kv_heads, CAPACITY, head_dim)).astype(np.float32)
+    return qkv, keys, values
+
+
+def assert_matches_reference(got, want, seqlens, seq):
+    out, keys, values = got
+    ref_out, ref_keys, ref_values = want
+    np.testing.assert_allclose(out, ref_out, atol=2e-5, rtol=1e-5)
+    for b, n in enumerate(np.asarray(seqlens) + 1):     # the cache up to each row's length (the rest is untouched)
+        np.testing.assert_allclose(keys[b, :, :n], ref_keys[b, :, :n], atol=2e-5, rtol=1e-5)
+        np.testing.assert_allclose(values[b, :, :n], ref_values[b, :, :n], atol=0, rtol=0)
+
+
+CASES = [  # (batch, seq, seqlens_k, heads, kv_heads, head_dim, window)
+    (1, 1, [40], 9, 3, 64, -1),            # batch-1 decode (one task per head)
+    (5, 1, [0, 17, 60, 33, 94], 8, 4, 64, -1),   # batched decode, ragged contexts, up to the cache's last row
+    (1, 37, [36], 4, 2, 32, -1),           # a prompt from empty
+    (1, 13, [62], 6, 2, 128, -1),          # a prompt chunk after 50 cached tokens
+    (1, 5, [44], 4, 1, 16, -1),            # speculative verification, one KV head
+    (1, 20, [49], 4, 2, 64, 16),           # a local window (Mistral's sliding window)
+    (3, 1, [30, 9, 70], 4, 4, 96, 8),      # windowed decode, no GQA grouping
+]
+
+
+@pytest.mark.parametrize("batch,seq,seqlens,heads,kv_heads,head_dim,window", CASES)
+def test_matches_reference_and_group_query_attention(batch, seq, seqlens, heads, kv_heads, head_dim, window):
+    qkv, keys, values = inputs(np.random.default_rng(batch * 100 + seq), batch, seq, heads, kv_heads, head_dim)
+    got = run("qs", qkv, keys, values, seqlens, heads, kv_heads, window)
+    assert_matches_reference(got, reference(qkv, keys, values, seqlens, heads, kv_heads, window), seqlens, seq)
+    gqa = run("gqa", qkv, keys, values, seqlens, heads, kv_heads, window)
+    np.testing.assert_allclose(got[0], gqa[0], atol=2e-5, rtol=1e-5)
+    np.testing.assert_allclose(got[1], gqa[1], atol=2e-5, rtol=1e-5)
+    np.testing.assert_array_equal(got[2], gqa[2])
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), batch=st.integers(1, 4), seq=st.integers(1, 24),
+       shape=st.sampled_from([(4, 2, 16), (3, 1, 32), (6, 3, 64), (2, 2, 128)]), window=st.sampled_from([-1, 7]),
+       threads=st.sampled_from([1, 2]))
+def test_matches_reference_on_any_shape(data, batch, seq, shape, window, threads):
+    """Batches of several tokens per row are prompts with no past (GroupQueryAttention's only multi-row batch);
+    one-token rows have any past."""
+    heads, kv_heads, head_dim = shape
+    if batch > 1 and seq > 1:
+        seqlens = [seq - 1] * batch
+    else:
+        seqlens = data.draw(st.lists(st.integers(seq - 1, CAPACITY - 1), min_size=batch, max_size=batch))
+    qkv, keys, values = inputs(np.random.default_rng(data.draw(st.integers(0, 2**31))), batch, seq, heads, kv_heads,
+                               head_dim)
+    got = run("qs", qkv, keys, values, seqlens, heads, kv_heads, window, threads)
+    assert_matches_reference(got, reference(qkv, keys, values, seqlens, heads, kv_heads, window), seqlens, seq)
+
+
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (16, 4, 2), (128, 8, 8)])
+def test_a_row_is_bitwise_the_same_alone_batched_or_in_a_chunk(head_dim, heads, kv_heads):
+    """The token at position 29 of a sequence: decoded alone, decoded beside four other sequences (whose count
+    changes how the op splits its work), and as the last of a 10-token prompt chunk: the same bits."""
+    rng = np.random.default_rng(7)
+    qkv, keys, values = inputs(rng, 1, 10, heads, kv_heads, head_dim)
+    chunk, chunk_keys, chunk_values = run("qs", qkv, keys, values, [29], heads, kv_heads)
+    last = qkv[:, 9:10]       # decoded over the cache the chunk left (its own row rewritten with the same bits)
+    alone, _, _ = run("qs", last, chunk_keys, chunk_values, [29], heads, kv_heads)
+    others_qkv, others_keys, others_values = inputs(rng, 5, 1, heads, kv_heads, head_dim)
+    others_qkv[2], others_keys[2], others_values[2] = last[0], chunk_keys[0], chunk_values[0]
+    batched, _, _ = run("qs", others_qkv, others_keys, others_values, [5, 60, 29, 11, 90], heads, kv_heads)
+    assert np.array_equal(alone[0, 0], chunk[0, 9])
+    assert np.array_equal(batched[2, 0], chunk[0, 9])
+
+
+def test_a_sequence_past_the_cache_is_refused():
+    qkv, keys, values = inputs(np.random.default_rng(0), 1, 1, 4, 2, 16)
+    with pytest.raises(Exception, match="longer than the KV cache"):
+        run("qs", qkv, keys, values, [CAPACITY], 4, 2)
