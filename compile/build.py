@@ -65,6 +65,7 @@ def _precision_record(cfg: CompileConfig, attention: str) -> dict:
     record = {"weights": p, "compute": "fp16" if gpu else "fp32", "kv_cache": "fp16" if gpu else cfg.kv_cache,
               "embeddings": q.embeddings, "session_config": {}}
     if cfg.target == "cpu":
+        record["kernels"] = "qs" if cfg.own_kernels else "ort"      # the runtime registers our ops for "qs"
         record["attention"] = "qs.CausalAttention" if attention == "qs" else "com.microsoft.GroupQueryAttention"
     if cfg.target == "cpu" and p in ("int8", "int4"):
         record["batch_invariant"] = cfg.batch_invariant
@@ -105,14 +106,10 @@ QS_HEAD_DIMS = (16, 32, 64, 96, 128)     # what qs.CausalAttention is compiled f
 
 
 def _attention_op(spec: ModelSpec, cfg: CompileConfig) -> str:
-    """cfg.attention_op for this model: auto falls back to ORT's op for a head size ours is not compiled for."""
-    op = cfg.attention_op
-    if op == "qs" and spec.head_dim not in QS_HEAD_DIMS:
-        if cfg.attention == "qs":
-            raise CheckpointError(f"--attention qs supports head_dim {', '.join(map(str, QS_HEAD_DIMS))}, not "
-                                  f"{spec.head_dim}; use --attention ort")
-        return "ort"
-    return op
+    """"qs" (qs.CausalAttention) with our kernels over an fp32 KV cache at a head size ours is compiled for; else
+    "ort" (GroupQueryAttention)."""
+    ours = cfg.own_kernels and cfg.kv_cache == "fp32" and spec.head_dim in QS_HEAD_DIMS
+    return "qs" if ours else "ort"
 
 
 def _check_block_size(spec: ModelSpec, cfg: CompileConfig) -> None:
@@ -173,7 +170,8 @@ def build(cfg: CompileConfig, log=print) -> dict:
         try:
             arch = REGISTRY[spec.architecture](spec, reader)
             ctx = Ctx(builder, spec, cfg.precision, cfg.quant.block_size, cfg.quant.embeddings, cfg.target, max_len,
-                      _kv_scales(spec, reader, cfg, tok_files[0], log), cfg.batch_invariant, attention=attention)
+                      _kv_scales(spec, reader, cfg, tok_files[0], log), cfg.batch_invariant, attention=attention,
+                      own_kernels=cfg.own_kernels)
             with tqdm(total=spec.num_layers, desc="export", unit="layer", leave=False) as bar:
                 arch.emit(ctx, max_len, progress=bar.update)
         finally:

@@ -10,7 +10,7 @@ import click
 import numpy as np
 
 from . import __version__
-from .config import ATTENTION_OPS, EMBEDDINGS, KV_CACHE_DTYPES, PRECISIONS, TARGETS, CompileConfig, QuantConfig
+from .config import EMBEDDINGS, KERNELS, KV_CACHE_DTYPES, PRECISIONS, TARGETS, CompileConfig, QuantConfig
 from .errors import QuicksilverError
 
 
@@ -46,10 +46,11 @@ def main() -> None:
               help="cpu: KV cache storage. int8 holds 4× the tokens in the same memory at about the same decode "
                    "speed, but prefills 1.6-4× slower (ONNX Runtime has no GEMM path for a quantized cache); "
                    "scales per channel, calibrated on the --eval text.")
-@click.option("--attention", type=click.Choice(ATTENTION_OPS), default="auto", show_default=True,
-              help="cpu: the attention op. qs: ours (plugins/cpu; decode steps read the KV cache ~3-4x faster than "
-                   "ONNX Runtime's GroupQueryAttention); ort: GroupQueryAttention; auto: qs when this install "
-                   "was built with it and the KV cache is fp32.")
+@click.option("--kernels", type=click.Choice(KERNELS), default="auto", show_default=True,
+              help="cpu: qs uses our ops beside ONNX Runtime's (plugins/cpu: an attention op that reads an fp32 KV "
+                   "cache 3-4x faster than GroupQueryAttention in decode steps, and one op for the int8 linears' "
+                   "row quantization); ort: ONNX Runtime's ops alone; auto: qs when this install was built with "
+                   "them.")
 @click.option("--batch-invariant/--no-batch-invariant", default=True, show_default=True,
               help="cpu int8/int4: every row of a step is computed as if it were alone, so a request's greedy "
                    "output does not depend on server load. Off: int8 uses DynamicQuantizeMatMul (one activation "
@@ -62,7 +63,7 @@ def main() -> None:
               help="Replace --out if it holds an engine (a folder with manifest.json) or is empty; other folders "
                    "and files are never replaced.")
 def build(model_dir: Path, out_dir: Path, precision: str, target: str, max_seq_len: int | None, block_size: int,
-          calib: Path | None, embeddings: str, kv_cache: str, attention: str, batch_invariant: bool,
+          calib: Path | None, embeddings: str, kv_cache: str, kernels: str, batch_invariant: bool,
           eval_file: Path | None, no_report: bool, overwrite: bool) -> None:
     """Build an engine from a checkpoint: ONNX graph + weights + tokenizer + manifest.
 
@@ -73,7 +74,7 @@ def build(model_dir: Path, out_dir: Path, precision: str, target: str, max_seq_l
     try:
         quant = QuantConfig(block_size, calib, embeddings, eval_file, batch_invariant)
         cfg = CompileConfig(model_dir, out_dir, precision, target, max_seq_len, overwrite, quant, not no_report, kv_cache,
-                            attention)
+                            kernels)
         manifest = run_build(cfg, log=lambda m: click.echo(m, err=True))
     except (QuicksilverError, ValueError) as e:
         fail(str(e))

@@ -12,7 +12,7 @@ TARGETS = ("cpu", "cuda", "tensorrt")
 # standard ops + our QsPagedAttention plugin, with int8/fp8 weights as weight-only Q/DQ that TensorRT fuses.
 TARGET_PRECISIONS = {"cpu": PRECISIONS, "cuda": ("fp16", "int4", "fp8"), "tensorrt": ("fp16", "fp8", "int8")}
 EMBEDDINGS = ("quantized", "int8", "fp32")
-ATTENTION_OPS = ("auto", "qs", "ort")   # cpu: our qs.CausalAttention, or ONNX Runtime's GroupQueryAttention
+KERNELS = ("auto", "qs", "ort")   # cpu: our ops (plugins/cpu) beside ONNX Runtime's, or ONNX Runtime's alone
 KV_CACHE_DTYPES = ("fp32", "int8")    # cpu: GroupQueryAttention's cache; int8 holds 4× the tokens per byte
 
 
@@ -45,19 +45,19 @@ class CompileConfig:
     quant: QuantConfig = QuantConfig()
     report: bool = True             # measure the accuracy report (perplexity vs the fp32 build)
     kv_cache: str = "fp32"          # KV cache storage: fp32, or int8 with calibrated per-channel scales (cpu)
-    attention: str = "auto"         # cpu attention op: qs (ours), ort (GroupQueryAttention), auto: qs when built
+    kernels: str = "auto"           # cpu: qs (our ops beside ONNX Runtime's), ort (its alone), auto: qs when built
 
     @property
-    def attention_op(self) -> str:
-        """The cpu graph's attention op: "qs" (qs.CausalAttention, plugins/cpu) or "ort" (GroupQueryAttention).
-        auto takes ours for an fp32 KV cache when this install has it; the int8 cache stays on ORT's op."""
-        if self.target != "cpu" or self.kv_cache != "fp32":
-            return "ort"
-        if self.attention != "auto":
-            return self.attention
+    def own_kernels(self) -> bool:
+        """Whether the cpu graph uses our `qs` ops (plugins/cpu): qs.CausalAttention for an fp32 KV cache (the
+        int8 cache stays on GroupQueryAttention) and qs.RowQuantize in the batch-invariant int8 linears."""
+        if self.target != "cpu" or self.kernels == "ort":
+            return False
+        if self.kernels == "qs":
+            return True
         from runtime import cpu_ops
 
-        return "qs" if cpu_ops.available() else "ort"
+        return cpu_ops.available()
 
     @property
     def batch_invariant(self) -> bool:
@@ -79,10 +79,10 @@ class CompileConfig:
             raise ValueError(f"max_seq_len must be at least 16, not {self.max_seq_len}")
         if self.kv_cache not in KV_CACHE_DTYPES:
             raise ValueError(f"kv cache dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not {self.kv_cache!r}")
-        if self.attention not in ATTENTION_OPS:
-            raise ValueError(f"attention must be one of {', '.join(ATTENTION_OPS)}, not {self.attention!r}")
-        if self.attention == "qs" and (self.target != "cpu" or self.kv_cache != "fp32"):
-            raise ValueError("--attention qs is the cpu op over an fp32 KV cache (--target cpu --kv-cache fp32)")
+        if self.kernels not in KERNELS:
+            raise ValueError(f"kernels must be one of {', '.join(KERNELS)}, not {self.kernels!r}")
+        if self.kernels == "qs" and self.target != "cpu":
+            raise ValueError(f"--kernels qs are cpu ops; --target {self.target} has its own kernels")
         if self.kv_cache != "fp32" and self.target != "cpu":
             raise ValueError(f"--kv-cache {self.kv_cache} is a CPU format; --target {self.target} keeps its paged "
                              "cache in fp16")

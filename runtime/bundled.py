@@ -30,7 +30,7 @@ def bundled_root(role: str = "target") -> Path:
 def engine_dir(role: str = "target", root: Path | None = None) -> Path:
     """$QUICKSILVER_ENGINE (target) or <root>/engines/<role>, built from <root>/models/<role> with `compile build`
     when absent, when the checkpoint's fingerprint differs from the one the engine was built from, or when the
-    engine's attention op is not the one a build here would choose (an engine from before qs.CausalAttention)."""
+    engine's kernels are not the ones a build here would choose (an engine from before our cpu ops)."""
     if role == "target" and os.environ.get("QUICKSILVER_ENGINE"):
         return Path(os.environ["QUICKSILVER_ENGINE"])
     root = root or bundled_root(role)
@@ -40,34 +40,34 @@ def engine_dir(role: str = "target", root: Path | None = None) -> Path:
                                 "(build one with `compile build --model HF_DIR --out ENGINE`)")
     from compile.hf_source import fingerprint
 
-    built, attention = _built_from(engine)
-    if built is not None and built == fingerprint(model) and attention == _attention_here():
+    built, kernels = _built_from(engine)
+    if built is not None and built == fingerprint(model) and kernels == _kernels_here():
         return engine
     from compile.build import build
     from compile.config import CompileConfig
 
     why = ("once" if built is None else f"{model} changed since it was built" if built != fingerprint(model)
-           else f"it uses {attention or 'GroupQueryAttention'}, this install has {_attention_here()}")
+           else f"it was built with {kernels or 'ort'} kernels, this install has {_kernels_here()}")
     print(f"building the bundled {role} engine: {model} → {engine} ({why})", file=sys.stderr, flush=True)
     build(CompileConfig(model, engine, "int8", overwrite=True, report=False), log=lambda _: None)
     return engine
 
 
 def _built_from(engine: Path) -> tuple[str | None, str | None]:
-    """The source fingerprint and attention op an engine's manifest records, or None (no engine, or an unreadable
+    """The source fingerprint and kernels an engine's manifest records, or None (no engine, or an unreadable
     manifest)."""
     from .artifact import read_manifest
     from .errors import ArtifactError
 
     try:
         manifest = read_manifest(engine)
-        return manifest["source"]["fingerprint"], manifest["precision"].get("attention")
+        return manifest["source"]["fingerprint"], manifest["precision"].get("kernels")
     except (ArtifactError, KeyError, TypeError, AttributeError):
         return None, None
 
 
-def _attention_here() -> str:
-    """The attention op `compile build` picks by default for the bundled (fp32-KV cpu) engines on this install."""
+def _kernels_here() -> str:
+    """The kernels `compile build` picks by default for cpu engines on this install."""
     from . import cpu_ops
 
-    return "qs.CausalAttention" if cpu_ops.available() else "com.microsoft.GroupQueryAttention"
+    return "qs" if cpu_ops.available() else "ort"

@@ -1,9 +1,10 @@
 """Quicksilver's own ONNX Runtime ops for cpu engines (plugins/cpu), compiled into `runtime._native`.
 
-ONNX Runtime loads that module's file as a custom-op library: `register(so)` adds the `qs` domain
-(qs.CausalAttention, the decode-friendly replacement of com.microsoft.GroupQueryAttention) to a session. The ops
-are built when ONNX Runtime's API headers were found at install time (CMakeLists.txt); `available()` says
-whether this install has them, and the compiler emits them only then.
+ONNX Runtime loads that module's file as a custom-op library: `register(so)` adds the `qs` domain to a session:
+qs.CausalAttention (the decode-friendly replacement of com.microsoft.GroupQueryAttention) and qs.RowQuantize
+(the int8 linears' per-row activation quantization in one op). The ops are built when ONNX Runtime's API
+headers were found at install time (CMakeLists.txt); `available()` says whether this install has them, and the
+compiler emits them only then (`compile build --kernels`).
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ def register(so: ort.SessionOptions) -> None:
     path = library()
     if path is None:
         raise Unavailable(
-            "this engine uses Quicksilver's cpu attention op (qs.CausalAttention), and this install was built "
-            "without it (ONNX Runtime's headers were not found at build time): reinstall where "
+            "this engine uses Quicksilver's cpu ops (qs.CausalAttention, qs.RowQuantize), and this install was "
+            "built without them (ONNX Runtime's headers were not found at build time): reinstall where "
             "deb.debian.org is reachable or with -C cmake.define.QS_ORT_INCLUDE_DIR=DIR, or rebuild the engine "
-            "with `compile build ... --attention ort`")
+            "with `compile build ... --kernels ort`")
     so.register_custom_ops_library(path)

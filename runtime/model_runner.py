@@ -118,7 +118,7 @@ class ModelRunner:
                                 "loop is not wired yet), or rebuild with --target cpu")
         precision = self.manifest["precision"]
         so = session_options(threads, precision.get("session_config"), spin)
-        if precision.get("attention") == "qs.CausalAttention":
+        if precision.get("kernels") == "qs":
             try:
                 cpu_ops.register(so)
             except cpu_ops.Unavailable as e:

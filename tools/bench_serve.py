@@ -216,35 +216,53 @@ def main() -> None:
         except ImportError:
             raise SystemExit("--plot needs matplotlib: pip install '.[bench]'") from None
     servers = dict(s.split("=", 1) for s in args.server)
-    procs, logs = [], Path(os.environ.get("TMPDIR", "/tmp"))
+    procs: dict[str, tuple[subprocess.Popen, list[str], Path]] = {}    # the servers this run started
+    logs = Path(os.environ.get("TMPDIR", "/tmp"))
     try:
         if args.quicksilver:
             port = free_port()
             cmd = ["runtime", "serve", args.quicksilver, "--http-port", str(port), "--grpc-port", "-1"]
             cmd += (["--draft", args.draft] if args.draft else []) + args.quicksilver_args.split()
             servers["quicksilver"] = f"http://127.0.0.1:{port}/v1"
-            procs.append(start(cmd, servers["quicksilver"], logs / "bench_serve_quicksilver.log"))
+            log = logs / "bench_serve_quicksilver.log"
+            procs["quicksilver"] = (start(cmd, servers["quicksilver"], log), cmd, log)
         if args.llama_server:
             port = free_port()
             binary, gguf = args.llama_server
             cmd = [binary, "-m", gguf, "--port", str(port), "-np", str(args.llama_slots), "-t", str(os.cpu_count()),
                    "-c", str(args.llama_slots * 2048)]
             servers["llama"] = f"http://127.0.0.1:{port}/v1"
-            procs.append(start(cmd, servers["llama"], logs / "bench_serve_llama.log"))
+            log = logs / "bench_serve_llama.log"
+            procs["llama"] = (start(cmd, servers["llama"], log), cmd, log)
         if not servers:
             ap.error("give --server NAME=URL, --quicksilver ENGINE or --llama-server BIN GGUF")
         runs: dict[str, list[dict]] = {name: [] for name in servers}
         for rnd in range(args.rounds):
             order = list(servers) if rnd % 2 == 0 else list(servers)[::-1]
             for name in order:
-                runs[name].append(asyncio.run(measure(name, servers[name], args, rnd)))
+                try:
+                    runs[name].append(asyncio.run(measure(name, servers[name], args, rnd)))
+                except Exception as e:
+                    # llama-server shuts itself down mid-run now and then on this machine ("cleaning up before
+                    # exit", then it hangs; cause not found): a server this run started is restarted and its round
+                    # measured again, once
+                    proc, cmd, log = procs.get(name, (None, None, None))
+                    if proc is None:
+                        raise
+                    proc.kill()
+                    proc.wait(timeout=30)
+                    print(f"round {rnd + 1}: {name} failed ({type(e).__name__}); restarted, round measured again",
+                          file=sys.stderr)
+                    restarted = log.with_suffix(f".restart{rnd + 1}.log")
+                    procs[name] = (start(cmd, servers[name], restarted), cmd, restarted)
+                    runs[name].append(asyncio.run(measure(name, servers[name], args, rnd)))
                 print(f"round {rnd + 1}/{args.rounds} {name}: "
                       + ", ".join(f"{c}: ttft {v['ttft_ms']:.0f} ms, {v['decode_tps_per_stream']:.0f} tok/s"
                                   for c, v in runs[name][-1].items() if c.startswith("conc")), file=sys.stderr)
     finally:
-        for p in procs:
+        for p, _, _ in procs.values():
             p.terminate()
-        for p in procs:
+        for p, _, _ in procs.values():
             p.wait(timeout=30)
     summary = summarize(runs, args.baseline)
     print_table(summary, args.baseline)

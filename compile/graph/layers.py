@@ -32,6 +32,7 @@ class Ctx:
     kv_scales: list[tuple[np.ndarray, np.ndarray]] | None = None  # cpu int8 KV cache: (k, v) scales per layer
     batch_invariant: bool = True  # row-local int8 activation quantization, no one-row MatMulNBits (cpu graphs)
     attention: str = "ort"     # cpu: "qs" (qs.CausalAttention, plugins/cpu) or "ort" (GroupQueryAttention)
+    own_kernels: bool = False  # cpu: our qs ops may be used (qs.RowQuantize in the int8 linears)
     shared: dict[str, str] = field(default_factory=dict)  # values built once per graph (per-row shapes)
 
     @property
@@ -101,6 +102,8 @@ def row_quantized_matmul(ctx: Ctx, x: str, weight: str, scale: str, k: int, bias
         x ─▶ Abs ─▶ ReduceMax(last axis) ─▶ ·1/127 = s                                    [..., 1]
         x ─▶ QuantizeLinear(s, zero point 128, block = K) ─▶ u8 ─▶ MatMulIntegerToFloat(a_scale = s) ─▶ +bias
 
+    (the first four ops are one qs.RowQuantize where the engine uses our kernels)
+
     x: [..., K]   weight: [K, N] int8 in ±int8.WEIGHT_LEVELS   scale: [N] per output channel   → [..., N]
     The integer product is exact (7-bit weights cannot saturate MLAS's int16 pair sums; a u8·u8 kernel would be
     exact at 8 bits but measured 15 % slower at batch 1) and the scale is row-local, so every row's result is
@@ -110,12 +113,15 @@ def row_quantized_matmul(ctx: Ctx, x: str, weight: str, scale: str, k: int, bias
     """
     b, n = ctx.b, f"{name}/RowQuant"
     zp = b.const(128, np.uint8)
-    amax = b.op("ReduceMax", [b.op("Abs", [x], f"{n}/Abs"), b.const([-1])], f"{n}/ReduceMax", keepdims=1)
-    s = b.op("Mul", [amax, b.const(1 / 127, np.float32)], f"{n}/Scale")                          # [..., 1]
-    key = f"{rows}/zero_point"
-    if key not in ctx.shared:
-        ctx.shared[key] = b.op("Expand", [zp, b.op("Shape", [s], f"{n}/Shape")], f"{n}/ZeroPoint")
-    xq = b.op("QuantizeLinear", [x, s, ctx.shared[key]], f"{n}/QuantizeLinear", axis=-1, block_size=k)
+    if ctx.own_kernels:             # the four ops below in one, bit for bit (plugins/cpu/row_quantize.cpp)
+        xq, s = b.node("RowQuantize", [x], f"{n}/RowQuantize", num_outputs=2, domain=QS_DOMAIN)
+    else:
+        amax = b.op("ReduceMax", [b.op("Abs", [x], f"{n}/Abs"), b.const([-1])], f"{n}/ReduceMax", keepdims=1)
+        s = b.op("Mul", [amax, b.const(1 / 127, np.float32)], f"{n}/Scale")                      # [..., 1]
+        key = f"{rows}/zero_point"
+        if key not in ctx.shared:
+            ctx.shared[key] = b.op("Expand", [zp, b.op("Shape", [s], f"{n}/Shape")], f"{n}/ZeroPoint")
+        xq = b.op("QuantizeLinear", [x, s, ctx.shared[key]], f"{n}/QuantizeLinear", axis=-1, block_size=k)
     # The bias is added apart: with a per-row a_scale, ONNX Runtime scales its bias input by a_scale too.
     y = b.node("MatMulIntegerToFloat", [xq, weight, s, scale, zp], f"{name}/MatMulIntegerToFloat", domain=MS_DOMAIN,
                outputs=[output] if output and not bias else None)[0]

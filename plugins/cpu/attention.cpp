@@ -13,9 +13,7 @@
 // does not depend on the batch it is in, the chunk it was prefilled in or the thread that ran it (prefix-cache
 // hits, chunked prefill and batched decoding give bitwise the same attention).
 
-#define ORT_API_MANUAL_INIT
-#include <onnxruntime_cxx_api.h>
-#undef ORT_API_MANUAL_INIT
+#include "ops.h"
 
 #include <algorithm>
 #ifdef __AVX2__
@@ -315,20 +313,9 @@ struct CausalAttentionOp : Ort::CustomOpBase<CausalAttentionOp, CausalAttentionK
   ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
 };
 
-CausalAttentionOp causal_attention_op;
-
 }  // namespace
 
-extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOptions* options,
-                                                                               const OrtApiBase* api_base) {
-  Ort::InitApi(api_base->GetApi(ORT_API_VERSION));
-  try {
-    static Ort::CustomOpDomain domain{"qs"};   // one per process: sessions share the op definitions
-    static bool filled = [] { domain.Add(&causal_attention_op); return true; }();
-    (void)filled;
-    Ort::UnownedSessionOptions(options).Add(domain);
-  } catch (const std::exception& e) {
-    return Ort::GetApi().CreateStatus(ORT_FAIL, e.what());
-  }
-  return nullptr;
+const OrtCustomOp* qs_causal_attention_op() {
+  static CausalAttentionOp op;
+  return &op;
 }

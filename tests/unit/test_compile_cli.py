@@ -173,10 +173,11 @@ def test_context_option_has_the_runtime_name_too(checkpoint, tmp_path):
         assert json.loads((out / "manifest.json").read_text())["model"]["max_seq_len"] == 96
 
 
-def test_attention_op_choice(checkpoint, tmp_path, monkeypatch):
-    """cpu engines take our qs.CausalAttention when this install has it (auto), ONNX Runtime's GroupQueryAttention
-    with --attention ort or an int8 KV cache; the manifest says which, `compile verify` passes either way, and a
-    runtime built without our ops refuses a qs engine with what to do instead of ORT's missing-kernel error."""
+def test_kernels_choice(checkpoint, tmp_path, monkeypatch):
+    """cpu engines take our ops when this install has them (auto): qs.CausalAttention (GroupQueryAttention with
+    --kernels ort or an int8 KV cache) and qs.RowQuantize in int8 linears; the manifest says which, `compile
+    verify` passes either way, and a runtime built without our ops refuses a qs engine with what to do instead
+    of ORT's missing-kernel error."""
     import onnx
 
     from runtime import cpu_ops
@@ -186,19 +187,27 @@ def test_attention_op_choice(checkpoint, tmp_path, monkeypatch):
     if not cpu_ops.available():
         pytest.skip("this install was built without the qs ops")
     model = checkpoint("llama")
-    expect = {(): "qs.CausalAttention", ("--attention", "ort"): "com.microsoft.GroupQueryAttention",
-              ("--kv-cache", "int8"): "com.microsoft.GroupQueryAttention"}
-    for i, (flags, op) in enumerate(expect.items()):
+    expect = {(): ("qs", "qs.CausalAttention", False),
+              ("--kernels", "ort"): ("ort", "com.microsoft.GroupQueryAttention", False),
+              ("--kv-cache", "int8"): ("qs", "com.microsoft.GroupQueryAttention", False),
+              ("--kernels", "ort", "--precision", "int8"): ("ort", "com.microsoft.GroupQueryAttention", False),
+              ("--precision", "int8"): ("qs", "qs.CausalAttention", True)}
+    for i, (flags, (kernels, op, row_quantize)) in enumerate(expect.items()):
         out = tmp_path / f"e{i}"
         assert run_build(model, out, "--no-report", *flags).exit_code == 0
-        assert json.loads((out / "manifest.json").read_text())["precision"]["attention"] == op
+        precision = json.loads((out / "manifest.json").read_text())["precision"]
+        assert (precision["kernels"], precision["attention"]) == (kernels, op)
         graph = onnx.load(str(out / "model.onnx"), load_external_data=False)
         assert {f"{n.domain}.{n.op_type}" for n in graph.graph.node if "Attention" in n.op_type} == {op}
+        layers = json.loads((out / "manifest.json").read_text())["model"]["num_layers"]
+        # int8 with our kernels: every linear's activations (4 a layer, and the head) in one qs.RowQuantize each
+        assert sum(n.op_type == "RowQuantize" for n in graph.graph.node) == (4 * layers + 1 if row_quantize else 0)
+        assert not row_quantize or not any(n.op_type == "QuantizeLinear" for n in graph.graph.node)
         verified = CliRunner().invoke(main, ["verify", str(out), "--model", str(model)])
         assert verified.exit_code == 0 and "PASS" in verified.output, verified.output
     out = tmp_path / "bad"
-    assert_clean_failure(run_build(model, out, "--attention", "qs", "--kv-cache", "int8"), out,
-                         "--attention qs is the cpu op over an fp32 KV cache")
+    assert_clean_failure(run_build(model, out, "--kernels", "qs", "--target", "cuda", "--precision", "fp16"), out,
+                         "--kernels qs are cpu ops")
     monkeypatch.setattr(cpu_ops, "library", lambda: None)
-    with pytest.raises(ArtifactError, match="--attention ort"):
+    with pytest.raises(ArtifactError, match="--kernels ort"):
         ModelRunner(tmp_path / "e0")

@@ -1,10 +1,13 @@
-"""qs.CausalAttention (plugins/cpu/attention.cpp) against slow truth and against the op it replaces.
+"""Our cpu ops (plugins/cpu) against slow truth and against the ONNX Runtime ops they replace.
 
+qs.CausalAttention (attention.cpp):
 Slow truth is a numpy transcription of what the op means (rotary at positions total − S + s, K/V written into the
 static cache, causal softmax over the keys up to the query, optionally within a local window). The op must also
 agree with com.microsoft.GroupQueryAttention on the same inputs, and be invariant in a way GroupQueryAttention is
 not: a query row's output is bitwise the same whether it is decoded alone, beside other sequences, or computed
 inside a prompt chunk.
+
+qs.RowQuantize (row_quantize.cpp): bit for bit what Abs → ReduceMax → ·1/127 → QuantizeLinear(zero point 128) give.
 """
 
 from __future__ import annotations
@@ -197,3 +200,46 @@ def test_a_sequence_past_the_cache_is_refused():
     qkv, keys, values = inputs(np.random.default_rng(0), 1, 1, 4, 2, 16)
     with pytest.raises(Exception, match="longer than the KV cache"):
         run("qs", qkv, keys, values, [CAPACITY], 4, 2)
+
+
+def row_quantize_sessions(k: int) -> tuple[ort.InferenceSession, ort.InferenceSession]:
+    """(ours, the four ONNX Runtime ops the int8 linears used before) over x [B, S, k]."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", "S", k])
+    outs = [helper.make_tensor_value_info("q", TensorProto.UINT8, None),
+            helper.make_tensor_value_info("s", TensorProto.FLOAT, None)]
+    ours = [helper.make_node("RowQuantize", ["x"], ["q", "s"], domain=cpu_ops.DOMAIN)]
+    consts = [helper.make_tensor("axes", TensorProto.INT64, [1], [-1]),
+              helper.make_tensor("inv127", TensorProto.FLOAT, [], [1 / 127]),
+              helper.make_tensor("zp", TensorProto.UINT8, [], [128])]
+    theirs = [helper.make_node("Abs", ["x"], ["a"]), helper.make_node("ReduceMax", ["a", "axes"], ["m"], keepdims=1),
+              helper.make_node("Mul", ["m", "inv127"], ["s"]), helper.make_node("Shape", ["s"], ["shape"]),
+              helper.make_node("Expand", ["zp", "shape"], ["zps"]),
+              helper.make_node("QuantizeLinear", ["x", "s", "zps"], ["q"], axis=-1, block_size=k)]
+    made = []
+    for nodes, inits in ((ours, []), (theirs, consts)):
+        model = helper.make_model(helper.make_graph(nodes, "q", [x], outs, inits),
+                                  opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(cpu_ops.DOMAIN, 1)])
+        so = ort.SessionOptions()
+        cpu_ops.register(so)
+        made.append(ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"]))
+    return made[0], made[1]
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 70), k=st.sampled_from([16, 64, 576, 1536, 33]), magnitude=st.sampled_from([1e-6, 1.0, 3e4]),
+       seed=st.integers(0, 2**31))
+def test_row_quantize_is_the_four_ops_bit_for_bit(rows, k, magnitude, seed):
+    """Any number of rows (several tasks from 17 on), any width (a tail past the 16 lanes), any magnitude; ties
+    at .5 steps round to even as QuantizeLinear does."""
+    ours, theirs = row_quantize_sessions(k)
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((1, rows, k)) * magnitude).astype(np.float32)
+    x[0, 0, :6] = np.array([127, -127, 63.5, -0.5, 1.5, 2.5], np.float32) * (magnitude / 127)   # exact halves
+    (q, s), (q_ref, s_ref) = ours.run(None, {"x": x}), theirs.run(None, {"x": x})
+    assert np.array_equal(s, s_ref) and np.array_equal(q, q_ref)
+
+
+def test_row_quantize_of_a_zero_row():
+    ours, _ = row_quantize_sessions(16)
+    q, s = ours.run(None, {"x": np.zeros((1, 2, 16), np.float32)})
+    assert (s == 0).all() and (q == 128).all()
