@@ -12,7 +12,9 @@ The cost model prices ONNX Runtime calls; it cannot see everything a speculating
 sampler, the draft's Python steps, its prompt chunks). So the decision is also checked against what steps
 actually delivered: `RateCheck` keeps the measured tokens per second of decode-only steps with and without
 speculation, per batch size, and stops speculation at a batch size where it delivers less than plain decoding.
-One step in EXPLORE_EVERY runs the other way, so both figures stay current and a change of traffic is noticed.
+One step in EXPLORE_EVERY runs the other way, so both figures stay current and a change of traffic is noticed
+(exploring a losing speculation backs off, since such a step costs several plain ones). A request that has not
+speculated yet starts from the engine's recent acceptance, not from the configured prior.
 """
 
 from __future__ import annotations
@@ -63,11 +65,15 @@ class CostModel:
         return float(np.interp(n, keys, [t[k] for k in keys], right=None)) if n <= keys[-1] else t[keys[-1]] * n / keys[-1]
 
 
+RECENT_WEIGHT = 0.05     # of the latest round in the engine-wide acceptance new requests start from
+
+
 @dataclass
 class SpecStats:
     proposed: int = 0
     accepted: int = 0
     rounds: int = 0
+    recent: float = 0.0      # engine-wide acceptance, a moving average over rounds
     acceptance: dict[str, float] = field(default_factory=dict)   # request id → moving average
 
 
@@ -78,14 +84,21 @@ def expected_tokens(alpha: float, gamma: int) -> float:
 
 class RateCheck:
     """Measured tokens per second of decode-only steps, with and without speculation, per batch size (moving
-    averages): whether speculation is delivering, and when to look at the other side."""
+    averages): whether speculation is delivering, and when to look at the other side.
+
+    Looking costs little one way (a plain step among speculating ones) and a lot the other: a speculating step
+    after many plain ones makes the draft catch up on every token it missed and verifies each sequence in its
+    own call, several plain steps' worth. So while speculation keeps losing at a batch size, the steps between
+    its explorations double (EXPLORE_EVERY up to EXPLORE_MAX), and return to EXPLORE_EVERY once it pays."""
 
     EXPLORE_EVERY = 32
+    EXPLORE_MAX = 1024
     WEIGHT = 0.2
 
     def __init__(self):
         self.rates: dict[bool, dict[int, float]] = {True: {}, False: {}}
         self.steps: dict[int, int] = {}
+        self.interval: dict[int, int] = {}     # batch size → steps between explorations of the losing side
 
     def observe(self, num_decodes: int, speculated: bool, tokens: int, seconds: float) -> None:
         if seconds <= 0:
@@ -93,6 +106,10 @@ class RateCheck:
         rates, rate = self.rates[speculated], tokens / seconds
         old = rates.get(num_decodes)
         rates[num_decodes] = rate if old is None else (1 - self.WEIGHT) * old + self.WEIGHT * rate
+        if speculated and old is not None:        # an exploration's verdict sets the next interval
+            interval = self.interval.get(num_decodes, self.EXPLORE_EVERY)
+            self.interval[num_decodes] = (self.EXPLORE_EVERY if self.pays(num_decodes)
+                                          else min(2 * interval, self.EXPLORE_MAX))
 
     def pays(self, num_decodes: int) -> bool:
         """Speculation has not been measured delivering less than plain decoding at this batch size."""
@@ -100,9 +117,14 @@ class RateCheck:
         return spec is None or plain is None or spec >= plain
 
     def speculate(self, num_decodes: int) -> bool:
-        """This step's side: the one that pays, except one step in EXPLORE_EVERY, which measures the other."""
+        """This step's side: the one that pays, except one step in EXPLORE_EVERY (plain, while speculation pays)
+        or in the backed-off interval (speculation, while it loses), which measures the other."""
         n = self.steps[num_decodes] = self.steps.get(num_decodes, 0) + 1
-        return self.pays(num_decodes) != (n % self.EXPLORE_EVERY == 0)
+        pays = self.pays(num_decodes)
+        if n >= (self.EXPLORE_EVERY if pays else self.interval.get(num_decodes, self.EXPLORE_EVERY)):
+            self.steps[num_decodes] = 0           # steps are counted from the last exploration
+            return not pays
+        return pays
 
 
 class Speculator:
@@ -126,8 +148,11 @@ class Speculator:
         return max(0, min(self.config.max_gamma, left))
 
     def _alpha(self, req: Request) -> float:
-        """The request's smoothed acceptance rate (the prior until it has speculated)."""
-        return self.stats.acceptance.get(req.request_id, self.config.prior_acceptance)
+        """The request's smoothed acceptance rate; before it has speculated, the rate measured over this
+        engine's recent rounds (a new request of a workload the draft predicts badly starts there, not at an
+        optimistic constant), or the configured prior before any round."""
+        return self.stats.acceptance.get(req.request_id, self.stats.recent if self.stats.rounds else
+                                         self.config.prior_acceptance)
 
     def plan(self, decodes: list[Request], capacity: int, budget: int,
              step_cost: Callable[[Sequence[int]], float]) -> dict[str, int]:
@@ -185,6 +210,8 @@ class Speculator:
             return
         s = self.stats
         s.proposed, s.accepted, s.rounds = s.proposed + proposed, s.accepted + accepted, s.rounds + 1
+        s.recent = (1 - RECENT_WEIGHT) * s.recent + RECENT_WEIGHT * accepted / proposed if s.rounds > 1 else \
+            accepted / proposed
         old = self._alpha(req)
         s.acceptance[req.request_id] = (1 - self.config.smoothing) * old + self.config.smoothing * accepted / proposed
         req.spec_proposed += proposed

@@ -29,3 +29,35 @@ def test_rates_are_moving_averages_and_ignore_empty_steps():
     assert check.rates[False][2] == (1 - RateCheck.WEIGHT) * 100 + RateCheck.WEIGHT * 200
     check.observe(2, True, tokens=5, seconds=0.0)
     assert 2 not in check.rates[True]
+
+
+def test_exploring_a_losing_side_backs_off_and_resets_when_it_pays():
+    """Each exploration that finds speculation still losing doubles the plain steps before the next one (up to
+    EXPLORE_MAX); one that finds it paying brings back EXPLORE_EVERY."""
+    check, every = RateCheck(), RateCheck.EXPLORE_EVERY
+    check.observe(2, False, tokens=2, seconds=0.01)                   # 200 tok/s plain
+    check.observe(2, True, tokens=3, seconds=0.03)                    # 100 tok/s speculating
+    gaps = []
+    for _ in range(7):
+        run = sides(check, 2, 4 * RateCheck.EXPLORE_MAX)
+        gaps.append(run.index("s") + 1)
+        check.observe(2, True, tokens=3, seconds=0.03)                # the exploration lost again
+        check.steps[2] = 0                                            # count from it, as speculate() does
+    assert gaps == [min(every * 2 ** k, RateCheck.EXPLORE_MAX) for k in range(7)]
+    for _ in range(30):                                               # speculation now delivers 300 tok/s
+        check.observe(2, True, tokens=9, seconds=0.03)
+    assert check.pays(2) and check.interval[2] == every
+
+
+def test_new_requests_start_from_the_measured_acceptance():
+    """Before a request has speculated its acceptance is the engine's recent one, not the configured prior."""
+    from runtime.request import Request, SamplingParams
+    from runtime.spec_decode.speculator import SpecConfig, Speculator
+
+    spec = Speculator(SpecConfig(prior_acceptance=0.7), proposer=None, sampler=None, cost=None)
+    fresh = Request([1, 2, 3], SamplingParams(max_tokens=4), request_id="fresh")
+    assert spec._alpha(fresh) == 0.7
+    old = Request([1, 2, 3], SamplingParams(max_tokens=4), request_id="old")
+    for _ in range(200):
+        spec._account(old, proposed=4, accepted=1)
+    assert abs(spec._alpha(fresh) - 0.25) < 1e-6
