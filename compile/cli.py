@@ -114,6 +114,7 @@ def inspect(engine_dir: Path, as_json: bool, no_verify: bool) -> None:
         *((("scheme", p["scheme"]),) if "scheme" in p else ()),
         *((("cpu path", p["cpu_conversion"]),) if "cpu_conversion" in p else ()),
         ("target", manifest["target"]),
+        *((("kernels", f"{p['kernels']}: attention {p['attention']}"),) if "kernels" in p else ()),
         ("context", f"{m['max_seq_len']} tokens"),
         ("kv cache", f"{kv['layout']} {kv['dtype']}, {kv['num_layers']} layers × {kv['num_kv_heads']} heads × "
                      f"{kv['head_dim']}, {token_bytes} bytes/token"),

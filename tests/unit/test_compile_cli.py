@@ -203,6 +203,8 @@ def test_kernels_choice(checkpoint, tmp_path, monkeypatch):
         # int8 with our kernels: every linear's activations (4 a layer, and the head) in one qs.RowQuantize each
         assert sum(n.op_type == "RowQuantize" for n in graph.graph.node) == (4 * layers + 1 if row_quantize else 0)
         assert not row_quantize or not any(n.op_type == "QuantizeLinear" for n in graph.graph.node)
+        shown = CliRunner().invoke(main, ["inspect", str(out)]).output
+        assert f"{kernels}: attention {op}" in shown, shown
         verified = CliRunner().invoke(main, ["verify", str(out), "--model", str(model)])
         assert verified.exit_code == 0 and "PASS" in verified.output, verified.output
     out = tmp_path / "bad"
