@@ -201,7 +201,9 @@ def _models(values: tuple[str, ...]) -> dict[str, Path]:
 @click.option("--max-num-seqs", type=int, default=16, show_default=True, help="Most sequences running at once (each reserves address space for a whole context; memory follows its tokens).")
 @click.option("--max-waiting", type=int, default=64, show_default=True, help="Queued requests before shedding (429).")
 @click.option("--token-budget", type=int, default=512, show_default=True, help="Tokens computed per engine step.")
-@click.option("--prefill-chunk", type=int, default=128, show_default=True, help="Most prompt tokens per sequence per step.")
+@click.option("--prefill-chunk", type=int, default=256, show_default=True,
+              help="Most prompt tokens per sequence per step (smaller: shorter decode stalls while prompts "
+                   "prefill, slower prefill).")
 @click.option("--max-model-len", type=int, default=None, help="Context per sequence [default: the engine's].")
 @click.option("--kv-budget-mib", type=int, default=None, help="KV memory resident at most: running sequences' tokens + the prefix cache (30 %) [default: 25% of RAM, ≤ 8 GiB].")
 @click.option("--no-prefix-cache", is_flag=True, help="Disable automatic prefix caching.")

@@ -1,5 +1,7 @@
 """Scheduler decisions on a bookkeeping-only KV manager (no model): the time-bounded long-prompt chunk."""
 
+import pytest
+
 from runtime.config import SchedulerConfig
 from runtime.kv.paged import PagedKVManager
 from runtime.outputs import SchedulePlan
@@ -89,3 +91,11 @@ def test_prefix_cache_leaves_at_least_two_prompt_tokens_to_compute():
     kv.free(first)
     again = Request(list(range(33)), SamplingParams(max_tokens=1), request_id="again")
     assert kv.allocate(again) == 16                                  # (33 - 2) // 16 blocks: one, not two
+
+
+def test_a_token_budget_below_the_chunk_caps_the_chunk():
+    """`--token-budget 128` with the default 256-token chunk: chunks follow the budget instead of refusing."""
+    assert SchedulerConfig(token_budget=128).prefill_chunk == 128
+    assert SchedulerConfig(token_budget=1024).prefill_chunk == SchedulerConfig().prefill_chunk == 256
+    with pytest.raises(ValueError, match="prefill_chunk"):
+        SchedulerConfig(prefill_chunk=0)
