@@ -195,7 +195,8 @@ void attend_tile(const Step& st, int64_t b, int64_t s0, int64_t count, int64_t h
     min_lo = std::min(min_lo, lo[r]);
   }
   // scores: blocks of 8 keys from each row's lo; a block is taken by every row that covers it fully, and each
-  // row's last partial block is scored against a zero-padded copy.
+  // row's last partial block is scored against a zero-padded copy. The rows of a task share lo (0 without a
+  // window; under a window a task is one token, whose heads share its position), so blocks align across rows.
   alignas(64) float tail[8 * D];
   for (int r = 0; r < rows; ++r) {
     if (!len[r]) continue;
