@@ -65,7 +65,7 @@ def _precision_record(cfg: CompileConfig, attention: str) -> dict:
     record = {"weights": p, "compute": "fp16" if gpu else "fp32", "kv_cache": "fp16" if gpu else cfg.kv_cache,
               "embeddings": q.embeddings, "session_config": {}}
     if cfg.target == "cpu":
-        record["kernels"] = "qs" if cfg.own_kernels else "ort"      # the runtime registers our ops for "qs"
+        record["kernels"] = cfg.kernels_used      # the runtime registers our ops for "qs"
         record["attention"] = "qs.CausalAttention" if attention == "qs" else "com.microsoft.GroupQueryAttention"
     if cfg.target == "cpu" and p in ("int8", "int4"):
         record["batch_invariant"] = cfg.batch_invariant

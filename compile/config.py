@@ -60,6 +60,11 @@ class CompileConfig:
         return cpu_ops.available()
 
     @property
+    def kernels_used(self) -> str:
+        """What the manifest records as precision.kernels (cpu): "qs" or "ort"."""
+        return "qs" if self.own_kernels else "ort"
+
+    @property
     def batch_invariant(self) -> bool:
         """Whether the graph keeps each row's result independent of its batch (a cpu graph's choice; the GPU
         targets' kernels have no per-step scale or one-row special case to hide)."""

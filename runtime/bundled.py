@@ -40,16 +40,19 @@ def engine_dir(role: str = "target", root: Path | None = None) -> Path:
                                 "(build one with `compile build --model HF_DIR --out ENGINE`)")
     from compile.hf_source import fingerprint
 
-    built, kernels = _built_from(engine)
-    if built is not None and built == fingerprint(model) and kernels == _kernels_here():
-        return engine
-    from compile.build import build
     from compile.config import CompileConfig
 
-    why = ("once" if built is None else f"{model} changed since it was built" if built != fingerprint(model)
-           else f"it was built with {kernels or 'ort'} kernels, this install has {_kernels_here()}")
+    cfg = CompileConfig(model, engine, "int8", overwrite=True, report=False)
+    built, kernels = _built_from(engine)
+    source = fingerprint(model)
+    if built == source and kernels == cfg.kernels_used:
+        return engine
+    from compile.build import build
+
+    why = ("once" if built is None else f"{model} changed since it was built" if built != source
+           else f"it was built with {kernels or 'ort'} kernels, this install has {cfg.kernels_used}")
     print(f"building the bundled {role} engine: {model} → {engine} ({why})", file=sys.stderr, flush=True)
-    build(CompileConfig(model, engine, "int8", overwrite=True, report=False), log=lambda _: None)
+    build(cfg, log=lambda _: None)
     return engine
 
 
@@ -64,10 +67,3 @@ def _built_from(engine: Path) -> tuple[str | None, str | None]:
         return manifest["source"]["fingerprint"], manifest["precision"].get("kernels")
     except (ArtifactError, KeyError, TypeError, AttributeError):
         return None, None
-
-
-def _kernels_here() -> str:
-    """The kernels `compile build` picks by default for cpu engines on this install."""
-    from . import cpu_ops
-
-    return "qs" if cpu_ops.available() else "ort"

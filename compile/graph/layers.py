@@ -206,7 +206,7 @@ def attention(ctx: Ctx, x: str, w: dict[str, np.ndarray], layer: int, kv: dict[s
         x ─▶ MatMul(Wq|Wk|Wv) (+bias) ─▶ attention (rotary inside, cache updated in place) ─▶ MatMul(Wo)
 
     One fused QKV projection feeds the attention op packed. cpu: qs.CausalAttention (ours) or GroupQueryAttention
-    (ONNX Runtime's; the int8 cache, or --attention ort) over the shared static
+    (ONNX Runtime's; the int8 cache, or --kernels ort) over the shared static
     buffers (past ≡ present), writing the new K/V at each row's `seqlens_k` position. cuda: PagedAttention on
     packed tokens, rotating at past_seqlens + index, writing K/V at `slot_mapping` (-1 skips: prefix-cache
     hits), reading each sequence's blocks through `block_table`. tensorrt: our QsPagedAttention plugin, the

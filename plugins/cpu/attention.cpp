@@ -23,7 +23,6 @@
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
-#include <string>
 #include <vector>
 
 namespace {
@@ -173,13 +172,14 @@ template <int D>
 void attend_tile(const Step& st, int64_t b, int64_t s0, int64_t count, int64_t h0, int64_t nh) {
   const int64_t kvh = h0 / (st.heads / st.kv_heads);
   const int rows = static_cast<int>(count * nh);
-  thread_local std::vector<float> scores, qbuf, acc;
+  thread_local std::vector<float> scores, qbuf, acc, inv;
   thread_local std::vector<int> lo, len;
   const int64_t capacity = std::min(st.capacity, st.max_pos);
   const int stride = static_cast<int>(capacity) + 8;      // a row's scores, with room for a padded last block
   if (scores.size() < static_cast<size_t>(rows) * stride) scores.resize(static_cast<size_t>(rows) * stride);
   qbuf.resize(static_cast<size_t>(rows) * D);
   acc.resize(static_cast<size_t>(rows) * D);
+  inv.assign(rows, 0.0f);
   lo.assign(rows, 0);
   len.assign(rows, 0);
   const float* keys = st.cache(st.keys, b, kvh, 0);
@@ -213,7 +213,6 @@ void attend_tile(const Step& st, int64_t b, int64_t s0, int64_t count, int64_t h
       if (len[r] && k >= 0 && k + 8 <= len[r] / 8 * 8 && k % 8 == 0)
         dot8<D>(&qbuf[r * D], keys + static_cast<int64_t>(j) * D, &scores[static_cast<size_t>(r) * stride + k]);
     }
-  std::vector<float> inv(rows, 0.0f);
   for (int r = 0; r < rows; ++r)
     if (len[r]) inv[r] = softmax_unnormalised(&scores[static_cast<size_t>(r) * stride], len[r]);
   // values: blocks of kValueBlock keys, each row adds its share in key order

@@ -210,8 +210,8 @@ class Speculator:
             return
         s = self.stats
         s.proposed, s.accepted, s.rounds = s.proposed + proposed, s.accepted + accepted, s.rounds + 1
-        s.recent = (1 - RECENT_WEIGHT) * s.recent + RECENT_WEIGHT * accepted / proposed if s.rounds > 1 else \
-            accepted / proposed
+        rate = accepted / proposed
+        s.recent = rate if s.rounds == 1 else (1 - RECENT_WEIGHT) * s.recent + RECENT_WEIGHT * rate
         old = self._alpha(req)
         s.acceptance[req.request_id] = (1 - self.config.smoothing) * old + self.config.smoothing * accepted / proposed
         req.spec_proposed += proposed

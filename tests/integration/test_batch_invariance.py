@@ -110,7 +110,7 @@ def test_alone_equals_batched_with_random_joins(engines, precision):
     assert_identical(run(eng, ps, joins), alone, f"{precision} batched")
 
 
-# The one op that is not invariant, where an engine uses it (--attention ort): ONNX Runtime's GroupQueryAttention computes a single query row (decode) with
+# The one op that is not invariant, where an engine uses it (--kernels ort): ONNX Runtime's GroupQueryAttention computes a single query row (decode) with
 # MLAS's M=1 SGEMM kernel (AVX multiply + add) and several rows (prompt chunks, speculative verification) with its
 # FMA kernel, so a token's attention output differs in the last bits between the two. Prompt chunks are kept at
 # two or more tokens (scheduler.prompt_chunk), so prompts never meet it; verification rows always do. Measured on

@@ -131,7 +131,7 @@ def inputs(rng, batch, seq, heads, kv_heads, head_dim):
     return qkv, keys, values
 
 
-def assert_matches_reference(got, want, seqlens, seq):
+def assert_matches_reference(got, want, seqlens):
     out, keys, values = got
     ref_out, ref_keys, ref_values = want
     np.testing.assert_allclose(out, ref_out, atol=2e-5, rtol=1e-5)
@@ -155,7 +155,7 @@ CASES = [  # (batch, seq, seqlens_k, heads, kv_heads, head_dim, window)
 def test_matches_reference_and_group_query_attention(batch, seq, seqlens, heads, kv_heads, head_dim, window):
     qkv, keys, values = inputs(np.random.default_rng(batch * 100 + seq), batch, seq, heads, kv_heads, head_dim)
     got = run("qs", qkv, keys, values, seqlens, heads, kv_heads, window)
-    assert_matches_reference(got, reference(qkv, keys, values, seqlens, heads, kv_heads, window), seqlens, seq)
+    assert_matches_reference(got, reference(qkv, keys, values, seqlens, heads, kv_heads, window), seqlens)
     gqa = run("gqa", qkv, keys, values, seqlens, heads, kv_heads, window)
     np.testing.assert_allclose(got[0], gqa[0], atol=2e-5, rtol=1e-5)
     np.testing.assert_allclose(got[1], gqa[1], atol=2e-5, rtol=1e-5)
@@ -177,7 +177,7 @@ def test_matches_reference_on_any_shape(data, batch, seq, shape, window, threads
     qkv, keys, values = inputs(np.random.default_rng(data.draw(st.integers(0, 2**31))), batch, seq, heads, kv_heads,
                                head_dim)
     got = run("qs", qkv, keys, values, seqlens, heads, kv_heads, window, threads)
-    assert_matches_reference(got, reference(qkv, keys, values, seqlens, heads, kv_heads, window), seqlens, seq)
+    assert_matches_reference(got, reference(qkv, keys, values, seqlens, heads, kv_heads, window), seqlens)
 
 
 @pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (16, 4, 2), (128, 8, 8)])

@@ -42,7 +42,7 @@ def test_exploring_a_losing_side_backs_off_and_resets_when_it_pays():
         run = sides(check, 2, 4 * RateCheck.EXPLORE_MAX)
         gaps.append(run.index("s") + 1)
         check.observe(2, True, tokens=3, seconds=0.03)                # the exploration lost again
-        check.steps[2] = 0                                            # count from it, as speculate() does
+        check.steps[2] = 0                                            # sides() ran on past it: count anew
     assert gaps == [min(every * 2 ** k, RateCheck.EXPLORE_MAX) for k in range(7)]
     for _ in range(30):                                               # speculation now delivers 300 tok/s
         check.observe(2, True, tokens=9, seconds=0.03)
