@@ -32,7 +32,7 @@ class Ctx:
     kv_scales: list[tuple[np.ndarray, np.ndarray]] | None = None  # cpu int8 KV cache: (k, v) scales per layer
     batch_invariant: bool = True  # row-local int8 activation quantization, no one-row MatMulNBits (cpu graphs)
     attention: str = "ort"     # cpu: "qs" (qs.CausalAttention, plugins/cpu) or "ort" (GroupQueryAttention)
-    own_kernels: bool = False  # cpu: our qs ops may be used (qs.RowQuantize in the int8 linears)
+    own_kernels: bool = False  # cpu: our qs ops may be used (qs.Int8MatMul in the int8 linears)
     shared: dict[str, str] = field(default_factory=dict)  # values built once per graph (per-row shapes)
 
     @property
@@ -61,7 +61,8 @@ def linear(ctx: Ctx, x: str, weight: np.ndarray, bias: np.ndarray | None, name: 
     """x @ weight.T (+ bias).   x: [..., in]   weight: [out, in] (HF layout)   → [..., out]
 
     fp32/fp16: MatMul.  int8: `row_quantized_matmul` (per-channel int8 weight, activations quantized per row,
-    so batch-invariant).  int4: MatMulNBits (block-wise, accuracy_level 4).  fp8: DequantizeLinear(e4m3, per
+    so batch-invariant), or the same arithmetic in one qs.Int8MatMul with the weight packed for it where the
+    engine uses our kernels.  int4: MatMulNBits (block-wise, accuracy_level 4).  fp8: DequantizeLinear(e4m3, per
     channel) → MatMul, which the runtime folds to fp32 once at load (`session.disable_quant_qdq`).
     """
     b, w = ctx.b, np.asarray(weight, np.float32).T          # [K, N]
@@ -76,6 +77,13 @@ def linear(ctx: Ctx, x: str, weight: np.ndarray, bias: np.ndarray | None, name: 
         q, scale = int8.quantize(w)
         ins = [x, b.weight(f"{name}.weight_int8", q), b.weight(f"{name}.weight_scale", scale), "", bias_name]
         return b.op("DynamicQuantizeMatMul", ins, f"{name}/DynamicQuantizeMatMul", domain=MS_DOMAIN)
+    if ctx.precision == "int8" and ctx.own_kernels:          # the same arithmetic as below, in one op
+        q, scale = int8.quantize(w, levels=int8.WEIGHT_LEVELS)
+        packed, zsum = int8.pack_panels(q)
+        y = b.op("Int8MatMul", [x, b.weight(f"{name}.weight_int8_panels", packed), b.weight(f"{name}.weight_scale", scale),
+                                b.weight(f"{name}.weight_zsum", zsum)], f"{name}/Int8MatMul", domain=QS_DOMAIN,
+                 K=w.shape[0], N=w.shape[1])
+        return b.op("Add", [y, bias_name], f"{name}/Add") if bias_name else y
     if ctx.precision == "int8":
         q, scale = int8.quantize(w, levels=int8.WEIGHT_LEVELS)
         return row_quantized_matmul(ctx, x, b.weight(f"{name}.weight_int8", q),
@@ -271,7 +279,8 @@ class Embeddings:
     float (fp32/fp16, or --embeddings fp32): one table; Gather rows for lookup, Gemm(transB) for the head.
     fp8:  one e4m3 table with per-token scales, dequantized once at load, then as float.
     int8: one int8 table stored transposed [H, V] with per-token scales: the head is `row_quantized_matmul`,
-          the lookup gathers columns (H strided reads per token: cheap) and transposes back.
+          the lookup gathers columns (H strided reads per token: cheap) and transposes back. With our kernels
+          the table is packed for qs.Int8MatMul (the head) and qs.PackedGather reads its rows (the lookup).
     int4: one table in MatMulNBits layout [V, H/bs, bs/2] with block scales: the head is MatMulNBits, the
           lookup gathers packed rows and unpacks nibbles in the graph.
     An untied head gets its own table of the same kind; the embedding table is then lookup-only.
@@ -294,8 +303,14 @@ class Embeddings:
             self.mode = "float"
         elif self.mode == "int8":
             q, scale = int8.quantize(table, axis=1, levels=int8.WEIGHT_LEVELS if ctx.batch_invariant else 127)
-            self.table = b.weight(f"{name}.weight_int8_t", np.ascontiguousarray(q.T))   # [H, V]
             self.scale = b.weight(f"{name}.weight_scale", scale)
+            self.packed = ctx.own_kernels and ctx.batch_invariant
+            if self.packed:         # one table in qs.Int8MatMul's layout for the head, read by qs.PackedGather
+                panels, zsum = int8.pack_panels(np.ascontiguousarray(q.T))
+                self.table = b.weight(f"{name}.weight_int8_panels", panels)
+                self.zsum = b.weight(f"{name}.weight_zsum", zsum)
+            else:
+                self.table = b.weight(f"{name}.weight_int8_t", np.ascontiguousarray(q.T))   # [H, V]
         else:
             packed, scales = int4.quantize(table.T, ctx.block_size)  # [V, H/bs, bs/2], [V*H/bs]
             self.table = b.weight(f"{name}.weight_q4", packed)
@@ -307,6 +322,9 @@ class Embeddings:
         b, n = self.ctx.b, "/model/embed_tokens"
         if self.mode == "float":
             return b.op("Gather", [self.table, ids], f"{n}/Gather", axis=0)
+        if self.mode == "int8" and self.packed:
+            return b.op("PackedGather", [ids, self.table, self.scale], f"{n}/PackedGather", domain=QS_DOMAIN,
+                        K=self.hidden)
         if self.mode == "int8":
             cols = b.op("Gather", [self.table, ids], f"{n}/Gather", axis=1)                     # [H, B, S]
             rows = b.op("Transpose", [cols], f"{n}/Transpose", perm=[1, 2, 0])                 # [B, S, H]
@@ -333,6 +351,9 @@ class Embeddings:
         out = ["logits"] if self.ctx.act == np.float32 else ["/lm_head/logits_act"]
         if self.mode == "float":
             y = b.node("Gemm", [rows, self.table], "/lm_head/Gemm", outputs=out, transB=1)[0]
+        elif self.mode == "int8" and self.packed:
+            y = b.node("Int8MatMul", [rows, self.table, self.scale, self.zsum], "/lm_head/Int8MatMul", domain=QS_DOMAIN,
+                       outputs=out, K=self.hidden, N=self.vocab)[0]
         elif self.mode == "int8":
             if self.ctx.batch_invariant:
                 y = row_quantized_matmul(self.ctx, rows, self.table, self.scale, self.hidden, "", "/lm_head",

@@ -24,3 +24,22 @@ def quantize(w: np.ndarray, axis: int = 0, levels: int = 127) -> tuple[np.ndarra
 
 def dequantize(q: np.ndarray, scale: np.ndarray, axis: int = 0) -> np.ndarray:
     return q.astype(np.float32) * np.expand_dims(scale, axis)
+
+
+PANEL = 16      # output channels per panel of qs.Int8MatMul's packed weight
+
+
+def pack_panels(q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A [K, N] int8 weight in qs.Int8MatMul's layout (plugins/cpu/int8_matmul.cpp): panels of 16 output channels,
+    each [ceil(K/4)][16 channels][4 k], so one 64-byte load feeds vpmaddubsw four k of sixteen channels; K and N
+    are zero-padded. Also 128·Σ_k q[k, n] (int32 [N]), the zero point's share of each output, taken off once.
+
+    Returns (packed [panels, ceil(K/4)·4·16] int8, zsum [N] int32).
+    """
+    k, n = q.shape
+    k4, panels = -(-k // 4) * 4, -(-n // PANEL)
+    padded = np.zeros((k4, panels * PANEL), np.int8)
+    padded[:k, :n] = q
+    packed = padded.reshape(k4 // 4, 4, panels, PANEL).transpose(2, 0, 3, 1).reshape(panels, k4 * PANEL)
+    zsum = 128 * q.astype(np.int32).sum(axis=0, dtype=np.int32)
+    return np.ascontiguousarray(packed), zsum.astype(np.int32)

@@ -7,3 +7,10 @@
 
 const OrtCustomOp* qs_causal_attention_op();   // attention.cpp
 const OrtCustomOp* qs_row_quantize_op();       // row_quantize.cpp
+const OrtCustomOp* qs_int8_matmul_op();        // int8_matmul.cpp
+const OrtCustomOp* qs_packed_gather_op();      // int8_matmul.cpp
+
+#include <cstdint>
+
+// One row → uint8 (zero point 128) on its own scale max|x|/127; shared by RowQuantize and Int8MatMul.
+void qs_quantize_row(const float* __restrict x, int64_t k, uint8_t* __restrict q, float* __restrict scale);

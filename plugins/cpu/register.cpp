@@ -12,6 +12,8 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(O
     static bool filled = [] {
       domain.Add(qs_causal_attention_op());
       domain.Add(qs_row_quantize_op());
+      domain.Add(qs_int8_matmul_op());
+      domain.Add(qs_packed_gather_op());
       return true;
     }();
     (void)filled;

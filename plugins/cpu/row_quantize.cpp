@@ -26,7 +26,9 @@ struct Rows {
   int64_t rows, k;
 };
 
-void quantize_row(const float* __restrict x, int64_t k, uint8_t* __restrict q, float* __restrict scale) {
+}  // namespace
+
+void qs_quantize_row(const float* __restrict x, int64_t k, uint8_t* __restrict q, float* __restrict scale) {
   float lane[kLanes] = {};
   int64_t i = 0;
   for (; i + kLanes <= k; i += kLanes)
@@ -46,11 +48,13 @@ void quantize_row(const float* __restrict x, int64_t k, uint8_t* __restrict q, f
   }
 }
 
+namespace {
+
 void quantize_task(void* user, size_t task) {
   const Rows& r = *static_cast<const Rows*>(user);
   int64_t end = std::min<int64_t>(r.rows, (static_cast<int64_t>(task) + 1) * kRowsPerTask);
   for (int64_t row = static_cast<int64_t>(task) * kRowsPerTask; row < end; ++row)
-    quantize_row(r.x + row * r.k, r.k, r.q + row * r.k, r.scale + row);
+    qs_quantize_row(r.x + row * r.k, r.k, r.q + row * r.k, r.scale + row);
 }
 
 struct RowQuantizeKernel {

@@ -175,7 +175,7 @@ def test_context_option_has_the_runtime_name_too(checkpoint, tmp_path):
 
 def test_kernels_choice(checkpoint, tmp_path, monkeypatch):
     """cpu engines take our ops when this install has them (auto): qs.CausalAttention (GroupQueryAttention with
-    --kernels ort or an int8 KV cache) and qs.RowQuantize in int8 linears; the manifest says which, `compile
+    --kernels ort or an int8 KV cache) and qs.Int8MatMul in int8 linears; the manifest says which, `compile
     verify` passes either way, and a runtime built without our ops refuses a qs engine with what to do instead
     of ORT's missing-kernel error."""
     import onnx
@@ -200,9 +200,12 @@ def test_kernels_choice(checkpoint, tmp_path, monkeypatch):
         graph = onnx.load(str(out / "model.onnx"), load_external_data=False)
         assert {f"{n.domain}.{n.op_type}" for n in graph.graph.node if "Attention" in n.op_type} == {op}
         layers = json.loads((out / "manifest.json").read_text())["model"]["num_layers"]
-        # int8 with our kernels: every linear's activations (4 a layer, and the head) in one qs.RowQuantize each
-        assert sum(n.op_type == "RowQuantize" for n in graph.graph.node) == (4 * layers + 1 if row_quantize else 0)
-        assert not row_quantize or not any(n.op_type == "QuantizeLinear" for n in graph.graph.node)
+        # int8 with our kernels: every linear (4 a layer, and the head) is one qs.Int8MatMul, and the embedding
+        # lookup reads the head's packed table (qs.PackedGather)
+        ops = [n.op_type for n in graph.graph.node]
+        assert ops.count("Int8MatMul") == (4 * layers + 1 if row_quantize else 0)
+        assert ops.count("PackedGather") == (1 if row_quantize else 0)
+        assert not row_quantize or not {"QuantizeLinear", "RowQuantize", "MatMulIntegerToFloat"} & set(ops)
         shown = CliRunner().invoke(main, ["inspect", str(out)]).output
         assert f"{kernels}: attention {op}" in shown, shown
         verified = CliRunner().invoke(main, ["verify", str(out), "--model", str(model)])

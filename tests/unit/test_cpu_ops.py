@@ -8,6 +8,10 @@ not: a query row's output is bitwise the same whether it is decoded alone, besid
 inside a prompt chunk.
 
 qs.RowQuantize (row_quantize.cpp): bit for bit what Abs → ReduceMax → ·1/127 → QuantizeLinear(zero point 128) give.
+
+qs.Int8MatMul and qs.PackedGather (int8_matmul.cpp): bit for bit what RowQuantize → MatMulIntegerToFloat and the
+Gather → Cast → Mul lookup give, on the weight the compiler packs for them (compile.quantize.int8.pack_panels),
+whatever the number of rows; and the integer product is checked against numpy's exact one.
 """
 
 from __future__ import annotations
@@ -17,8 +21,9 @@ import onnxruntime as ort
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
+from compile.quantize import int8
 from runtime import cpu_ops
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="this install was built without the qs ops")
@@ -243,3 +248,103 @@ def test_row_quantize_of_a_zero_row():
     ours, _ = row_quantize_sessions(16)
     q, s = ours.run(None, {"x": np.zeros((1, 2, 16), np.float32)})
     assert (s == 0).all() and (q == 128).all()
+
+
+def _session(nodes, inits, inputs, threads: int = 2) -> ort.InferenceSession:
+    model = helper.make_model(
+        helper.make_graph(nodes, "g", inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits),
+        opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1),
+                       helper.make_opsetid(cpu_ops.DOMAIN, 1)])
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    cpu_ops.register(so)
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+def int8_matmul_sessions(q: np.ndarray, scale: np.ndarray, threads: int = 2):
+    """(qs.Int8MatMul on the packed weight, RowQuantize → MatMulIntegerToFloat on the plain one) over x [M, K]."""
+    k, n = q.shape
+    packed, zsum = int8.pack_panels(q)
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", k])
+    ours = _session([helper.make_node("Int8MatMul", ["x", "w", "s", "z"], ["y"], domain=cpu_ops.DOMAIN, K=k, N=n)],
+                    [numpy_helper.from_array(packed, "w"), numpy_helper.from_array(scale, "s"),
+                     numpy_helper.from_array(zsum, "z")], [x], threads)
+    theirs = _session([helper.make_node("RowQuantize", ["x"], ["xq", "a"], domain=cpu_ops.DOMAIN),
+                       helper.make_node("MatMulIntegerToFloat", ["xq", "w", "a", "s", "zp"], ["y"], domain="com.microsoft")],
+                      [numpy_helper.from_array(q, "w"), numpy_helper.from_array(scale, "s"),
+                       numpy_helper.from_array(np.array(128, np.uint8), "zp")], [x], threads)
+    return ours, theirs
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(k=st.sampled_from([1, 3, 4, 33, 64, 576, 1536]), n=st.sampled_from([1, 15, 16, 17, 100, 960]),
+       rows=st.sampled_from([1, 2, 3, 4, 5, 9, 63, 64, 65, 130]), threads=st.sampled_from([1, 2]),
+       seed=st.integers(0, 2**31))
+def test_int8_matmul_is_row_quantize_and_matmul_integer_to_float_bit_for_bit(k, n, rows, threads, seed):
+    """Widths off the 4-k and 16-channel grid (zero padding), row counts across the 4-row micro-kernel and the
+    64-row task blocks, one or two threads; the extreme weights ±63 and activations that quantize to 0 and 255."""
+    rng = np.random.default_rng(seed)
+    q = rng.integers(-int8.WEIGHT_LEVELS, int8.WEIGHT_LEVELS + 1, (k, n), dtype=np.int8)
+    q[0, :] = int8.WEIGHT_LEVELS
+    scale = (rng.random(n) * 1e-2 + 1e-4).astype(np.float32)
+    x = (rng.standard_normal((rows, k)) * rng.random((rows, 1)) * 10).astype(np.float32)
+    x[0, 0] = np.abs(x[0]).max() * 2                   # quantizes to 255 (and the row's others around 128)
+    ours, theirs = int8_matmul_sessions(q, scale, threads)
+    got, want = ours.run(None, {"x": x})[0], theirs.run(None, {"x": x})[0]
+    assert got.shape == (rows, n)
+    assert np.array_equal(got, want)
+    # and what both compute: the exact integer product, scaled by the channel's scale then the row's
+    a = np.abs(x).max(axis=1, keepdims=True) * np.float32(1 / 127)
+    xq = np.clip(np.rint(x / a) + 128, 0, 255).astype(np.int64)
+    exact = ((xq - 128) @ q.astype(np.int64)).astype(np.float32)
+    assert np.array_equal(got, exact * scale * a.astype(np.float32))
+
+
+def test_int8_matmul_rows_do_not_depend_on_their_neighbours():
+    rng = np.random.default_rng(3)
+    q = rng.integers(-63, 64, (576, 300), dtype=np.int8)
+    ours, _ = int8_matmul_sessions(q, np.full(300, 1e-3, np.float32))
+    x = rng.standard_normal((70, 576)).astype(np.float32)
+    many = ours.run(None, {"x": x})[0]
+    for i in (0, 3, 64, 69):
+        assert np.array_equal(ours.run(None, {"x": x[i:i + 1]})[0][0], many[i])
+
+
+def test_int8_matmul_refuses_a_weight_of_the_wrong_size():
+    q = np.ones((8, 16), np.int8)
+    packed, zsum = int8.pack_panels(q)
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", 8])
+    bad = _session([helper.make_node("Int8MatMul", ["x", "w", "s", "z"], ["y"], domain=cpu_ops.DOMAIN, K=8, N=32)],
+                   [numpy_helper.from_array(packed, "w"), numpy_helper.from_array(np.ones(32, np.float32), "s"),
+                    numpy_helper.from_array(np.zeros(32, np.int32), "z")], [x])
+    with pytest.raises(Exception, match="packed weight"):
+        bad.run(None, {"x": np.ones((1, 8), np.float32)})
+
+
+@pytest.mark.parametrize("vocab,hidden", [(100, 576), (16, 4), (33, 7)])
+def test_packed_gather_is_the_int8_lookup_bit_for_bit(vocab, hidden):
+    rng = np.random.default_rng(vocab)
+    q, scale = int8.quantize(rng.standard_normal((vocab, hidden)).astype(np.float32), axis=1, levels=63)
+    packed, _ = int8.pack_panels(np.ascontiguousarray(q.T))
+    ids = helper.make_tensor_value_info("ids", TensorProto.INT64, ["B", "S"])
+    s = _session([helper.make_node("PackedGather", ["ids", "t", "s"], ["y"], domain=cpu_ops.DOMAIN, K=hidden)],
+                 [numpy_helper.from_array(packed, "t"), numpy_helper.from_array(scale, "s")], [ids])
+    tokens = rng.integers(0, vocab, (3, 5))
+    tokens[0, :2] = [0, vocab - 1]
+    got = s.run(None, {"ids": tokens})[0]
+    assert np.array_equal(got, q[tokens].astype(np.float32) * scale[tokens][..., None])
+    with pytest.raises(Exception, match="outside the vocabulary"):
+        s.run(None, {"ids": np.array([[vocab]], np.int64)})
+
+
+def test_pack_panels_layout():
+    """Panel p, step s, channel c, lane j holds q[4s + j, 16p + c]; the padding is zero; zsum = 128·Σ_k q."""
+    rng = np.random.default_rng(0)
+    q = rng.integers(-63, 64, (9, 20), dtype=np.int8)
+    packed, zsum = int8.pack_panels(q)
+    assert packed.shape == (2, 12 * 16)
+    cells = packed.reshape(2, 3, 16, 4)
+    for p, s_, c, j in [(0, 0, 0, 0), (1, 2, 3, 0), (0, 1, 15, 3), (1, 0, 3, 2)]:
+        assert cells[p, s_, c, j] == q[4 * s_ + j, 16 * p + c]
+    assert not cells[1, :, 4:].any() and not cells[:, 2, :, 1:].any()
+    assert np.array_equal(zsum, 128 * q.astype(np.int32).sum(axis=0))

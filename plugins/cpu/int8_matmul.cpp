@@ -1,0 +1,347 @@
+// qs.Int8MatMul: y = x @ W for an int8 weight, with the activations quantized row by row, in one op:
+//
+//     x [..., K] float ─▶ per row: scale a = max|x|/127, x_q = round(x / a) + 128         (qs.RowQuantize)
+//                     ─▶ acc[n] = Σ_k (x_q[k] − 128) · W[k, n]     exact int32
+//                     ─▶ y[n] = (float(acc[n]) · w_scale[n]) · a                           [..., N]
+//
+// which is bit for bit what RowQuantize + MatMulIntegerToFloat computed (ONNX Runtime scales by the weight's
+// channel scale first, then by the row's; tests/unit/test_cpu_ops.py checks every bit). Two ops were 242 of a
+// smollm2 decode step's ~420 dispatches; and at batch 1 the step streams 106 MB of int8 weights, which
+// MLAS's M=1 path read at ~15.7 GB/s on this 2-core Xeon against ~19 GB/s that the memory gives.
+//
+// The weight comes packed by the compiler (compile/quantize/int8.py `pack_panels`): panels of 16 output
+// channels, each K rounded up to 4 and stored as [K/4][16 channels][4 k] int8, so one 64-byte load holds four
+// k of sixteen channels — what vpmaddubsw (u8 × s8 → pairs summed in int16) and vpmaddwd (→ int32) consume.
+// The 7-bit weights (±63) keep those int16 pair sums exact (255·63·2 < 2^15). `w_zsum` holds 128·Σ_k W[k, n],
+// so the zero point 128 comes off once per output instead of once per product.
+//
+// Every output is one row's dot product with one channel in the same order whatever M, the task split or the
+// thread, and the integer sum is exact anyway: a row's result never depends on the rows beside it.
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <immintrin.h>
+
+#include "ops.h"
+
+namespace {
+
+constexpr int64_t kPanel = 16;        // output channels per packed panel
+constexpr int kMaxRows = 4;           // rows of x per micro-kernel call
+constexpr int kMaxPanels = 4;         // panels per micro-kernel call
+constexpr int64_t kRowBlock = 64;     // rows of x per task when M is large (the panels stay in cache across them)
+constexpr int64_t kQuantRows = 16;    // rows quantized per task
+
+struct Problem {
+  const float* x;
+  const int8_t* w;          // [panels][K4/4][16][4]
+  const float* w_scale;     // [N]
+  const int32_t* w_zsum;    // [N]
+  float* y;                 // [M, N]
+  uint8_t* xq;              // [M, K4]
+  float* x_scale;           // [M]
+  int64_t m, k, k4, n, panels;
+  int64_t group;            // panels per task
+  int64_t row_blocks, groups;
+};
+
+// Out = (float(acc − zsum) · w_scale) · a, for `valid` channels of one panel (ONNX Runtime's order of the two
+// scalings; no add, so nothing a compiler could fuse into an FMA).
+inline void finish(const int32_t* acc, const Problem& p, int64_t row, int64_t col0) {
+  const int64_t valid = std::min<int64_t>(kPanel, p.n - col0);
+  const float a = p.x_scale[row];
+  float* out = p.y + row * p.n + col0;
+  for (int64_t c = 0; c < valid; ++c) {
+    float v = static_cast<float>(acc[c] - p.w_zsum[col0 + c]) * p.w_scale[col0 + c];
+    out[c] = v * a;
+  }
+}
+
+#if defined(__AVX512BW__)
+
+template <int R, int P>
+void micro(const Problem& p, int64_t row0, int64_t panel0) {
+  const int64_t steps = p.k4 / 4, panel_bytes = p.k4 * kPanel;
+  const int8_t* w0 = p.w + panel0 * panel_bytes;
+  const uint8_t* a0 = p.xq + row0 * p.k4;
+  [[maybe_unused]] const __m512i ones = _mm512_set1_epi16(1);
+  __m512i acc[R][P];
+  for (int r = 0; r < R; ++r)
+    for (int q = 0; q < P; ++q) acc[r][q] = _mm512_setzero_si512();
+  for (int64_t s = 0; s < steps; ++s) {
+    __m512i b[P];
+    for (int q = 0; q < P; ++q) b[q] = _mm512_loadu_si512(w0 + q * panel_bytes + s * 64);
+    for (int r = 0; r < R; ++r) {
+      int32_t four;
+      std::memcpy(&four, a0 + r * p.k4 + 4 * s, 4);
+      const __m512i a = _mm512_set1_epi32(four);
+      for (int q = 0; q < P; ++q)
+#if defined(__AVX512VNNI__)
+        acc[r][q] = _mm512_dpbusd_epi32(acc[r][q], a, b[q]);     // the same exact sums in one instruction
+#else
+        acc[r][q] = _mm512_add_epi32(acc[r][q], _mm512_madd_epi16(_mm512_maddubs_epi16(a, b[q]), ones));
+#endif
+    }
+  }
+  for (int q = 0; q < P; ++q) {            // finish() sixteen channels at a time, the same operations
+    const int64_t col0 = (panel0 + q) * kPanel, valid = std::min<int64_t>(kPanel, p.n - col0);
+    const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
+    const __m512i zsum = _mm512_maskz_loadu_epi32(mask, p.w_zsum + col0);
+    const __m512 scale = _mm512_maskz_loadu_ps(mask, p.w_scale + col0);
+    for (int r = 0; r < R; ++r) {
+      __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][q], zsum)), scale);
+      _mm512_mask_storeu_ps(p.y + (row0 + r) * p.n + col0, mask, _mm512_mul_ps(v, _mm512_set1_ps(p.x_scale[row0 + r])));
+    }
+  }
+}
+
+#elif defined(__AVX2__)
+
+// A panel is two 256-bit halves (8 channels each); R rows × P panels × 2 halves of accumulators fit the 16
+// ymm registers only for R·P ≤ 4, so the AVX2 kernel is called with at most 2 × 2.
+template <int R, int P>
+void micro(const Problem& p, int64_t row0, int64_t panel0) {
+  static_assert(R * P <= 16, "");
+  const int64_t steps = p.k4 / 4, panel_bytes = p.k4 * kPanel;
+  const int8_t* w0 = p.w + panel0 * panel_bytes;
+  const uint8_t* a0 = p.xq + row0 * p.k4;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i acc[R][P][2];
+  for (int r = 0; r < R; ++r)
+    for (int q = 0; q < P; ++q) acc[r][q][0] = acc[r][q][1] = _mm256_setzero_si256();
+  for (int64_t s = 0; s < steps; ++s) {
+    __m256i b[P][2];
+    for (int q = 0; q < P; ++q)
+      for (int h = 0; h < 2; ++h)
+        b[q][h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w0 + q * panel_bytes + s * 64 + h * 32));
+    for (int r = 0; r < R; ++r) {
+      int32_t four;
+      std::memcpy(&four, a0 + r * p.k4 + 4 * s, 4);
+      const __m256i a = _mm256_set1_epi32(four);
+      for (int q = 0; q < P; ++q)
+        for (int h = 0; h < 2; ++h)
+          acc[r][q][h] = _mm256_add_epi32(acc[r][q][h], _mm256_madd_epi16(_mm256_maddubs_epi16(a, b[q][h]), ones));
+    }
+  }
+  alignas(32) int32_t lanes[kPanel];
+  for (int r = 0; r < R; ++r)
+    for (int q = 0; q < P; ++q) {
+      _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), acc[r][q][0]);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(lanes + 8), acc[r][q][1]);
+      finish(lanes, p, row0 + r, (panel0 + q) * kPanel);
+    }
+}
+
+#else
+
+template <int R, int P>
+void micro(const Problem& p, int64_t row0, int64_t panel0) {
+  const int64_t steps = p.k4 / 4, panel_bytes = p.k4 * kPanel;
+  for (int r = 0; r < R; ++r)
+    for (int q = 0; q < P; ++q) {
+      const int8_t* w = p.w + (panel0 + q) * panel_bytes;
+      const uint8_t* a = p.xq + (row0 + r) * p.k4;
+      int32_t lanes[kPanel] = {};
+      for (int64_t s = 0; s < steps; ++s)
+        for (int c = 0; c < kPanel; ++c)
+          for (int j = 0; j < 4; ++j) lanes[c] += int32_t{a[4 * s + j]} * int32_t{w[s * 64 + c * 4 + j]};
+      finish(lanes, p, row0 + r, (panel0 + q) * kPanel);
+    }
+}
+
+#endif
+
+#if defined(__AVX512BW__) || !defined(__AVX2__)
+constexpr int kRowsPerCall = kMaxRows, kPanelsPerCall = kMaxPanels;
+#else
+constexpr int kRowsPerCall = 2, kPanelsPerCall = 2;
+#endif
+
+using Micro = void (*)(const Problem&, int64_t, int64_t);
+
+template <int R, int... P>
+constexpr std::array<Micro, sizeof...(P)> row_of(std::integer_sequence<int, P...>) {
+  return {micro<R, P + 1>...};
+}
+
+template <int... R>
+constexpr std::array<std::array<Micro, kPanelsPerCall>, sizeof...(R)> table_of(std::integer_sequence<int, R...>) {
+  return {row_of<R + 1>(std::make_integer_sequence<int, kPanelsPerCall>{})...};
+}
+
+constexpr auto kMicro = table_of(std::make_integer_sequence<int, kRowsPerCall>{});
+
+void gemm_task(void* user, size_t task) {
+  const Problem& p = *static_cast<const Problem*>(user);
+  const int64_t block = static_cast<int64_t>(task) / p.groups, group = static_cast<int64_t>(task) % p.groups;
+  const int64_t row_end = std::min(p.m, (block + 1) * kRowBlock);
+  const int64_t panel_end = std::min(p.panels, (group + 1) * p.group);
+  for (int64_t panel = group * p.group; panel < panel_end; panel += kPanelsPerCall) {
+    const int np = static_cast<int>(std::min<int64_t>(kPanelsPerCall, panel_end - panel));
+    for (int64_t row = block * kRowBlock; row < row_end; row += kRowsPerCall) {
+      const int nr = static_cast<int>(std::min<int64_t>(kRowsPerCall, row_end - row));
+      kMicro[nr - 1][np - 1](p, row, panel);
+    }
+  }
+}
+
+void quantize_task(void* user, size_t task) {
+  const Problem& p = *static_cast<const Problem*>(user);
+  const int64_t end = std::min<int64_t>(p.m, (static_cast<int64_t>(task) + 1) * kQuantRows);
+  for (int64_t row = static_cast<int64_t>(task) * kQuantRows; row < end; ++row) {
+    uint8_t* q = p.xq + row * p.k4;
+    qs_quantize_row(p.x + row * p.k, p.k, q, p.x_scale + row);
+    std::fill(q + p.k, q + p.k4, uint8_t{128});     // meets the packed weight's zero rows
+  }
+}
+
+struct Int8MatMulKernel {
+  int64_t k, n;
+
+  Int8MatMulKernel(const OrtApi& api, const OrtKernelInfo* info) {
+    Ort::ConstKernelInfo ki(info);
+    (void)api;
+    k = ki.GetAttribute<int64_t>("K");
+    n = ki.GetAttribute<int64_t>("N");
+    if (k <= 0 || n <= 0) throw std::invalid_argument("qs.Int8MatMul: attributes K and N must be positive");
+  }
+
+  void Compute(OrtKernelContext* context) {
+    Ort::KernelContext ctx(context);
+    auto x = ctx.GetInput(0);
+    std::vector<int64_t> shape = x.GetTensorTypeAndShapeInfo().GetShape();
+    if (shape.empty() || shape.back() != k)
+      throw std::invalid_argument("qs.Int8MatMul: x's last dimension must be K = " + std::to_string(k));
+    Problem p{};
+    p.k = k;
+    p.n = n;
+    p.k4 = (k + 3) / 4 * 4;
+    p.panels = (n + kPanel - 1) / kPanel;
+    auto w = ctx.GetInput(1);
+    if (w.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(p.panels * p.k4 * kPanel))
+      throw std::invalid_argument("qs.Int8MatMul: the packed weight must hold ceil(N/16)·16 × ceil(K/4)·4 values");
+    p.m = 1;
+    for (size_t d = 0; d + 1 < shape.size(); ++d) p.m *= shape[d];
+    std::vector<int64_t> out_shape = shape;
+    out_shape.back() = n;
+    p.y = ctx.GetOutput(0, out_shape).GetTensorMutableData<float>();
+    if (p.m == 0) return;
+    p.x = x.GetTensorData<float>();
+    p.w = w.GetTensorData<int8_t>();
+    p.w_scale = ctx.GetInput(2).GetTensorData<float>();
+    p.w_zsum = ctx.GetInput(3).GetTensorData<int32_t>();
+
+    thread_local std::vector<uint8_t> xq;
+    thread_local std::vector<float> x_scale;
+    xq.resize(static_cast<size_t>(p.m * p.k4));
+    x_scale.resize(static_cast<size_t>(p.m));
+    p.xq = xq.data();
+    p.x_scale = x_scale.data();
+    const size_t quant_tasks = static_cast<size_t>((p.m + kQuantRows - 1) / kQuantRows);
+    if (quant_tasks == 1)
+      quantize_task(&p, 0);
+    else
+      ctx.ParallelFor(quantize_task, quant_tasks, 0, &p);
+
+    // Enough tasks to keep both threads streaming at batch 1 (a few panels each), bigger groups when many rows
+    // share each panel's reads.
+    p.row_blocks = (p.m + kRowBlock - 1) / kRowBlock;
+    p.group = kPanelsPerCall;
+    while (p.group > 1 && p.row_blocks * ((p.panels + p.group - 1) / p.group) < 8) p.group /= 2;
+    p.groups = (p.panels + p.group - 1) / p.group;
+    ctx.ParallelFor(gemm_task, static_cast<size_t>(p.row_blocks * p.groups), 0, &p);
+  }
+};
+
+struct Int8MatMulOp : Ort::CustomOpBase<Int8MatMulOp, Int8MatMulKernel> {
+  void* CreateKernel(const OrtApi& api, const OrtKernelInfo* info) const { return new Int8MatMulKernel(api, info); }
+  const char* GetName() const { return "Int8MatMul"; }
+  const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
+  size_t GetInputTypeCount() const { return 4; }
+  ONNXTensorElementDataType GetInputType(size_t i) const {
+    static constexpr ONNXTensorElementDataType types[] = {
+        ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT,
+        ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32};
+    return types[i];
+  }
+  size_t GetOutputTypeCount() const { return 1; }
+  ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+};
+
+}  // namespace
+
+const OrtCustomOp* qs_int8_matmul_op() {
+  static Int8MatMulOp op;
+  return &op;
+}
+
+// qs.PackedGather: rows of an int8 table that is packed for qs.Int8MatMul, so a tied embedding is stored once
+// and serves both the lookup and the LM head (x @ table.T):
+//
+//     ids [...] int64, packed [panels, ceil(H/4)·64] int8 (pack_panels of the table transposed: K = H, N = V),
+//     scale [V] float  →  out [..., H] float,   out[..., h] = float(table[id, h]) · scale[id]
+//
+// — the product the Gather → Transpose → Cast → Mul lookup computed, one rounding, bit for bit.
+namespace {
+
+struct PackedGatherKernel {
+  int64_t k;
+
+  PackedGatherKernel(const OrtApi&, const OrtKernelInfo* info) {
+    k = Ort::ConstKernelInfo(info).GetAttribute<int64_t>("K");
+    if (k <= 0) throw std::invalid_argument("qs.PackedGather: attribute K must be positive");
+  }
+
+  void Compute(OrtKernelContext* context) {
+    Ort::KernelContext ctx(context);
+    auto ids = ctx.GetInput(0);
+    auto packed = ctx.GetInput(1);
+    auto scale = ctx.GetInput(2);
+    std::vector<int64_t> shape = ids.GetTensorTypeAndShapeInfo().GetShape();
+    const int64_t vocab = static_cast<int64_t>(scale.GetTensorTypeAndShapeInfo().GetElementCount());
+    const int64_t k4 = (k + 3) / 4 * 4, panel_bytes = k4 * kPanel;
+    if (packed.GetTensorTypeAndShapeInfo().GetElementCount() !=
+        static_cast<size_t>((vocab + kPanel - 1) / kPanel * panel_bytes))
+      throw std::invalid_argument("qs.PackedGather: the packed table must hold ceil(V/16)·16 × ceil(K/4)·4 values");
+    const size_t count = ids.GetTensorTypeAndShapeInfo().GetElementCount();
+    shape.push_back(k);
+    float* out = ctx.GetOutput(0, shape).GetTensorMutableData<float>();
+    const int64_t* id = ids.GetTensorData<int64_t>();
+    const int8_t* table = packed.GetTensorData<int8_t>();
+    const float* s = scale.GetTensorData<float>();
+    for (size_t i = 0; i < count; ++i, out += k) {
+      const int64_t t = id[i];
+      if (t < 0 || t >= vocab)
+        throw std::out_of_range("qs.PackedGather: token id " + std::to_string(t) + " outside the vocabulary");
+      const int8_t* panel = table + (t / kPanel) * panel_bytes + (t % kPanel) * 4;
+      for (int64_t h = 0; h < k; ++h) out[h] = static_cast<float>(panel[(h / 4) * 64 + h % 4]) * s[t];
+    }
+  }
+};
+
+struct PackedGatherOp : Ort::CustomOpBase<PackedGatherOp, PackedGatherKernel> {
+  void* CreateKernel(const OrtApi& api, const OrtKernelInfo* info) const { return new PackedGatherKernel(api, info); }
+  const char* GetName() const { return "PackedGather"; }
+  const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
+  size_t GetInputTypeCount() const { return 3; }
+  ONNXTensorElementDataType GetInputType(size_t i) const {
+    static constexpr ONNXTensorElementDataType types[] = {
+        ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT};
+    return types[i];
+  }
+  size_t GetOutputTypeCount() const { return 1; }
+  ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+};
+
+}  // namespace
+
+const OrtCustomOp* qs_packed_gather_op() {
+  static PackedGatherOp op;
+  return &op;
+}
