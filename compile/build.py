@@ -26,6 +26,9 @@ from .errors import CheckpointError
 
 GRAPH_FILE, DATA_FILE = "model.onnx", "model.onnx.data"
 CALIB_TOKENS = 512
+# What the compiler emits for the same checkpoint and options; bumped when that changes (2: qs.Int8MatMul), so
+# engines built before — the bundled ones above all — are known to be older graphs and rebuilt (runtime.bundled).
+GRAPH_REVISION = 2
 
 
 def _kv_record(spec: ModelSpec, cfg: CompileConfig, max_len: int) -> dict:
@@ -193,7 +196,8 @@ def build(cfg: CompileConfig, log=print) -> dict:
             "precision": _precision_record(cfg, attention),
             "model": {**spec.to_dict(), "max_seq_len": max_len,
                       "num_parameters": reader.num_parameters()},
-            "graph": {"file": GRAPH_FILE, "data": DATA_FILE, "opset": OPSET, **builder.interface()},
+            "graph": {"file": GRAPH_FILE, "data": DATA_FILE, "opset": OPSET, "revision": GRAPH_REVISION,
+                      **builder.interface()},
             "kv_cache": _kv_record(spec, cfg, max_len),
             "tokenizer": {"files": [f.name for f in tok_files], "eos_token_ids": _eos_ids(spec, cfg.model_dir),
                           "bos_token_id": spec.bos_token_id},

@@ -30,7 +30,8 @@ def bundled_root(role: str = "target") -> Path:
 def engine_dir(role: str = "target", root: Path | None = None) -> Path:
     """$QUICKSILVER_ENGINE (target) or <root>/engines/<role>, built from <root>/models/<role> with `compile build`
     when absent, when the checkpoint's fingerprint differs from the one the engine was built from, or when the
-    engine's kernels are not the ones a build here would choose (an engine from before our cpu ops)."""
+    engine's kernels are not the ones a build here would choose (an engine from before our cpu ops), or when it is
+    an older graph than this compiler emits (compile.build.GRAPH_REVISION)."""
     if role == "target" and os.environ.get("QUICKSILVER_ENGINE"):
         return Path(os.environ["QUICKSILVER_ENGINE"])
     root = root or bundled_root(role)
@@ -40,30 +41,31 @@ def engine_dir(role: str = "target", root: Path | None = None) -> Path:
                                 "(build one with `compile build --model HF_DIR --out ENGINE`)")
     from compile.hf_source import fingerprint
 
+    from compile.build import GRAPH_REVISION, build
     from compile.config import CompileConfig
 
     cfg = CompileConfig(model, engine, "int8", overwrite=True, report=False)
-    built, kernels = _built_from(engine)
+    built, kernels, revision = _built_from(engine)
     source = fingerprint(model)
-    if built == source and kernels == cfg.kernels_used:
+    if built == source and kernels == cfg.kernels_used and revision == GRAPH_REVISION:
         return engine
-    from compile.build import build
-
     why = ("once" if built is None else f"{model} changed since it was built" if built != source
-           else f"it was built with {kernels or 'ort'} kernels, this install has {cfg.kernels_used}")
+           else f"it was built with {kernels or 'ort'} kernels, this install has {cfg.kernels_used}"
+           if kernels != cfg.kernels_used else f"its graph is revision {revision or 1}, this compiler's {GRAPH_REVISION}")
     print(f"building the bundled {role} engine: {model} → {engine} ({why})", file=sys.stderr, flush=True)
     build(cfg, log=lambda _: None)
     return engine
 
 
-def _built_from(engine: Path) -> tuple[str | None, str | None]:
-    """The source fingerprint and kernels an engine's manifest records, or None (no engine, or an unreadable
-    manifest)."""
+def _built_from(engine: Path) -> tuple[str | None, str | None, int | None]:
+    """The source fingerprint, kernels and graph revision an engine's manifest records, or None (no engine, an
+    unreadable manifest, or a manifest from before the field)."""
     from .artifact import read_manifest
     from .errors import ArtifactError
 
     try:
         manifest = read_manifest(engine)
-        return manifest["source"]["fingerprint"], manifest["precision"].get("kernels")
+        return (manifest["source"]["fingerprint"], manifest["precision"].get("kernels"),
+                manifest["graph"].get("revision"))
     except (ArtifactError, KeyError, TypeError, AttributeError):
-        return None, None
+        return None, None, None

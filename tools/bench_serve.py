@@ -116,7 +116,15 @@ async def prefix_case(client, model: str, prompt: str, max_tokens: int, tag: str
 async def measure(name: str, url: str, args, rnd: int) -> dict:
     from openai import AsyncOpenAI
 
-    client = AsyncOpenAI(base_url=url, api_key=os.environ.get("OPENAI_API_KEY", "none"), max_retries=0, timeout=600)
+    import httpx
+    from openai import DefaultAsyncHttpxClient
+
+    # Pooled connections are dropped after 1 s idle: llama-server (cpp-httplib) closes a keep-alive connection
+    # after 5 s idle, and a request sent on one it has just closed fails ("Server disconnected") — after a burst
+    # of 8 streams some of their connections sit idle that long before the prefix case reuses them.
+    http = DefaultAsyncHttpxClient(limits=httpx.Limits(max_connections=1000, keepalive_expiry=1.0))
+    client = AsyncOpenAI(base_url=url, api_key=os.environ.get("OPENAI_API_KEY", "none"), max_retries=0, timeout=600,
+                         http_client=http)
     model = (await client.models.list()).data[0].id
     text = TEXT.read_text()
     n_chars = int(args.prompt_tokens * CHARS_PER_TOKEN)
@@ -243,9 +251,8 @@ def main() -> None:
                 try:
                     runs[name].append(asyncio.run(measure(name, servers[name], args, rnd)))
                 except Exception as e:
-                    # llama-server shuts itself down mid-run now and then on this machine ("cleaning up before
-                    # exit", then it hangs; cause not found): a server this run started is restarted and its round
-                    # measured again, once
+                    # a server this run started that fails mid-round is restarted and its round measured again,
+                    # once (the failures once blamed on llama-server were stale keep-alive connections: see measure)
                     proc, cmd, log = procs.get(name, (None, None, None))
                     if proc is None:
                         raise

@@ -35,7 +35,7 @@ namespace {
 constexpr int64_t kPanel = 16;        // output channels per packed panel
 constexpr int kMaxRows = 4;           // rows of x per micro-kernel call
 constexpr int kMaxPanels = 4;         // panels per micro-kernel call
-constexpr int64_t kRowBlock = 64;     // rows of x per task when M is large (the panels stay in cache across them)
+constexpr int64_t kRowBlock = 128;    // rows of x per task when M is large (the panels stay in cache across them)
 constexpr int64_t kQuantRows = 16;    // rows quantized per task
 
 struct Problem {
@@ -179,7 +179,9 @@ constexpr auto kMicro = table_of(std::make_integer_sequence<int, kRowsPerCall>{}
 
 void gemm_task(void* user, size_t task) {
   const Problem& p = *static_cast<const Problem*>(user);
-  const int64_t block = static_cast<int64_t>(task) / p.groups, group = static_cast<int64_t>(task) % p.groups;
+  // group-major: the tasks of one group of panels are neighbours, so its weights come from memory once and
+  // serve every block of rows from cache
+  const int64_t group = static_cast<int64_t>(task) / p.row_blocks, block = static_cast<int64_t>(task) % p.row_blocks;
   const int64_t row_end = std::min(p.m, (block + 1) * kRowBlock);
   const int64_t panel_end = std::min(p.panels, (group + 1) * p.group);
   for (int64_t panel = group * p.group; panel < panel_end; panel += kPanelsPerCall) {

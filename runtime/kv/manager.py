@@ -247,6 +247,7 @@ class KVCacheManager:
             return                                  # no newly completed block (most steps): nothing to hash
         keys = self._keys_for(req)
         full = min(done // bs, len(keys))
+        copies: list[tuple[int, int]] = []          # (block position in the sequence, cache block)
         for i in range(len(held), full):
             parent = keys[i - 1] if i else 0
             tokens = tuple(req.tokens(i * bs, (i + 1) * bs))
@@ -256,9 +257,10 @@ class KVCacheManager:
             else:
                 block = self.blocks.allocate(keys[i], parent, tokens)
                 if block is None:
-                    return                          # every block is referenced: stop caching, nothing breaks
-                self._copy_out(req.slot, i, block)
+                    break                           # every block is referenced: stop caching, nothing breaks
+                copies.append((i, block))
             held.append(block)
+        self._copy_out(req.slot, copies)
 
     def free(self, req: Request, cache: bool = True) -> None:
         """Release `req`'s slot and block references (idempotent); with `cache`, its computed full blocks go to the
@@ -293,8 +295,16 @@ class KVCacheManager:
                 gathered = src[idx]                                          # [nb, kvh, bs, hd]
                 dst[slot, :, :n, :] = gathered.transpose(1, 0, 2, 3).reshape(gathered.shape[1], n, -1)
 
-    def _copy_out(self, slot: int, i: int, block: int) -> None:
-        rows = slice(i * self.block_size, (i + 1) * self.block_size)
+    def _copy_out(self, slot: int, copies: list[tuple[int, int]]) -> None:
+        """Rows of `slot` → cache blocks, for (block position, cache block) pairs: one scatter per layer and K/V
+        (a prompt's ~30 blocks copied one by one were ~1,800 small numpy copies, ~6 ms on the first decode step)."""
+        if not copies:
+            return
+        bs, first = self.block_size, copies[0][0]
+        span = copies[-1][0] + 1 - first
+        picked, blocks = np.array([i - first for i, _ in copies]), np.array([b for _, b in copies])
+        rows = slice(first * bs, (first + span) * bs)
         for j, (pool, layer) in enumerate(self._layers):
-            self.blocks.keys[j][block] = pool.keys[layer][slot, :, rows, :]
-            self.blocks.values[j][block] = pool.values[layer][slot, :, rows, :]
+            for src, dst in ((pool.keys[layer], self.blocks.keys[j]), (pool.values[layer], self.blocks.values[j])):
+                kv = src[slot, :, rows, :]                                   # [kvh, span·bs, hd]
+                dst[blocks] = kv.reshape(kv.shape[0], span, bs, -1)[:, picked].transpose(1, 0, 2, 3)

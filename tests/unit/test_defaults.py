@@ -41,3 +41,18 @@ def test_engine_rebuilt_when_the_checkpoint_changes(checkpoint, tmp_path, monkey
     assert defaults.engine_dir("target", root=tmp_path) == engine
     manifest = json.loads((engine / "manifest.json").read_text())
     assert manifest["source"]["fingerprint"] == fingerprint(model) and manifest["model"]["max_seq_len"] == 256
+
+
+def test_engine_rebuilt_when_its_graph_is_older_than_the_compiler(checkpoint, tmp_path, monkeypatch):
+    """An engine whose manifest records an older graph revision (or none: from before the field) is rebuilt."""
+    from compile.build import GRAPH_REVISION
+
+    monkeypatch.delenv("QUICKSILVER_ENGINE", raising=False)
+    shutil.copytree(checkpoint("llama"), tmp_path / "models" / "target")
+    engine = defaults.engine_dir("target", root=tmp_path)
+    manifest = json.loads((engine / "manifest.json").read_text())
+    assert manifest["graph"]["revision"] == GRAPH_REVISION
+    del manifest["graph"]["revision"]
+    (engine / "manifest.json").write_text(json.dumps(manifest))
+    assert defaults.engine_dir("target", root=tmp_path) == engine
+    assert json.loads((engine / "manifest.json").read_text())["graph"]["revision"] == GRAPH_REVISION
