@@ -77,7 +77,10 @@ def _precision_record(cfg: CompileConfig, attention: str) -> dict:
                              "scale per step: not batch-invariant)")
     elif p == "int8":
         record.update(scheme="int8 symmetric (7-bit magnitude), per output channel; activations uint8 per row "
-                             "(batch-invariant); MatMulIntegerToFloat")
+                             "(batch-invariant); " + ("qs.Int8MatMul" if cfg.own_kernels else "MatMulIntegerToFloat"))
+    elif p == "int4" and cfg.own_int4:
+        record.update(scheme="int4 symmetric, block 32 along K, fp16 scales; activations int8 per row "
+                             "(batch-invariant); qs.Int4MatMul", block_size=q.block_size, awq=q.calib is not None)
     elif p == "int4":
         record.update(scheme=f"int4 symmetric, block {q.block_size} along K; MatMulNBits accuracy_level 4"
                              + ("; one-row steps padded to two (batch-invariant)" if cfg.batch_invariant else ""),
@@ -174,7 +177,7 @@ def build(cfg: CompileConfig, log=print) -> dict:
             arch = REGISTRY[spec.architecture](spec, reader)
             ctx = Ctx(builder, spec, cfg.precision, cfg.quant.block_size, cfg.quant.embeddings, cfg.target, max_len,
                       _kv_scales(spec, reader, cfg, tok_files[0], log), cfg.batch_invariant, attention=attention,
-                      own_kernels=cfg.own_kernels)
+                      own_kernels=cfg.own_kernels, own_int4=cfg.own_int4)
             with tqdm(total=spec.num_layers, desc="export", unit="layer", leave=False) as bar:
                 arch.emit(ctx, max_len, progress=bar.update)
         finally:

@@ -60,6 +60,16 @@ class CompileConfig:
         return cpu_ops.available()
 
     @property
+    def own_int4(self) -> bool:
+        """int4 linears as qs.Int4MatMul (blocks of 32) rather than MatMulNBits: with our kernels, where they were
+        compiled with AVX-512 (elsewhere qs.Int4MatMul's portable loop is slower than MLAS's AVX2 kernel)."""
+        if not (self.own_kernels and self.precision == "int4" and self.quant.block_size == 32):
+            return False
+        from runtime import cpu_ops
+
+        return cpu_ops.isa().startswith("avx512")
+
+    @property
     def kernels_used(self) -> str:
         """What the manifest records as precision.kernels (cpu): "qs" or "ort"."""
         return "qs" if self.own_kernels else "ort"

@@ -1,8 +1,9 @@
 """Quicksilver's own ONNX Runtime ops for cpu engines (plugins/cpu), compiled into `runtime._native`.
 
 ONNX Runtime loads that module's file as a custom-op library: `register(so)` adds the `qs` domain to a session:
-qs.CausalAttention (the decode-friendly replacement of com.microsoft.GroupQueryAttention) and qs.RowQuantize
-(the int8 linears' per-row activation quantization in one op). The ops are built when ONNX Runtime's API
+qs.CausalAttention (the decode-friendly replacement of com.microsoft.GroupQueryAttention), qs.Int8MatMul and
+qs.Int4MatMul (whole batch-invariant int8 / block-wise int4 linears on weights packed for them), qs.PackedGather
+(embedding rows from a packed table) and qs.RowQuantize. The ops are built when ONNX Runtime's API
 headers were found at install time (CMakeLists.txt); `available()` says whether this install has them, and the
 compiler emits them only then (`compile build --kernels`).
 """
@@ -28,6 +29,15 @@ def available() -> bool:
     return library() is not None
 
 
+def isa() -> str:
+    """The instruction set the ops were compiled for: avx512vnni, avx512bw, avx2 or generic ("" without ops)."""
+    if not available():
+        return ""
+    from . import _native
+
+    return getattr(_native, "cpu_isa", "generic")
+
+
 class Unavailable(RuntimeError):
     """The graph uses the qs ops and this install has none."""
 
@@ -37,7 +47,7 @@ def register(so: ort.SessionOptions) -> None:
     path = library()
     if path is None:
         raise Unavailable(
-            "this engine uses Quicksilver's cpu ops (qs.CausalAttention, qs.RowQuantize), and this install was "
+            "this engine uses Quicksilver's cpu ops (qs.CausalAttention, qs.Int8MatMul, ...), and this install was "
             "built without them (ONNX Runtime's headers were not found at build time): reinstall where "
             "deb.debian.org is reachable or with -C cmake.define.QS_ORT_INCLUDE_DIR=DIR, or rebuild the engine "
             "with `compile build ... --kernels ort`")

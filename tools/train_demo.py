@@ -267,8 +267,9 @@ def target_samples(target, stream, rows: int, seq: int, seed: int, temperature: 
     out = []
     for b in range(0, rows, batch):
         prompts = windows(stream, min(batch, rows - b), prompt_len - 1, seed, 10_000_000 + b)
-        gen = target.generate(prompts, max_new_tokens=seq + 1 - prompt_len, do_sample=True,
-                              temperature=temperature, top_k=0, top_p=1.0, pad_token_id=0)
+        sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else \
+            dict(do_sample=False)            # T = 0: the target's greedy path, what greedy speculation verifies
+        gen = target.generate(prompts, max_new_tokens=seq + 1 - prompt_len, pad_token_id=0, **sampling)
         out.append(gen[:, :seq + 1].numpy().astype(np.uint16))
         log(f"target samples: {b + len(prompts)}/{rows}")
     return np.concatenate(out)
@@ -311,7 +312,9 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=8192, help="tokenizer vocabulary when training from scratch")
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--samples", type=int, default=1024, help="draft: target-sampled sequences to distil on")
+    ap.add_argument("--samples", type=int, default=1024, help="draft: target-sampled sequences to distil on, per temperature")
+    ap.add_argument("--sample-temperatures", type=float, nargs="+", default=[1.0],
+                    help="draft: temperatures of the target's samples (0: its greedy continuations)")
     ap.add_argument("--eval-prompts", type=int, default=24, help="draft: held-out prompts for acceptance")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--threads", type=int, default=2)
@@ -364,13 +367,16 @@ def main() -> None:
         defaults = {"do_sample": False, "repetition_penalty": 1.3}
     else:
         teacher = load_model(args.out / "target")
-        samples_path = args.ckpt.with_name(f"samples-{args.samples}-{args.seed}.npy")
-        if samples_path.exists():
-            own = np.load(samples_path)
-        else:
-            own = target_samples(teacher, train_ids, args.samples, args.seq_len, args.seed)
-            samples_path.parent.mkdir(parents=True, exist_ok=True)
-            np.save(samples_path, own)
+        pools = []
+        for temperature in args.sample_temperatures:
+            suffix = "" if temperature == 1.0 else f"-t{temperature:g}"
+            samples_path = args.ckpt.with_name(f"samples-{args.samples}-{args.seed}{suffix}.npy")
+            if not samples_path.exists():
+                samples_path.parent.mkdir(parents=True, exist_ok=True)
+                np.save(samples_path, target_samples(teacher, train_ids, args.samples, args.seq_len, args.seed,
+                                                     temperature))
+            pools.append(np.load(samples_path))
+        own = np.concatenate(pools)
         half = args.batch // 2
 
         def mixed(step: int) -> torch.Tensor:
@@ -403,7 +409,9 @@ def main() -> None:
         "Parameters": f"{params / 1e6:.2f} M", "Shape": json.dumps(asdict(shape)),
         "Training": (f"{args.steps} steps, {tokens:,} tokens, {minutes:.1f} min"
                      + (f", starting from {args.init}" if args.init else ", from scratch")
-                     + (f"; {args.samples} target-sampled sequences (T=1) make half of every batch" if stage == "draft" else "")),
+                     + (f"; {args.samples} target-sampled sequences at each T in "
+                        f"{', '.join(f'{t:g}' for t in args.sample_temperatures)} (0: greedy) make half of every batch"
+                        if stage == "draft" else "")),
         "Loss": "KL(target‖draft) + 0.1 × cross-entropy" if stage == "draft" else "cross-entropy",
         "Held-out loss": f"{loss:.4f} nats/token", "Held-out perplexity": f"{math.exp(loss):.2f}",
         "Architecture": "LlamaForCausalLM (tied embeddings, GQA), bf16 weights",

@@ -33,6 +33,7 @@ class Ctx:
     batch_invariant: bool = True  # row-local int8 activation quantization, no one-row MatMulNBits (cpu graphs)
     attention: str = "ort"     # cpu: "qs" (qs.CausalAttention, plugins/cpu) or "ort" (GroupQueryAttention)
     own_kernels: bool = False  # cpu: our qs ops may be used (qs.Int8MatMul in the int8 linears)
+    own_int4: bool = False     # cpu int4: qs.Int4MatMul for the linears (blocks of 32) instead of MatMulNBits
     shared: dict[str, str] = field(default_factory=dict)  # values built once per graph (per-row shapes)
 
     @property
@@ -62,7 +63,8 @@ def linear(ctx: Ctx, x: str, weight: np.ndarray, bias: np.ndarray | None, name: 
 
     fp32/fp16: MatMul.  int8: `row_quantized_matmul` (per-channel int8 weight, activations quantized per row,
     so batch-invariant), or the same arithmetic in one qs.Int8MatMul with the weight packed for it where the
-    engine uses our kernels.  int4: MatMulNBits (block-wise, accuracy_level 4).  fp8: DequantizeLinear(e4m3, per
+    engine uses our kernels.  int4: MatMulNBits (block-wise, accuracy_level 4), or qs.Int4MatMul (blocks of 32,
+    activations int8 per row) with our kernels on AVX-512.  fp8: DequantizeLinear(e4m3, per
     channel) → MatMul, which the runtime folds to fp32 once at load (`session.disable_quant_qdq`).
     """
     b, w = ctx.b, np.asarray(weight, np.float32).T          # [K, N]
@@ -88,6 +90,10 @@ def linear(ctx: Ctx, x: str, weight: np.ndarray, bias: np.ndarray | None, name: 
         q, scale = int8.quantize(w, levels=int8.WEIGHT_LEVELS)
         return row_quantized_matmul(ctx, x, b.weight(f"{name}.weight_int8", q),
                                     b.weight(f"{name}.weight_scale", scale), w.shape[0], bias_name, name)
+    if ctx.precision == "int4" and ctx.own_int4:
+        y = b.op("Int4MatMul", [x, b.weight(f"{name}.weight_int4_panels", int4.pack_panels(w))], f"{name}/Int4MatMul",
+                 domain=QS_DOMAIN, K=w.shape[0], N=w.shape[1])
+        return b.op("Add", [y, bias_name], f"{name}/Add") if bias_name else y
     if ctx.precision == "int4":
         packed, scales = int4.quantize(w, ctx.block_size)
         ins = [b.weight(f"{name}.weight_q4", packed), ctx.float_weight(f"{name}.weight_scales", scales), "", "", bias_name]
@@ -281,6 +287,7 @@ class Embeddings:
     int8: one int8 table stored transposed [H, V] with per-token scales: the head is `row_quantized_matmul`,
           the lookup gathers columns (H strided reads per token: cheap) and transposes back. With our kernels
           the table is packed for qs.Int8MatMul (the head) and qs.PackedGather reads its rows (the lookup).
+    int4 with qs.Int4MatMul: one table packed for it (the head), read by qs.Int4Gather (the lookup).
     int4: one table in MatMulNBits layout [V, H/bs, bs/2] with block scales: the head is MatMulNBits, the
           lookup gathers packed rows and unpacks nibbles in the graph.
     An untied head gets its own table of the same kind; the embedding table is then lookup-only.
@@ -311,6 +318,9 @@ class Embeddings:
                 self.zsum = b.weight(f"{name}.weight_zsum", zsum)
             else:
                 self.table = b.weight(f"{name}.weight_int8_t", np.ascontiguousarray(q.T))   # [H, V]
+        elif ctx.own_int4:          # one table packed for qs.Int4MatMul (the head), read by qs.Int4Gather
+            self.mode = "int4-panels"
+            self.table = b.weight(f"{name}.weight_int4_panels", int4.pack_panels(np.ascontiguousarray(table.T)))
         else:
             packed, scales = int4.quantize(table.T, ctx.block_size)  # [V, H/bs, bs/2], [V*H/bs]
             self.table = b.weight(f"{name}.weight_q4", packed)
@@ -322,6 +332,8 @@ class Embeddings:
         b, n = self.ctx.b, "/model/embed_tokens"
         if self.mode == "float":
             return b.op("Gather", [self.table, ids], f"{n}/Gather", axis=0)
+        if self.mode == "int4-panels":
+            return b.op("Int4Gather", [ids, self.table], f"{n}/Int4Gather", domain=QS_DOMAIN, K=self.hidden, N=self.vocab)
         if self.mode == "int8" and self.packed:
             return b.op("PackedGather", [ids, self.table, self.scale], f"{n}/PackedGather", domain=QS_DOMAIN,
                         K=self.hidden)
@@ -351,6 +363,9 @@ class Embeddings:
         out = ["logits"] if self.ctx.act == np.float32 else ["/lm_head/logits_act"]
         if self.mode == "float":
             y = b.node("Gemm", [rows, self.table], "/lm_head/Gemm", outputs=out, transB=1)[0]
+        elif self.mode == "int4-panels":
+            y = b.node("Int4MatMul", [rows, self.table], "/lm_head/Int4MatMul", domain=QS_DOMAIN, outputs=out,
+                       K=self.hidden, N=self.vocab)[0]
         elif self.mode == "int8" and self.packed:
             y = b.node("Int8MatMul", [rows, self.table, self.scale, self.zsum], "/lm_head/Int8MatMul", domain=QS_DOMAIN,
                        outputs=out, K=self.hidden, N=self.vocab)[0]

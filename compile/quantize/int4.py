@@ -38,3 +38,43 @@ def dequantize(packed: np.ndarray, scales: np.ndarray, k: int) -> np.ndarray:
     q[..., 0::2], q[..., 1::2] = packed & 0x0F, packed >> 4
     w = (q - 8).astype(np.float32) * scales.reshape(n, nb)[..., None]
     return w.reshape(n, k).T
+
+
+PANEL, BLOCK = 16, 32                       # qs.Int4MatMul: output channels per panel, K per block
+BLOCK_BYTES = 4 * 64 + PANEL * 2            # a block of a panel: 32 k × 16 channels of nibbles, then 16 fp16 scales
+
+
+def pack_panels(w: np.ndarray) -> np.ndarray:
+    """w [K, N] float → qs.Int4MatMul's weight (plugins/cpu/int4_matmul.cpp): uint8 [ceil(N/16), K/32 · 288].
+
+    Per (32-k block, channel): scale = absmax / 7 rounded to fp16, u = round(w / scale) + 8 clipped to [0, 15].
+    Per panel of 16 channels and block: four 64-byte chunks, chunk c holding at byte 4·ch + j the u of k = 8c + j
+    (low nibble) and k = 8c + 4 + j (high nibble), then the 16 scales as fp16. N is padded with zero channels.
+    """
+    k, n = w.shape
+    if k % BLOCK:
+        raise ValueError(f"qs.Int4MatMul needs K divisible by {BLOCK}, not {k}")
+    panels, nb = -(-n // PANEL), k // BLOCK
+    padded = np.zeros((k, panels * PANEL), np.float32)
+    padded[:, :n] = w
+    blocks = padded.reshape(nb, BLOCK, panels, PANEL)                                   # [nb, 32, P, 16]
+    absmax = np.abs(blocks).max(axis=1)                                                # [nb, P, 16]
+    scale = np.where(absmax > 0, absmax / 7.0, 1.0).astype(np.float16)
+    u = (np.clip(np.rint(blocks / scale.astype(np.float32)[:, None]), -8, 7) + 8).astype(np.uint8)
+    # k within a block = 8c + 4h + j  (c: chunk, h: nibble, j: lane)
+    u = u.reshape(nb, 4, 2, 4, panels, PANEL).transpose(4, 0, 1, 5, 3, 2)             # [P, nb, c, ch, j, h]
+    nibbles = (u[..., 0] | (u[..., 1] << 4)).reshape(panels, nb, 256)
+    scales = scale.transpose(1, 0, 2).reshape(panels, nb, PANEL).view(np.uint8)         # [P, nb, 32] bytes
+    return np.ascontiguousarray(np.concatenate([nibbles, scales], axis=2).reshape(panels, nb * BLOCK_BYTES))
+
+
+def unpack_panels(packed: np.ndarray, k: int, n: int) -> np.ndarray:
+    """Inverse of pack_panels: the dequantized weight float32 [K, N] (for tests and the reference)."""
+    panels, nb = packed.shape[0], k // BLOCK
+    cells = packed.reshape(panels, nb, BLOCK_BYTES)
+    nibbles = cells[..., :256].reshape(panels, nb, 4, PANEL, 4)                          # [P, nb, c, ch, j]
+    u = np.stack([nibbles & 0x0F, nibbles >> 4], axis=-1)                                # [P, nb, c, ch, j, h]
+    u = u.transpose(1, 2, 5, 4, 0, 3).reshape(k, panels * PANEL).astype(np.float32)     # k = 8c + 4h + j
+    scale = np.ascontiguousarray(cells[..., 256:]).view(np.float16).astype(np.float32)  # [P, nb, 16]
+    scale = np.repeat(scale.transpose(1, 0, 2).reshape(nb, panels * PANEL), BLOCK, axis=0)
+    return ((u - 8) * scale)[:, :n]

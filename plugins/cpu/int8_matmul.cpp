@@ -18,24 +18,22 @@
 // Every output is one row's dot product with one channel in the same order whatever M, the task split or the
 // thread, and the integer sum is exact anyway: a row's result never depends on the rows beside it.
 #include <algorithm>
-#include <array>
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
 #include <string>
-#include <utility>
 #include <vector>
 
 #include <immintrin.h>
 
 #include "ops.h"
+#include "panel_gemm.h"
 
 namespace {
 
 constexpr int64_t kPanel = 16;        // output channels per packed panel
 constexpr int kMaxRows = 4;           // rows of x per micro-kernel call
 constexpr int kMaxPanels = 4;         // panels per micro-kernel call
-constexpr int64_t kRowBlock = 128;    // rows of x per task when M is large (the panels stay in cache across them)
 constexpr int64_t kQuantRows = 16;    // rows quantized per task
 
 struct Problem {
@@ -47,8 +45,6 @@ struct Problem {
   uint8_t* xq;              // [M, K4]
   float* x_scale;           // [M]
   int64_t m, k, k4, n, panels;
-  int64_t group;            // panels per task
-  int64_t row_blocks, groups;
 };
 
 // Out = (float(acc − zsum) · w_scale) · a, for `valid` channels of one panel (ONNX Runtime's order of the two
@@ -163,35 +159,10 @@ constexpr int kRowsPerCall = kMaxRows, kPanelsPerCall = kMaxPanels;
 constexpr int kRowsPerCall = 2, kPanelsPerCall = 2;
 #endif
 
-using Micro = void (*)(const Problem&, int64_t, int64_t);
-
-template <int R, int... P>
-constexpr std::array<Micro, sizeof...(P)> row_of(std::integer_sequence<int, P...>) {
-  return {micro<R, P + 1>...};
-}
-
-template <int... R>
-constexpr std::array<std::array<Micro, kPanelsPerCall>, sizeof...(R)> table_of(std::integer_sequence<int, R...>) {
-  return {row_of<R + 1>(std::make_integer_sequence<int, kPanelsPerCall>{})...};
-}
-
-constexpr auto kMicro = table_of(std::make_integer_sequence<int, kRowsPerCall>{});
-
-void gemm_task(void* user, size_t task) {
-  const Problem& p = *static_cast<const Problem*>(user);
-  // group-major: the tasks of one group of panels are neighbours, so its weights come from memory once and
-  // serve every block of rows from cache
-  const int64_t group = static_cast<int64_t>(task) / p.row_blocks, block = static_cast<int64_t>(task) % p.row_blocks;
-  const int64_t row_end = std::min(p.m, (block + 1) * kRowBlock);
-  const int64_t panel_end = std::min(p.panels, (group + 1) * p.group);
-  for (int64_t panel = group * p.group; panel < panel_end; panel += kPanelsPerCall) {
-    const int np = static_cast<int>(std::min<int64_t>(kPanelsPerCall, panel_end - panel));
-    for (int64_t row = block * kRowBlock; row < row_end; row += kRowsPerCall) {
-      const int nr = static_cast<int>(std::min<int64_t>(kRowsPerCall, row_end - row));
-      kMicro[nr - 1][np - 1](p, row, panel);
-    }
-  }
-}
+template <int R, int P>
+struct Micro {
+  static void run(const Problem& p, int64_t row0, int64_t panel0) { micro<R, P>(p, row0, panel0); }
+};
 
 void quantize_task(void* user, size_t task) {
   const Problem& p = *static_cast<const Problem*>(user);
@@ -228,11 +199,7 @@ struct Int8MatMulKernel {
     auto w = ctx.GetInput(1);
     if (w.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(p.panels * p.k4 * kPanel))
       throw std::invalid_argument("qs.Int8MatMul: the packed weight must hold ceil(N/16)·16 × ceil(K/4)·4 values");
-    p.m = 1;
-    for (size_t d = 0; d + 1 < shape.size(); ++d) p.m *= shape[d];
-    std::vector<int64_t> out_shape = shape;
-    out_shape.back() = n;
-    p.y = ctx.GetOutput(0, out_shape).GetTensorMutableData<float>();
+    p.y = output_rows(ctx, shape, n, &p.m);
     if (p.m == 0) return;
     p.x = x.GetTensorData<float>();
     p.w = w.GetTensorData<int8_t>();
@@ -251,13 +218,7 @@ struct Int8MatMulKernel {
     else
       ctx.ParallelFor(quantize_task, quant_tasks, 0, &p);
 
-    // Enough tasks to keep both threads streaming at batch 1 (a few panels each), bigger groups when many rows
-    // share each panel's reads.
-    p.row_blocks = (p.m + kRowBlock - 1) / kRowBlock;
-    p.group = kPanelsPerCall;
-    while (p.group > 1 && p.row_blocks * ((p.panels + p.group - 1) / p.group) < 8) p.group /= 2;
-    p.groups = (p.panels + p.group - 1) / p.group;
-    ctx.ParallelFor(gemm_task, static_cast<size_t>(p.row_blocks * p.groups), 0, &p);
+    PanelGemm<Problem, Micro, kRowsPerCall, kPanelsPerCall>::run(ctx, p, p.m, p.n, kPanelsPerCall);
   }
 };
 

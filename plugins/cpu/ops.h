@@ -9,6 +9,8 @@ const OrtCustomOp* qs_causal_attention_op();   // attention.cpp
 const OrtCustomOp* qs_row_quantize_op();       // row_quantize.cpp
 const OrtCustomOp* qs_int8_matmul_op();        // int8_matmul.cpp
 const OrtCustomOp* qs_packed_gather_op();      // int8_matmul.cpp
+const OrtCustomOp* qs_int4_matmul_op();        // int4_matmul.cpp
+const OrtCustomOp* qs_int4_gather_op();        // int4_matmul.cpp
 
 #include <cstdint>
 

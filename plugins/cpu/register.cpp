@@ -14,6 +14,8 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(O
       domain.Add(qs_row_quantize_op());
       domain.Add(qs_int8_matmul_op());
       domain.Add(qs_packed_gather_op());
+      domain.Add(qs_int4_matmul_op());
+      domain.Add(qs_int4_gather_op());
       return true;
     }();
     (void)filled;

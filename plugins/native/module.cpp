@@ -39,6 +39,16 @@ PYBIND11_MODULE(_native, m) {
 #else
   m.attr("cpu_ops") = false;
 #endif
+  // the widest integer dot-product instructions the cpu ops were compiled for (-march=native at build time)
+#if defined(__AVX512VNNI__)
+  m.attr("cpu_isa") = "avx512vnni";
+#elif defined(__AVX512BW__)
+  m.attr("cpu_isa") = "avx512bw";
+#elif defined(__AVX2__)
+  m.attr("cpu_isa") = "avx2";
+#else
+  m.attr("cpu_isa") = "generic";
+#endif
   m.def("hash_blocks", &py_hash_blocks, py::arg("tokens"), py::arg("block_size"), py::arg("parent") = 0,
         "Keys [len(tokens) // block_size] (uint64) of the full blocks of tokens.");
 }

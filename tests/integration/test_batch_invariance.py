@@ -34,12 +34,13 @@ def engines(tmp_path_factory):
     """engines(name, precision) → engine folder of the bundled `target` or `draft` (built once per module)."""
     built: dict[tuple[str, str], Path] = {}
 
-    def get(name: str, precision: str, batch_invariant: bool = True) -> Path:
-        key = (name, precision, batch_invariant)
+    def get(name: str, precision: str, batch_invariant: bool = True, kernels: str = "auto") -> Path:
+        key = (name, precision, batch_invariant, kernels)
         if key not in built:
             out = tmp_path_factory.mktemp("engines") / f"{name}-{precision}"
             quant = QuantConfig(batch_invariant=batch_invariant)
-            build(CompileConfig(MODELS / name, out, precision, quant=quant, report=False), log=lambda _: None)
+            build(CompileConfig(MODELS / name, out, precision, quant=quant, report=False, kernels=kernels),
+                  log=lambda _: None)
             built[key] = out
         return built[key]
 
@@ -183,19 +184,21 @@ def test_no_batch_invariant_int4_build_drops_the_one_row_pad(engines):
     """int4: whether MLAS computes a one-row MatMulNBits with a kernel that rounds differently depends on the CPU
     and ONNX Runtime version (ORT 1.31 on an AVX2 machine: yes; 1.32 on AVX-512 EPYC and VNNI Xeons: no), so the
     batch-invariant build pads one-row steps to MIN_ROWS = 2 rows, an initializer the runtime sets to 1 where its
-    probe of this CPU finds one row computed like many; `--no-batch-invariant` leaves the pad out."""
+    probe of this CPU finds one row computed like many; `--no-batch-invariant` leaves the pad out. (MatMulNBits is
+    the int4 linear of engines without our kernels: qs.Int4MatMul has no one-row special case to pad around.)"""
     def graph(precision_dir):
         return onnx.load(str(precision_dir / "model.onnx"), load_external_data=False).graph
-    padded = graph(engines("target", "int4"))
+    padded = graph(engines("target", "int4", kernels="ort"))
     assert sum(n.op_type == "Pad" for n in padded.node) > 0
     assert [list(onnx.numpy_helper.to_array(t)) for t in padded.initializer if t.name == MIN_ROWS] == [[2]]
-    assert sum(n.op_type == "Pad" for n in graph(engines("target", "int4", batch_invariant=False)).node) == 0
+    unpadded = graph(engines("target", "int4", batch_invariant=False, kernels="ort"))
+    assert sum(n.op_type == "Pad" for n in unpadded.node) == 0
 
 
 def test_int4_pads_one_row_steps_exactly_where_this_cpu_needs_it(engines):
     """The runner keeps the pad iff the probe finds a one-row MatMulNBits rounding differently here; either way a
     sequence decoded alone gives bitwise the logits it gets beside a neighbour (the probe is checked, not trusted)."""
-    runner = ModelRunner(engines("target", "int4"))
+    runner = ModelRunner(engines("target", "int4", kernels="ort"))
     m = runner.manifest
     assert runner.one_row_padded == (not one_row_matches(m["model"], m["precision"]["block_size"]))
     pool = runner.new_pool(2, 64)

@@ -213,6 +213,18 @@ def test_kernels_choice(checkpoint, tmp_path, monkeypatch):
     out = tmp_path / "bad"
     assert_clean_failure(run_build(model, out, "--kernels", "qs", "--target", "cuda", "--precision", "fp16"), out,
                          "--kernels qs are cpu ops")
+    # int4: qs.Int4MatMul for every linear and the head, qs.Int4Gather for the lookup, where our ops have AVX-512
+    # (else MatMulNBits); `compile verify` passes against the checkpoint either way
+    for i, flags in enumerate([(), ("--kernels", "ort")]):
+        out = tmp_path / f"int4-{i}"
+        assert run_build(model, out, "--no-report", "--precision", "int4", *flags).exit_code == 0
+        ops = [n.op_type for n in onnx.load(str(out / "model.onnx"), load_external_data=False).graph.node]
+        ours = not flags and cpu_ops.isa().startswith("avx512")
+        layers = json.loads((out / "manifest.json").read_text())["model"]["num_layers"]
+        assert (ops.count("Int4MatMul"), ops.count("Int4Gather")) == ((4 * layers + 1, 1) if ours else (0, 0))
+        assert ("MatMulNBits" in ops) == (not ours)
+        verified = CliRunner().invoke(main, ["verify", str(out), "--model", str(model)])
+        assert verified.exit_code == 0 and "PASS" in verified.output, verified.output
     monkeypatch.setattr(cpu_ops, "library", lambda: None)
     with pytest.raises(ArtifactError, match="--kernels ort"):
         ModelRunner(tmp_path / "e0")

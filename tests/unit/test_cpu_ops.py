@@ -12,6 +12,9 @@ qs.RowQuantize (row_quantize.cpp): bit for bit what Abs → ReduceMax → ·1/12
 qs.Int8MatMul and qs.PackedGather (int8_matmul.cpp): bit for bit what RowQuantize → MatMulIntegerToFloat and the
 Gather → Cast → Mul lookup give, on the weight the compiler packs for them (compile.quantize.int8.pack_panels),
 whatever the number of rows; and the integer product is checked against numpy's exact one.
+
+qs.Int4MatMul and qs.Int4Gather (int4_matmul.cpp): against float64 truth on the dequantized weight
+(compile.quantize.int4.unpack_panels) and the row's int8 activations, and a row's bits alone = in any batch.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 
-from compile.quantize import int8
+from compile.quantize import int4, int8
 from runtime import cpu_ops
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="this install was built without the qs ops")
@@ -348,3 +351,65 @@ def test_pack_panels_layout():
         assert cells[p, s_, c, j] == q[4 * s_ + j, 16 * p + c]
     assert not cells[1, :, 4:].any() and not cells[:, 2, :, 1:].any()
     assert np.array_equal(zsum, 128 * q.astype(np.int32).sum(axis=0))
+
+
+def int4_session(k: int, n: int, packed: np.ndarray, threads: int = 2) -> ort.InferenceSession:
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", k])
+    return _session([helper.make_node("Int4MatMul", ["x", "w"], ["y"], domain=cpu_ops.DOMAIN, K=k, N=n)],
+                    [numpy_helper.from_array(packed, "w")], [x], threads)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(k=st.sampled_from([32, 64, 576, 1536]), n=st.sampled_from([1, 15, 16, 17, 33, 300]),
+       rows=st.sampled_from([1, 2, 3, 4, 5, 9, 127, 128, 129]), threads=st.sampled_from([1, 2]),
+       seed=st.integers(0, 2**31))
+def test_int4_matmul_matches_float64_truth_and_is_row_invariant(k, n, rows, threads, seed):
+    """The op computes x_q @ dequantized(W) · a (x_q: the row's int8 activations, exact sums per block of 32, one
+    fp32 multiply-add per block): within float32 rounding of float64 truth; and every row's bits are the same
+    alone as among the others (row counts across the 4-row micro-kernel and the 128-row task blocks)."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    w[:, 0] = 0                                           # an all-zero channel (scale 1, u = 8)
+    packed = int4.pack_panels(w)
+    session = int4_session(k, n, packed, threads)
+    x = (rng.standard_normal((rows, k)) * rng.random((rows, 1)) * 10).astype(np.float32)
+    got = session.run(None, {"x": x})[0]
+    a = np.abs(x).max(axis=1, keepdims=True) * np.float32(1 / 127)
+    xq = np.clip(np.rint(x / a), -127, 127).astype(np.float64)
+    want = (xq @ int4.unpack_panels(packed, k, n).astype(np.float64)) * a
+    scale = np.abs(xq).sum(axis=1, keepdims=True) @ np.abs(int4.unpack_panels(packed, k, n)).max(axis=0, keepdims=True) * a
+    assert got.shape == (rows, n)
+    assert (np.abs(got - want) <= 1e-6 * scale + 1e-30).all()
+    assert not got[:, 0].any()
+    for i in {0, rows // 2, rows - 1}:
+        assert np.array_equal(session.run(None, {"x": x[i:i + 1]})[0][0], got[i])
+
+
+def test_int4_pack_panels_round_trip_and_error_bound():
+    """Dequantized weights are within half a step (scale / 2) of the originals, and unpack inverts pack."""
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((64, 20)).astype(np.float32)
+    packed = int4.pack_panels(w)
+    assert packed.shape == (2, 2 * int4.BLOCK_BYTES) and packed.dtype == np.uint8
+    back = int4.unpack_panels(packed, 64, 20)
+    step = np.abs(w.reshape(2, 32, 20)).max(axis=1) / 7                          # [blocks, N]
+    assert (np.abs(back - w) <= np.repeat(step, 32, axis=0) * 0.5 * (1 + 1e-3)).all()
+    assert np.array_equal(int4.pack_panels(back), packed)                     # exact values re-pack the same
+    with pytest.raises(ValueError, match="divisible by 32"):
+        int4.pack_panels(np.ones((40, 4), np.float32))
+
+
+@pytest.mark.parametrize("vocab,hidden", [(100, 64), (16, 32), (33, 96)])
+def test_int4_gather_reads_the_head_table_rows(vocab, hidden):
+    rng = np.random.default_rng(vocab)
+    table = rng.standard_normal((vocab, hidden)).astype(np.float32)
+    packed = int4.pack_panels(np.ascontiguousarray(table.T))
+    ids = helper.make_tensor_value_info("ids", TensorProto.INT64, ["B", "S"])
+    s = _session([helper.make_node("Int4Gather", ["ids", "t"], ["y"], domain=cpu_ops.DOMAIN, K=hidden, N=vocab)],
+                 [numpy_helper.from_array(packed, "t")], [ids])
+    tokens = rng.integers(0, vocab, (2, 7))
+    tokens[0, :2] = [0, vocab - 1]
+    want = int4.unpack_panels(packed, hidden, vocab).T[tokens]
+    assert np.array_equal(s.run(None, {"ids": tokens})[0], want)
+    with pytest.raises(Exception, match="outside the vocabulary"):
+        s.run(None, {"ids": np.array([[vocab]], np.int64)})

@@ -1,0 +1,294 @@
+// qs.Int4MatMul: y = x @ W for a block-wise 4-bit weight (blocks of 32 along K, one fp16 scale per block and
+// output channel, symmetric: w = s · (u − 8), u ∈ [0, 15]), with the activations quantized row by row:
+//
+//     x [..., K] float ─▶ per row: a = max|x|/127, x_q = round(x / a) ∈ [−127, 127]            (int8)
+//                     ─▶ per block b: t_b[n] = Σ_{k∈b} x_q[k] · (u[k, n] − 8)                 exact int32
+//                     ─▶ y[n] = (Σ_b float(t_b[n]) · s_b[n]) · a, the blocks summed in order    [..., N]
+//
+// At batch 1 a decode step is a stream of weights: 4.5 bits a weight instead of int8's 8 is ~0.56× the bytes.
+// The nibbles feed vpdpbusd as its unsigned operand and the activations as its signed one, so
+// Σ x_q·(u − 8) = Σ x_q·u − 8·Σ_{k∈b} x_q, with the activations' block sums taken once per row.
+//
+// Layout (compile/quantize/int4.py `pack_panels`): panels of 16 output channels; per block, four 64-byte chunks
+// (chunk c: byte 4·ch + j holds u at k = 8c + j in its low nibble and k = 8c + 4 + j in its high one), then the
+// block's 16 scales as fp16: 288 bytes a block, the panel's blocks in K order.
+//
+// Every output is one row's blocks in K order, with a fixed sequence of operations whatever M, the task split or
+// the thread: a row's result never depends on the rows beside it.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <immintrin.h>
+
+#include "ops.h"
+#include "panel_gemm.h"
+
+namespace {
+
+constexpr int64_t kPanel = 16, kBlock = 32, kBlockBytes = 4 * 64 + kPanel * 2;
+constexpr int64_t kQuantRows = 16;
+
+struct Problem {
+  const float* x;
+  const uint8_t* w;
+  float* y;
+  int8_t* xq;              // [M, K]
+  int32_t* xsum8;          // [M, K/32]: 8 · Σ_{k∈b} x_q
+  float* x_scale;          // [M]
+  int64_t m, k, n, blocks, panels;
+};
+
+inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
+
+#if defined(__AVX512BW__)
+constexpr int kRows = 4, kPanels = 2;
+
+// t += Σ over 4 k of u · x for 16 channels: VNNI in one instruction, else pairs in int16 (15·127·2 < 2^15) then int32
+inline __m512i dot4(__m512i t, __m512i u, __m512i x) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpbusd_epi32(t, u, x);
+#else
+  return _mm512_add_epi32(t, _mm512_madd_epi16(_mm512_maddubs_epi16(u, x), _mm512_set1_epi16(1)));
+#endif
+}
+
+template <int R, int P>
+void micro(const Problem& p, int64_t row0, int64_t panel0) {
+  const int64_t panel_bytes = p.blocks * kBlockBytes;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512 acc[R][P];
+  for (int r = 0; r < R; ++r)
+    for (int q = 0; q < P; ++q) acc[r][q] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < p.blocks; ++b) {
+    __m512i t[R][P];
+    for (int r = 0; r < R; ++r)
+      for (int q = 0; q < P; ++q) t[r][q] = _mm512_setzero_si512();
+    for (int c = 0; c < 4; ++c) {
+      __m512i lo[P], hi[P];
+      for (int q = 0; q < P; ++q) {
+        const __m512i v = _mm512_loadu_si512(p.w + (panel0 + q) * panel_bytes + b * kBlockBytes + c * 64);
+        lo[q] = _mm512_and_si512(v, low);
+        hi[q] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      }
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xr = p.xq + (row0 + r) * p.k + b * kBlock + 8 * c;
+        int32_t first, second;
+        std::memcpy(&first, xr, 4);
+        std::memcpy(&second, xr + 4, 4);
+        const __m512i x0 = _mm512_set1_epi32(first), x1 = _mm512_set1_epi32(second);
+        for (int q = 0; q < P; ++q) t[r][q] = dot4(dot4(t[r][q], lo[q], x0), hi[q], x1);
+      }
+    }
+    __m512 scale[P];
+    for (int q = 0; q < P; ++q)
+      scale[q] = _mm512_cvtph_ps(_mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(p.w + (panel0 + q) * panel_bytes + b * kBlockBytes + 256)));
+    for (int r = 0; r < R; ++r) {
+      const __m512i corr = _mm512_set1_epi32(p.xsum8[(row0 + r) * p.blocks + b]);
+      for (int q = 0; q < P; ++q)
+        acc[r][q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(t[r][q], corr)), scale[q], acc[r][q]);
+    }
+  }
+  for (int q = 0; q < P; ++q) {
+    const int64_t col0 = (panel0 + q) * kPanel, valid = std::min<int64_t>(kPanel, p.n - col0);
+    const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
+    for (int r = 0; r < R; ++r)
+      _mm512_mask_storeu_ps(p.y + (row0 + r) * p.n + col0, mask,
+                            _mm512_mul_ps(acc[r][q], _mm512_set1_ps(p.x_scale[row0 + r])));
+  }
+}
+
+#else
+constexpr int kRows = 1, kPanels = 1;
+
+// Portable (and AVX2 through the compiler's vectoriser): the same integer sums and the same float operations in
+// the same order as the AVX-512 kernel (one fused multiply-add per block), so results agree across machines too.
+template <int R, int P>
+void micro(const Problem& p, int64_t row0, int64_t panel0) {
+  const int64_t panel_bytes = p.blocks * kBlockBytes;
+  for (int r = 0; r < R; ++r)
+    for (int q = 0; q < P; ++q) {
+      const uint8_t* w = p.w + (panel0 + q) * panel_bytes;
+      const int8_t* x = p.xq + (row0 + r) * p.k;
+      float acc[kPanel] = {};
+      for (int64_t b = 0; b < p.blocks; ++b, w += kBlockBytes) {
+        int32_t t[kPanel] = {};
+        for (int c = 0; c < 4; ++c)
+          for (int ch = 0; ch < kPanel; ++ch)
+            for (int j = 0; j < 4; ++j) {
+              const uint8_t byte = w[c * 64 + ch * 4 + j];
+              t[ch] += int32_t{static_cast<uint8_t>(byte & 0x0F)} * x[b * kBlock + 8 * c + j] +
+                       int32_t{static_cast<uint8_t>(byte >> 4)} * x[b * kBlock + 8 * c + 4 + j];
+            }
+        for (int ch = 0; ch < kPanel; ++ch) {
+          uint16_t h;
+          std::memcpy(&h, w + 256 + 2 * ch, 2);
+          acc[ch] = std::fma(static_cast<float>(t[ch] - p.xsum8[(row0 + r) * p.blocks + b]), half_to_float(h), acc[ch]);
+        }
+      }
+      const int64_t col0 = (panel0 + q) * kPanel, valid = std::min<int64_t>(kPanel, p.n - col0);
+      for (int64_t ch = 0; ch < valid; ++ch) p.y[(row0 + r) * p.n + col0 + ch] = acc[ch] * p.x_scale[row0 + r];
+    }
+}
+#endif
+
+template <int R, int P>
+struct Micro {
+  static void run(const Problem& p, int64_t row0, int64_t panel0) { micro<R, P>(p, row0, panel0); }
+};
+
+// Row → int8 on max|x|/127: qs_quantize_row's values (zero point 128) shifted to signed, and 8 × each block's sum.
+void quantize_task(void* user, size_t task) {
+  const Problem& p = *static_cast<const Problem*>(user);
+  const int64_t end = std::min<int64_t>(p.m, (static_cast<int64_t>(task) + 1) * kQuantRows);
+  thread_local std::vector<uint8_t> u;
+  u.resize(static_cast<size_t>(p.k));
+  for (int64_t row = static_cast<int64_t>(task) * kQuantRows; row < end; ++row) {
+    qs_quantize_row(p.x + row * p.k, p.k, u.data(), p.x_scale + row);
+    int8_t* q = p.xq + row * p.k;
+    for (int64_t i = 0; i < p.k; ++i) q[i] = static_cast<int8_t>(static_cast<int32_t>(u[i]) - 128);
+    for (int64_t b = 0; b < p.blocks; ++b) {
+      int32_t sum = 0;
+      for (int64_t i = 0; i < kBlock; ++i) sum += q[b * kBlock + i];
+      p.xsum8[row * p.blocks + b] = 8 * sum;
+    }
+  }
+}
+
+struct Int4MatMulKernel {
+  int64_t k, n;
+
+  Int4MatMulKernel(const OrtApi&, const OrtKernelInfo* info) {
+    Ort::ConstKernelInfo ki(info);
+    k = ki.GetAttribute<int64_t>("K");
+    n = ki.GetAttribute<int64_t>("N");
+    if (k <= 0 || n <= 0 || k % kBlock)
+      throw std::invalid_argument("qs.Int4MatMul: K must be a positive multiple of 32 and N positive");
+  }
+
+  void Compute(OrtKernelContext* context) {
+    Ort::KernelContext ctx(context);
+    auto x = ctx.GetInput(0);
+    std::vector<int64_t> shape = x.GetTensorTypeAndShapeInfo().GetShape();
+    if (shape.empty() || shape.back() != k)
+      throw std::invalid_argument("qs.Int4MatMul: x's last dimension must be K = " + std::to_string(k));
+    Problem p{};
+    p.k = k;
+    p.n = n;
+    p.blocks = k / kBlock;
+    p.panels = (n + kPanel - 1) / kPanel;
+    auto w = ctx.GetInput(1);
+    if (w.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(p.panels * p.blocks * kBlockBytes))
+      throw std::invalid_argument("qs.Int4MatMul: the packed weight must hold ceil(N/16) panels of K/32 blocks of 288 bytes");
+    p.y = output_rows(ctx, shape, n, &p.m);
+    if (p.m == 0) return;
+    p.x = x.GetTensorData<float>();
+    p.w = w.GetTensorData<uint8_t>();
+
+    thread_local std::vector<int8_t> xq;
+    thread_local std::vector<int32_t> xsum8;
+    thread_local std::vector<float> x_scale;
+    xq.resize(static_cast<size_t>(p.m * p.k));
+    xsum8.resize(static_cast<size_t>(p.m * p.blocks));
+    x_scale.resize(static_cast<size_t>(p.m));
+    p.xq = xq.data();
+    p.xsum8 = xsum8.data();
+    p.x_scale = x_scale.data();
+    const size_t quant_tasks = static_cast<size_t>((p.m + kQuantRows - 1) / kQuantRows);
+    if (quant_tasks == 1)
+      quantize_task(&p, 0);
+    else
+      ctx.ParallelFor(quantize_task, quant_tasks, 0, &p);
+
+    PanelGemm<Problem, Micro, kRows, kPanels>::run(ctx, p, p.m, p.n, 2 * kPanels);
+  }
+};
+
+struct Int4MatMulOp : Ort::CustomOpBase<Int4MatMulOp, Int4MatMulKernel> {
+  void* CreateKernel(const OrtApi& api, const OrtKernelInfo* info) const { return new Int4MatMulKernel(api, info); }
+  const char* GetName() const { return "Int4MatMul"; }
+  const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
+  size_t GetInputTypeCount() const { return 2; }
+  ONNXTensorElementDataType GetInputType(size_t i) const {
+    return i == 0 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT : ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8;
+  }
+  size_t GetOutputTypeCount() const { return 1; }
+  ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+};
+
+// qs.Int4Gather: rows of a table packed for qs.Int4MatMul (pack_panels of the table transposed: K = H, N = V), so
+// a tied int4 embedding is stored once for the lookup and the LM head:
+//     ids [...] int64, packed uint8 [ceil(V/16), H/32 · 288]  →  out [..., H] float,  out[..., h] = float(u − 8) · s
+struct Int4GatherKernel {
+  int64_t k, vocab;
+
+  Int4GatherKernel(const OrtApi&, const OrtKernelInfo* info) {
+    Ort::ConstKernelInfo ki(info);
+    k = ki.GetAttribute<int64_t>("K");
+    vocab = ki.GetAttribute<int64_t>("N");
+    if (k <= 0 || k % kBlock || vocab <= 0)
+      throw std::invalid_argument("qs.Int4Gather: K must be a positive multiple of 32 and N positive");
+  }
+
+  void Compute(OrtKernelContext* context) {
+    Ort::KernelContext ctx(context);
+    auto ids = ctx.GetInput(0);
+    auto packed = ctx.GetInput(1);
+    const int64_t blocks = k / kBlock, panel_bytes = blocks * kBlockBytes;
+    if (packed.GetTensorTypeAndShapeInfo().GetElementCount() !=
+        static_cast<size_t>((vocab + kPanel - 1) / kPanel * panel_bytes))
+      throw std::invalid_argument("qs.Int4Gather: the packed table must hold ceil(N/16) panels of K/32 blocks");
+    std::vector<int64_t> shape = ids.GetTensorTypeAndShapeInfo().GetShape();
+    const size_t count = ids.GetTensorTypeAndShapeInfo().GetElementCount();
+    shape.push_back(k);
+    float* out = ctx.GetOutput(0, shape).GetTensorMutableData<float>();
+    const int64_t* id = ids.GetTensorData<int64_t>();
+    const uint8_t* table = packed.GetTensorData<uint8_t>();
+    for (size_t i = 0; i < count; ++i, out += k) {
+      const int64_t t = id[i];
+      if (t < 0 || t >= vocab)
+        throw std::out_of_range("qs.Int4Gather: token id " + std::to_string(t) + " outside the vocabulary");
+      const int64_t ch = t % kPanel;
+      for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* block = table + (t / kPanel) * panel_bytes + b * kBlockBytes;
+        uint16_t h;
+        std::memcpy(&h, block + 256 + 2 * ch, 2);
+        const float s = half_to_float(h);
+        for (int64_t kk = 0; kk < kBlock; ++kk) {      // k = 8c + 4·nibble + j
+          const uint8_t byte = block[(kk / 8) * 64 + ch * 4 + kk % 4];
+          const int u = (kk % 8) < 4 ? (byte & 0x0F) : (byte >> 4);
+          out[b * kBlock + kk] = static_cast<float>(u - 8) * s;
+        }
+      }
+    }
+  }
+};
+
+struct Int4GatherOp : Ort::CustomOpBase<Int4GatherOp, Int4GatherKernel> {
+  void* CreateKernel(const OrtApi& api, const OrtKernelInfo* info) const { return new Int4GatherKernel(api, info); }
+  const char* GetName() const { return "Int4Gather"; }
+  const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
+  size_t GetInputTypeCount() const { return 2; }
+  ONNXTensorElementDataType GetInputType(size_t i) const {
+    return i == 0 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 : ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8;
+  }
+  size_t GetOutputTypeCount() const { return 1; }
+  ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+};
+
+}  // namespace
+
+const OrtCustomOp* qs_int4_gather_op() {
+  static Int4GatherOp op;
+  return &op;
+}
+
+const OrtCustomOp* qs_int4_matmul_op() {
+  static Int4MatMulOp op;
+  return &op;
+}
