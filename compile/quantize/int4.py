@@ -47,7 +47,8 @@ BLOCK_BYTES = 4 * 64 + PANEL * 2            # a block of a panel: 32 k × 16 cha
 def pack_panels(w: np.ndarray) -> np.ndarray:
     """w [K, N] float → qs.Int4MatMul's weight (plugins/cpu/int4_matmul.cpp): uint8 [ceil(N/16), K/32 · 288].
 
-    Per (32-k block, channel): scale = absmax / 7 rounded to fp16, u = round(w / scale) + 8 clipped to [0, 15].
+    Per (32-k block, channel): scale = absmax / 7 rounded to fp16 (within its normal range), u = round(w / scale) + 8
+    clipped to [0, 15].
     Per panel of 16 channels and block: four 64-byte chunks, chunk c holding at byte 4·ch + j the u of k = 8c + j
     (low nibble) and k = 8c + 4 + j (high nibble), then the 16 scales as fp16. N is padded with zero channels.
     """
@@ -59,7 +60,8 @@ def pack_panels(w: np.ndarray) -> np.ndarray:
     padded[:, :n] = w
     blocks = padded.reshape(nb, BLOCK, panels, PANEL)                                   # [nb, 32, P, 16]
     absmax = np.abs(blocks).max(axis=1)                                                # [nb, P, 16]
-    scale = np.where(absmax > 0, absmax / 7.0, 1.0).astype(np.float16)
+    # fp16 range: a block too large for it would scale by inf, one too small by 0
+    scale = np.where(absmax > 0, np.clip(absmax / 7.0, 2.0 ** -14, 65504.0), 1.0).astype(np.float16)
     u = (np.clip(np.rint(blocks / scale.astype(np.float32)[:, None]), -8, 7) + 8).astype(np.uint8)
     # k within a block = 8c + 4h + j  (c: chunk, h: nibble, j: lane)
     u = u.reshape(nb, 4, 2, 4, panels, PANEL).transpose(4, 0, 1, 5, 3, 2)             # [P, nb, c, ch, j, h]

@@ -23,7 +23,9 @@
 #include <string>
 #include <vector>
 
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#endif
 
 #include "ops.h"
 #include "panel_gemm.h"
@@ -43,7 +45,25 @@ struct Problem {
   int64_t m, k, n, blocks, panels;
 };
 
+#if defined(__F16C__)
 inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
+#else
+inline float half_to_float(uint16_t h) {        // IEEE binary16 → binary32, exactly (every half is a float)
+  const uint32_t sign = (h & 0x8000u) << 16, exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF;
+  float magnitude;
+  if (exponent == 0)
+    magnitude = std::ldexp(static_cast<float>(mantissa), -24);                 // zero and subnormals
+  else if (exponent == 31)
+    magnitude = mantissa ? NAN : INFINITY;
+  else
+    magnitude = std::ldexp(static_cast<float>(mantissa | 0x400), static_cast<int>(exponent) - 25);
+  uint32_t bits;
+  std::memcpy(&bits, &magnitude, 4);
+  bits |= sign;
+  std::memcpy(&magnitude, &bits, 4);
+  return magnitude;
+}
+#endif
 
 #if defined(__AVX512BW__)
 constexpr int kRows = 4, kPanels = 2;

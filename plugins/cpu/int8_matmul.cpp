@@ -24,7 +24,9 @@
 #include <string>
 #include <vector>
 
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#endif
 
 #include "ops.h"
 #include "panel_gemm.h"
@@ -203,8 +205,12 @@ struct Int8MatMulKernel {
     if (p.m == 0) return;
     p.x = x.GetTensorData<float>();
     p.w = w.GetTensorData<int8_t>();
-    p.w_scale = ctx.GetInput(2).GetTensorData<float>();
-    p.w_zsum = ctx.GetInput(3).GetTensorData<int32_t>();
+    auto w_scale = ctx.GetInput(2), w_zsum = ctx.GetInput(3);
+    if (w_scale.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(n) ||
+        w_zsum.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(n))
+      throw std::invalid_argument("qs.Int8MatMul: w_scale and w_zsum must hold N = " + std::to_string(n) + " values");
+    p.w_scale = w_scale.GetTensorData<float>();
+    p.w_zsum = w_zsum.GetTensorData<int32_t>();
 
     thread_local std::vector<uint8_t> xq;
     thread_local std::vector<float> x_scale;
