@@ -50,7 +50,8 @@ class CompileConfig:
     @property
     def own_kernels(self) -> bool:
         """Whether the cpu graph uses our `qs` ops (plugins/cpu): qs.CausalAttention for an fp32 KV cache (the
-        int8 cache stays on GroupQueryAttention) and qs.RowQuantize in the batch-invariant int8 linears."""
+        int8 cache stays on GroupQueryAttention), qs.Int8MatMul for the batch-invariant int8 linears and head, and
+        qs.Int4MatMul for int4 where `own_int4`."""
         if self.target != "cpu" or self.kernels == "ort":
             return False
         if self.kernels == "qs":

@@ -49,9 +49,14 @@ def engine_dir(role: str = "target", root: Path | None = None) -> Path:
     source = fingerprint(model)
     if built == source and kernels == cfg.kernels_used and revision == GRAPH_REVISION:
         return engine
-    why = ("once" if built is None else f"{model} changed since it was built" if built != source
-           else f"it was built with {kernels or 'ort'} kernels, this install has {cfg.kernels_used}"
-           if kernels != cfg.kernels_used else f"its graph is revision {revision or 1}, this compiler's {GRAPH_REVISION}")
+    if built is None:
+        why = "once"
+    elif built != source:
+        why = f"{model} changed since it was built"
+    elif kernels != cfg.kernels_used:
+        why = f"it was built with {kernels or 'ort'} kernels, this install has {cfg.kernels_used}"
+    else:
+        why = f"its graph is revision {revision or 1}, this compiler's {GRAPH_REVISION}"
     print(f"building the bundled {role} engine: {model} → {engine} ({why})", file=sys.stderr, flush=True)
     build(cfg, log=lambda _: None)
     return engine

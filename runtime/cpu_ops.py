@@ -3,9 +3,9 @@
 ONNX Runtime loads that module's file as a custom-op library: `register(so)` adds the `qs` domain to a session:
 qs.CausalAttention (the decode-friendly replacement of com.microsoft.GroupQueryAttention), qs.Int8MatMul and
 qs.Int4MatMul (whole batch-invariant int8 / block-wise int4 linears on weights packed for them), qs.PackedGather
-(embedding rows from a packed table) and qs.RowQuantize. The ops are built when ONNX Runtime's API
-headers were found at install time (CMakeLists.txt); `available()` says whether this install has them, and the
-compiler emits them only then (`compile build --kernels`).
+and qs.Int4Gather (embedding rows from those packed tables), and qs.RowQuantize (which engines built before
+qs.Int8MatMul use). The ops are built when ONNX Runtime's API headers were found at install time (CMakeLists.txt);
+`available()` says whether this install has them, and the compiler emits them only then (`compile build --kernels`).
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ class Ctx:
     kv_scales: list[tuple[np.ndarray, np.ndarray]] | None = None  # cpu int8 KV cache: (k, v) scales per layer
     batch_invariant: bool = True  # row-local int8 activation quantization, no one-row MatMulNBits (cpu graphs)
     attention: str = "ort"     # cpu: "qs" (qs.CausalAttention, plugins/cpu) or "ort" (GroupQueryAttention)
-    own_kernels: bool = False  # cpu: our qs ops may be used (qs.Int8MatMul in the int8 linears)
+    own_kernels: bool = False  # cpu: our qs ops may be used (qs.Int8MatMul in the int8 linears and head)
     own_int4: bool = False     # cpu int4: qs.Int4MatMul for the linears (blocks of 32) instead of MatMulNBits
     shared: dict[str, str] = field(default_factory=dict)  # values built once per graph (per-row shapes)
 
@@ -58,6 +58,19 @@ class Ctx:
         return self.b.op("Cast", [w], f"{name}/Cast", to=self.act_type)
 
 
+def plus_bias(ctx: Ctx, y: str, bias: str, name: str) -> str:
+    return ctx.b.op("Add", [y, bias], f"{name}/Add") if bias else y
+
+
+def panel_matmul(ctx: Ctx, x: str, bits: int, weights: list[str], k: int, n: int, name: str,
+                 output: str | None = None) -> str:
+    """qs.Int8MatMul (weights: panels, channel scales, zero-point sums; compile.quantize.int8.pack_panels) or
+    qs.Int4MatMul (weights: panels with their block scales; compile.quantize.int4.pack_panels): x [..., k] → [..., n],
+    activations quantized per row inside the op (plugins/cpu). The linears' and the LM head's."""
+    return ctx.b.node(f"Int{bits}MatMul", [x, *weights], f"{name}/Int{bits}MatMul", domain=QS_DOMAIN,
+                      outputs=[output] if output else None, K=k, N=n)[0]
+
+
 def linear(ctx: Ctx, x: str, weight: np.ndarray, bias: np.ndarray | None, name: str) -> str:
     """x @ weight.T (+ bias).   x: [..., in]   weight: [out, in] (HF layout)   → [..., out]
 
@@ -73,27 +86,24 @@ def linear(ctx: Ctx, x: str, weight: np.ndarray, bias: np.ndarray | None, name: 
         q, scale = int8.quantize(w)
         wq = b.op("DequantizeLinear", [b.weight(f"{name}.weight_int8", q), ctx.float_weight(f"{name}.weight_scale", scale)],
                   f"{name}/DequantizeLinear", axis=1)
-        y = b.op("MatMul", [x, wq], f"{name}/MatMul")
-        return b.op("Add", [y, bias_name], f"{name}/Add") if bias_name else y
+        return plus_bias(ctx, b.op("MatMul", [x, wq], f"{name}/MatMul"), bias_name, name)
     if ctx.precision == "int8" and not ctx.batch_invariant:   # one activation scale per step: faster, not invariant
         q, scale = int8.quantize(w)
         ins = [x, b.weight(f"{name}.weight_int8", q), b.weight(f"{name}.weight_scale", scale), "", bias_name]
         return b.op("DynamicQuantizeMatMul", ins, f"{name}/DynamicQuantizeMatMul", domain=MS_DOMAIN)
-    if ctx.precision == "int8" and ctx.own_kernels:          # the same arithmetic as below, in one op
+    if ctx.precision == "int8" and ctx.own_kernels:          # the arithmetic of row_quantized_matmul, in one op
         q, scale = int8.quantize(w, levels=int8.WEIGHT_LEVELS)
         packed, zsum = int8.pack_panels(q)
-        y = b.op("Int8MatMul", [x, b.weight(f"{name}.weight_int8_panels", packed), b.weight(f"{name}.weight_scale", scale),
-                                b.weight(f"{name}.weight_zsum", zsum)], f"{name}/Int8MatMul", domain=QS_DOMAIN,
-                 K=w.shape[0], N=w.shape[1])
-        return b.op("Add", [y, bias_name], f"{name}/Add") if bias_name else y
+        weights = [b.weight(f"{name}.weight_int8_panels", packed), b.weight(f"{name}.weight_scale", scale),
+                   b.weight(f"{name}.weight_zsum", zsum)]
+        return plus_bias(ctx, panel_matmul(ctx, x, 8, weights, *w.shape, name), bias_name, name)
     if ctx.precision == "int8":
         q, scale = int8.quantize(w, levels=int8.WEIGHT_LEVELS)
         return row_quantized_matmul(ctx, x, b.weight(f"{name}.weight_int8", q),
                                     b.weight(f"{name}.weight_scale", scale), w.shape[0], bias_name, name)
     if ctx.precision == "int4" and ctx.own_int4:
-        y = b.op("Int4MatMul", [x, b.weight(f"{name}.weight_int4_panels", int4.pack_panels(w))], f"{name}/Int4MatMul",
-                 domain=QS_DOMAIN, K=w.shape[0], N=w.shape[1])
-        return b.op("Add", [y, bias_name], f"{name}/Add") if bias_name else y
+        weights = [b.weight(f"{name}.weight_int4_panels", int4.pack_panels(w))]
+        return plus_bias(ctx, panel_matmul(ctx, x, 4, weights, *w.shape, name), bias_name, name)
     if ctx.precision == "int4":
         packed, scales = int4.quantize(w, ctx.block_size)
         ins = [b.weight(f"{name}.weight_q4", packed), ctx.float_weight(f"{name}.weight_scales", scales), "", "", bias_name]
@@ -104,8 +114,7 @@ def linear(ctx: Ctx, x: str, weight: np.ndarray, bias: np.ndarray | None, name: 
                   f"{name}/DequantizeLinear", axis=1)
     else:
         wq = ctx.stored(f"{name}.weight", w)
-    y = b.op("MatMul", [x, wq], f"{name}/MatMul")
-    return b.op("Add", [y, bias_name], f"{name}/Add") if bias_name else y
+    return plus_bias(ctx, b.op("MatMul", [x, wq], f"{name}/MatMul"), bias_name, name)
 
 
 def row_quantized_matmul(ctx: Ctx, x: str, weight: str, scale: str, k: int, bias: str, name: str,
@@ -116,8 +125,6 @@ def row_quantized_matmul(ctx: Ctx, x: str, weight: str, scale: str, k: int, bias
         x ─▶ Abs ─▶ ReduceMax(last axis) ─▶ ·1/127 = s                                    [..., 1]
         x ─▶ QuantizeLinear(s, zero point 128, block = K) ─▶ u8 ─▶ MatMulIntegerToFloat(a_scale = s) ─▶ +bias
 
-    (the first four ops are one qs.RowQuantize where the engine uses our kernels)
-
     x: [..., K]   weight: [K, N] int8 in ±int8.WEIGHT_LEVELS   scale: [N] per output channel   → [..., N]
     The integer product is exact (7-bit weights cannot saturate MLAS's int16 pair sums; a u8·u8 kernel would be
     exact at 8 bits but measured 15 % slower at batch 1) and the scale is row-local, so every row's result is
@@ -127,15 +134,12 @@ def row_quantized_matmul(ctx: Ctx, x: str, weight: str, scale: str, k: int, bias
     """
     b, n = ctx.b, f"{name}/RowQuant"
     zp = b.const(128, np.uint8)
-    if ctx.own_kernels:             # the four ops below in one, bit for bit (plugins/cpu/row_quantize.cpp)
-        xq, s = b.node("RowQuantize", [x], f"{n}/RowQuantize", num_outputs=2, domain=QS_DOMAIN)
-    else:
-        amax = b.op("ReduceMax", [b.op("Abs", [x], f"{n}/Abs"), b.const([-1])], f"{n}/ReduceMax", keepdims=1)
-        s = b.op("Mul", [amax, b.const(1 / 127, np.float32)], f"{n}/Scale")                      # [..., 1]
-        key = f"{rows}/zero_point"
-        if key not in ctx.shared:
-            ctx.shared[key] = b.op("Expand", [zp, b.op("Shape", [s], f"{n}/Shape")], f"{n}/ZeroPoint")
-        xq = b.op("QuantizeLinear", [x, s, ctx.shared[key]], f"{n}/QuantizeLinear", axis=-1, block_size=k)
+    amax = b.op("ReduceMax", [b.op("Abs", [x], f"{n}/Abs"), b.const([-1])], f"{n}/ReduceMax", keepdims=1)
+    s = b.op("Mul", [amax, b.const(1 / 127, np.float32)], f"{n}/Scale")                          # [..., 1]
+    key = f"{rows}/zero_point"
+    if key not in ctx.shared:
+        ctx.shared[key] = b.op("Expand", [zp, b.op("Shape", [s], f"{n}/Shape")], f"{n}/ZeroPoint")
+    xq = b.op("QuantizeLinear", [x, s, ctx.shared[key]], f"{n}/QuantizeLinear", axis=-1, block_size=k)
     # The bias is added apart: with a per-row a_scale, ONNX Runtime scales its bias input by a_scale too.
     y = b.node("MatMulIntegerToFloat", [xq, weight, s, scale, zp], f"{name}/MatMulIntegerToFloat", domain=MS_DOMAIN,
                outputs=[output] if output and not bias else None)[0]
@@ -311,8 +315,8 @@ class Embeddings:
         elif self.mode == "int8":
             q, scale = int8.quantize(table, axis=1, levels=int8.WEIGHT_LEVELS if ctx.batch_invariant else 127)
             self.scale = b.weight(f"{name}.weight_scale", scale)
-            self.packed = ctx.own_kernels and ctx.batch_invariant
-            if self.packed:         # one table in qs.Int8MatMul's layout for the head, read by qs.PackedGather
+            if ctx.own_kernels and ctx.batch_invariant:   # one table packed for qs.Int8MatMul, read by qs.PackedGather
+                self.mode = "int8-panels"
                 panels, zsum = int8.pack_panels(np.ascontiguousarray(q.T))
                 self.table = b.weight(f"{name}.weight_int8_panels", panels)
                 self.zsum = b.weight(f"{name}.weight_zsum", zsum)
@@ -334,7 +338,7 @@ class Embeddings:
             return b.op("Gather", [self.table, ids], f"{n}/Gather", axis=0)
         if self.mode == "int4-panels":
             return b.op("Int4Gather", [ids, self.table], f"{n}/Int4Gather", domain=QS_DOMAIN, K=self.hidden, N=self.vocab)
-        if self.mode == "int8" and self.packed:
+        if self.mode == "int8-panels":
             return b.op("PackedGather", [ids, self.table, self.scale], f"{n}/PackedGather", domain=QS_DOMAIN,
                         K=self.hidden)
         if self.mode == "int8":
@@ -364,11 +368,10 @@ class Embeddings:
         if self.mode == "float":
             y = b.node("Gemm", [rows, self.table], "/lm_head/Gemm", outputs=out, transB=1)[0]
         elif self.mode == "int4-panels":
-            y = b.node("Int4MatMul", [rows, self.table], "/lm_head/Int4MatMul", domain=QS_DOMAIN, outputs=out,
-                       K=self.hidden, N=self.vocab)[0]
-        elif self.mode == "int8" and self.packed:
-            y = b.node("Int8MatMul", [rows, self.table, self.scale, self.zsum], "/lm_head/Int8MatMul", domain=QS_DOMAIN,
-                       outputs=out, K=self.hidden, N=self.vocab)[0]
+            y = panel_matmul(self.ctx, rows, 4, [self.table], self.hidden, self.vocab, "/lm_head", out[0])
+        elif self.mode == "int8-panels":
+            y = panel_matmul(self.ctx, rows, 8, [self.table, self.scale, self.zsum], self.hidden, self.vocab, "/lm_head",
+                             out[0])
         elif self.mode == "int8":
             if self.ctx.batch_invariant:
                 y = row_quantized_matmul(self.ctx, rows, self.table, self.scale, self.hidden, "", "/lm_head",

@@ -33,7 +33,6 @@
 namespace {
 
 constexpr int64_t kPanel = 16, kBlock = 32, kBlockBytes = 4 * 64 + kPanel * 2;
-constexpr int64_t kQuantRows = 16;
 
 struct Problem {
   const float* x;
@@ -163,20 +162,16 @@ struct Micro {
 };
 
 // Row → int8 on max|x|/127: qs_quantize_row's values (zero point 128) shifted to signed, and 8 × each block's sum.
-void quantize_task(void* user, size_t task) {
-  const Problem& p = *static_cast<const Problem*>(user);
-  const int64_t end = std::min<int64_t>(p.m, (static_cast<int64_t>(task) + 1) * kQuantRows);
+void quantize(const Problem& p, int64_t row) {
   thread_local std::vector<uint8_t> u;
   u.resize(static_cast<size_t>(p.k));
-  for (int64_t row = static_cast<int64_t>(task) * kQuantRows; row < end; ++row) {
-    qs_quantize_row(p.x + row * p.k, p.k, u.data(), p.x_scale + row);
-    int8_t* q = p.xq + row * p.k;
-    for (int64_t i = 0; i < p.k; ++i) q[i] = static_cast<int8_t>(static_cast<int32_t>(u[i]) - 128);
-    for (int64_t b = 0; b < p.blocks; ++b) {
-      int32_t sum = 0;
-      for (int64_t i = 0; i < kBlock; ++i) sum += q[b * kBlock + i];
-      p.xsum8[row * p.blocks + b] = 8 * sum;
-    }
+  qs_quantize_row(p.x + row * p.k, p.k, u.data(), p.x_scale + row);
+  int8_t* q = p.xq + row * p.k;
+  for (int64_t i = 0; i < p.k; ++i) q[i] = static_cast<int8_t>(static_cast<int32_t>(u[i]) - 128);
+  for (int64_t b = 0; b < p.blocks; ++b) {
+    int32_t sum = 0;
+    for (int64_t i = 0; i < kBlock; ++i) sum += q[b * kBlock + i];
+    p.xsum8[row * p.blocks + b] = 8 * sum;
   }
 }
 
@@ -219,12 +214,7 @@ struct Int4MatMulKernel {
     p.xq = xq.data();
     p.xsum8 = xsum8.data();
     p.x_scale = x_scale.data();
-    const size_t quant_tasks = static_cast<size_t>((p.m + kQuantRows - 1) / kQuantRows);
-    if (quant_tasks == 1)
-      quantize_task(&p, 0);
-    else
-      ctx.ParallelFor(quantize_task, quant_tasks, 0, &p);
-
+    for_each_row<Problem, quantize>(ctx, p, p.m);
     PanelGemm<Problem, Micro, kRows, kPanels>::run(ctx, p, p.m, p.n, 2 * kPanels);
   }
 };

@@ -6,8 +6,8 @@
 //
 // which is bit for bit what RowQuantize + MatMulIntegerToFloat computed (ONNX Runtime scales by the weight's
 // channel scale first, then by the row's; tests/unit/test_cpu_ops.py checks every bit). Two ops were 242 of a
-// smollm2 decode step's ~420 dispatches; and at batch 1 the step streams 106 MB of int8 weights, which
-// MLAS's M=1 path read at ~15.7 GB/s on this 2-core Xeon against ~19 GB/s that the memory gives.
+// smollm2 decode step's ~420 dispatches; and at batch 1 the step streams 134 MB of int8 weights, which MLAS's
+// M=1 path read at ~15.7 GB/s on a 2-core Xeon where this kernel reads them at ~20 GB/s (its memory bandwidth).
 //
 // The weight comes packed by the compiler (compile/quantize/int8.py `pack_panels`): panels of 16 output
 // channels, each K rounded up to 4 and stored as [K/4][16 channels][4 k] int8, so one 64-byte load holds four
@@ -36,7 +36,6 @@ namespace {
 constexpr int64_t kPanel = 16;        // output channels per packed panel
 constexpr int kMaxRows = 4;           // rows of x per micro-kernel call
 constexpr int kMaxPanels = 4;         // panels per micro-kernel call
-constexpr int64_t kQuantRows = 16;    // rows quantized per task
 
 struct Problem {
   const float* x;
@@ -105,7 +104,7 @@ void micro(const Problem& p, int64_t row0, int64_t panel0) {
 // ymm registers only for R·P ≤ 4, so the AVX2 kernel is called with at most 2 × 2.
 template <int R, int P>
 void micro(const Problem& p, int64_t row0, int64_t panel0) {
-  static_assert(R * P <= 16, "");
+  static_assert(R * P <= 4, "R·P·2 accumulators, P·2 weights and the row must fit 16 ymm registers");
   const int64_t steps = p.k4 / 4, panel_bytes = p.k4 * kPanel;
   const int8_t* w0 = p.w + panel0 * panel_bytes;
   const uint8_t* a0 = p.xq + row0 * p.k4;
@@ -166,22 +165,17 @@ struct Micro {
   static void run(const Problem& p, int64_t row0, int64_t panel0) { micro<R, P>(p, row0, panel0); }
 };
 
-void quantize_task(void* user, size_t task) {
-  const Problem& p = *static_cast<const Problem*>(user);
-  const int64_t end = std::min<int64_t>(p.m, (static_cast<int64_t>(task) + 1) * kQuantRows);
-  for (int64_t row = static_cast<int64_t>(task) * kQuantRows; row < end; ++row) {
-    uint8_t* q = p.xq + row * p.k4;
-    qs_quantize_row(p.x + row * p.k, p.k, q, p.x_scale + row);
-    std::fill(q + p.k, q + p.k4, uint8_t{128});     // meets the packed weight's zero rows
-  }
+void quantize(const Problem& p, int64_t row) {
+  uint8_t* q = p.xq + row * p.k4;
+  qs_quantize_row(p.x + row * p.k, p.k, q, p.x_scale + row);
+  std::fill(q + p.k, q + p.k4, uint8_t{128});     // meets the packed weight's zero rows
 }
 
 struct Int8MatMulKernel {
   int64_t k, n;
 
-  Int8MatMulKernel(const OrtApi& api, const OrtKernelInfo* info) {
+  Int8MatMulKernel(const OrtApi&, const OrtKernelInfo* info) {
     Ort::ConstKernelInfo ki(info);
-    (void)api;
     k = ki.GetAttribute<int64_t>("K");
     n = ki.GetAttribute<int64_t>("N");
     if (k <= 0 || n <= 0) throw std::invalid_argument("qs.Int8MatMul: attributes K and N must be positive");
@@ -218,12 +212,7 @@ struct Int8MatMulKernel {
     x_scale.resize(static_cast<size_t>(p.m));
     p.xq = xq.data();
     p.x_scale = x_scale.data();
-    const size_t quant_tasks = static_cast<size_t>((p.m + kQuantRows - 1) / kQuantRows);
-    if (quant_tasks == 1)
-      quantize_task(&p, 0);
-    else
-      ctx.ParallelFor(quantize_task, quant_tasks, 0, &p);
-
+    for_each_row<Problem, quantize>(ctx, p, p.m);
     PanelGemm<Problem, Micro, kRowsPerCall, kPanelsPerCall>::run(ctx, p, p.m, p.n, kPanelsPerCall);
   }
 };

@@ -21,6 +21,27 @@ inline float* output_rows(Ort::KernelContext& ctx, std::vector<int64_t> x_shape,
   return ctx.GetOutput(0, x_shape).GetTensorMutableData<float>();
 }
 
+// Row(problem, row) for every row of a product, in tasks of 16 rows (one task runs on the calling thread): the
+// kernels' per-row activation quantization.
+template <class Problem, void (*Row)(const Problem&, int64_t)>
+void for_each_row(Ort::KernelContext& ctx, const Problem& problem, int64_t rows) {
+  constexpr int64_t kRowsPerTask = 16;
+  struct Job {
+    const Problem* problem;
+    int64_t rows;
+  } job{&problem, rows};
+  auto task = [](void* user, size_t index) {
+    const Job& j = *static_cast<const Job*>(user);
+    const int64_t end = std::min<int64_t>(j.rows, (static_cast<int64_t>(index) + 1) * kRowsPerTask);
+    for (int64_t row = static_cast<int64_t>(index) * kRowsPerTask; row < end; ++row) Row(*j.problem, row);
+  };
+  const size_t tasks = static_cast<size_t>((rows + kRowsPerTask - 1) / kRowsPerTask);
+  if (tasks == 1)
+    task(&job, 0);
+  else
+    ctx.ParallelFor(task, tasks, 0, &job);
+}
+
 // Micro<R, P>::run(problem, first row, first panel): R rows × P panels, 1 ≤ R ≤ Rows, 1 ≤ P ≤ Panels.
 template <class Problem, template <int, int> class Micro, int Rows, int Panels>
 class PanelGemm {

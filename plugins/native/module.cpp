@@ -33,7 +33,7 @@ PYBIND11_MODULE(_native, m) {
   m.doc() = "Quicksilver runtime native helpers";
   m.def("hash_block", &py_hash_block, py::arg("parent"), py::arg("tokens"),
         "Chained hash of one block of token ids onto the parent block's key.");
-  // ONNX Runtime loads this module's file as a custom-op library (RegisterCustomOps, plugins/cpu/attention.cpp)
+  // ONNX Runtime loads this module's file as a custom-op library (RegisterCustomOps, plugins/cpu/register.cpp)
 #ifdef QS_CPU_OPS
   m.attr("cpu_ops") = true;
 #else

@@ -213,7 +213,7 @@ class Speculator:
         rate = accepted / proposed
         s.recent = rate if s.rounds == 1 else (1 - RECENT_WEIGHT) * s.recent + RECENT_WEIGHT * rate
         old = self._alpha(req)
-        s.acceptance[req.request_id] = (1 - self.config.smoothing) * old + self.config.smoothing * accepted / proposed
+        s.acceptance[req.request_id] = (1 - self.config.smoothing) * old + self.config.smoothing * rate
         req.spec_proposed += proposed
         req.spec_accepted += accepted
 
