@@ -129,7 +129,7 @@ class Scheduler:
                 if hit is None:
                     return
             heapq.heappop(self.waiting)
-            req.num_computed = req.num_computed_draft = hit
+            req.num_computed = hit                   # (the KV manager set num_computed_draft)
             if req.status is RequestStatus.WAITING:
                 req.num_cached = hit
                 req.first_scheduled = time.monotonic()

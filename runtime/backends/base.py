@@ -24,6 +24,7 @@ class KVManager(Protocol):
     block_size: int
     num_slots: int              # sequences that can hold KV at once (one index each, `req.slot`)
     stats: object               # kv.manager.CacheStats: prefix-cache queries and hits
+    draft_may_lag: bool         # blocks are cached without the draft's KV: the draft may skip prompts
 
     @property
     def usage(self) -> float:
@@ -39,7 +40,8 @@ class KVManager(Protocol):
 
     def allocate(self, req: Request) -> int | None:
         """Admit `req`: a sequence index, its cached prefix and KV for its prompt; returns the number of prompt
-        tokens served from the prefix cache, or None (holding nothing) when there is no room."""
+        tokens served from the prefix cache (setting `req.num_computed_draft` to those the draft's KV holds), or
+        None (holding nothing) when there is no room."""
         ...
 
     def reserve(self, req: Request, num_tokens: int) -> bool:

@@ -1,8 +1,10 @@
 """BlockPool: the prefix cache's full KV blocks — storage, reference counts, LRU free queue, hash → block.
 
 A block holds the K and V of `block_size` consecutive tokens for every layer of every model that shares
-the cache (the target, and the draft when speculating; [kv_heads, block_size, head_dim] per layer), keyed by the chained hash of all tokens up to and including it. A block with
-reference count 0 sits in the free queue in least-recently-released order and keeps its contents until
+the cache (the target, and the draft when speculating; [kv_heads, block_size, head_dim] per layer), keyed by
+the chained hash of all tokens up to and including it. The draft computes a prompt only when speculation is
+going to use it, so a block may be cached with the target's KV alone: `has_draft` says whether the draft's
+layers hold its KV too. A block with reference count 0 sits in the free queue in least-recently-released order and keeps its contents until
 it is reused, so it can still be hit; allocation takes the oldest. The tokens and parent key of each
 block are stored and compared on lookup, so a hash collision can never return the wrong KV.
 
@@ -30,6 +32,7 @@ class BlockPool:
         self.ref = [0] * num_blocks
         self.key: list[int | None] = [None] * num_blocks
         self.identity: list[tuple | None] = [None] * num_blocks   # (parent key, token ids) to rule out collisions
+        self.has_draft = [False] * num_blocks    # the draft's layers hold this block's KV (not only the target's)
         self.by_key: dict[int, int] = {}
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self.evictions = 0                 # cached blocks overwritten to make room
@@ -96,7 +99,7 @@ class BlockPool:
         if self.key[block] is not None:
             del self.by_key[self.key[block]]
             self.evictions += 1
-        self.key[block], self.identity[block] = None, None
+        self.key[block], self.identity[block], self.has_draft[block] = None, None, False
         self.ref[block] = 1
         if key is not None:
             self.register(block, key, parent, tokens)

@@ -7,6 +7,11 @@ tokens — so concurrency follows the tokens actually held, not slots × context
 are copied into the BlockPool under their chained hash; a new sequence whose prompt starts with cached blocks
 gets them copied into its slot (a memcpy instead of a prefill) and starts computing after them.
 
+With a draft model, the draft computes a sequence's tokens only when speculation is going to use them (it is
+off at batch sizes where it does not pay), so the draft may lag the target: a block is cached as soon as the
+target has computed it, with the draft's KV added when (if ever) the draft computes it too, and a hit gives the
+draft the leading blocks that hold its KV (`req.num_computed_draft`); the draft catches up on the rest itself.
+
 A finished sequence's slot may stay resident with its KV ("retained", as llama.cpp's server slots keep theirs): a
 follow-up whose prompt extends it (a chat's next turn, the same document with a new question) takes that slot
 and starts after the longest common prefix, copying nothing and recomputing no partial block. Retained slots
@@ -56,6 +61,8 @@ class CacheStats:
 
 
 class KVCacheManager:
+    draft_may_lag = True          # the prefix cache keeps the draft's KV per block: the draft may skip prompts
+
     def __init__(self, layouts: list[KVLayout], num_slots: int, slot_capacity: int, num_blocks: int, block_size: int,
                  budget_tokens: int | None = None, retained_slots: int = 0):
         """layouts[0] is the target; further layouts (the draft) get slots with the same indices. `budget_tokens`:
@@ -77,9 +84,12 @@ class KVCacheManager:
         self._busy: set[int] = set()
         self._held: dict[str, list[int]] = {}               # request id → blocks it references, in order
         self._keys: dict[str, list[int]] = {}               # request id → chained keys of its full blocks
+        self._held_draft: dict[str, int] = {}               # request id → leading held blocks cached with draft KV
+        self._target_layers = self.pools[0].num_layers       # block-pool layers [0, this) are the target's
         self._pending: dict[str, Request] = {}              # computed since the last flush
         self.max_retained = retained_slots
-        self._retained: OrderedDict[int, np.ndarray] = OrderedDict()   # free slot → token ids its KV holds, LRU first
+        # free slot → (token ids its target KV holds, how many of them the draft's KV holds), LRU first
+        self._retained: OrderedDict[int, tuple[np.ndarray, int]] = OrderedDict()
         self.stats = CacheStats()
 
     # -- capacity ---------------------------------------------------------------------------------
@@ -100,7 +110,7 @@ class KVCacheManager:
     def scratch_rows(self) -> dict[int, int]:
         """Free slots whose leading rows hold retained KV → the first row a batched call spanning them may scribble
         on (a spanned free slot gets a dummy row; elsewhere it goes to row 0)."""
-        return {slot: len(ids) for slot, ids in self._retained.items()}
+        return {slot: len(ids) for slot, (ids, _) in self._retained.items()}
 
     @property
     def retained_tokens(self) -> int:
@@ -120,11 +130,12 @@ class KVCacheManager:
     def allocate(self, req: Request) -> int | None:
         """Give `req` a slot with memory for its tokens and one more, holding its longest known prefix — a retained
         slot that starts with it, else cached blocks copied in; returns the tokens it need not compute, or None
-        (holding nothing) if no slot or not enough budget is free."""
+        (holding nothing) if no slot or not enough budget is free. Sets `req.num_computed_draft` to the tokens of
+        that prefix the draft's KV holds."""
         ids = req.all_ids
         held = self.blocks.acquire_prefix(self._keys_for(req, ids), ids, self.blocks.hit_limit(req.num_tokens))
         cached = len(held) * self.block_size
-        slot, kept = self._retained_match(ids, max(0, req.num_tokens - 2))   # the last two are always computed
+        slot, kept, kept_draft = self._retained_match(ids, max(0, req.num_tokens - 2))   # the last two: computed
         if slot is None or kept < max(cached, 1):
             slot, kept = self._fresh_slot(), 0
         need = self._rounded(req.num_tokens + 1)
@@ -140,26 +151,38 @@ class KVCacheManager:
         self._grow(slot, need)
         assert not self._held.get(req.request_id), "a request is allocated only while it holds nothing"
         self._held[req.request_id] = held
+        self._held_draft[req.request_id] = self._draft_prefix(held, 0)
         if not kept:
-            self._copy_in(slot, held)
+            self._copy_in(slot, held, self._held_draft[req.request_id])
         hit = max(kept, cached)
+        req.num_computed_draft = kept_draft if kept else self._held_draft[req.request_id] * self.block_size
         self.stats.queries += len(req.prompt_ids)
         self.stats.hits += min(hit, len(req.prompt_ids))
         return hit
 
-    def _retained_match(self, ids, limit: int) -> tuple[int | None, int]:
-        """The retained slot sharing the longest prefix with `ids` (at most `limit` tokens) and that length."""
-        best, best_len = None, 0
+    def _retained_match(self, ids, limit: int) -> tuple[int | None, int, int]:
+        """The retained slot sharing the longest prefix with `ids` (at most `limit` tokens), that length, and how
+        much of it the slot's draft KV holds."""
+        best, best_len, best_draft = None, 0, 0
         if not self._retained:
-            return best, best_len
+            return best, best_len, best_draft
         ids = np.asarray(ids[:limit])
-        for slot, kept in self._retained.items():
+        for slot, (kept, kept_draft) in self._retained.items():
             n = min(len(kept), len(ids))
             differ = np.flatnonzero(kept[:n] != ids[:n])
             common = int(differ[0]) if len(differ) else n
             if common > best_len:
-                best, best_len = slot, common
-        return best, best_len
+                best, best_len, best_draft = slot, common, min(common, kept_draft)
+        return best, best_len, best_draft
+
+    def _draft_prefix(self, held: list[int], start: int) -> int:
+        """How many leading blocks of `held` are cached with the draft's KV, knowing the first `start` are."""
+        if len(self.pools) == 1:
+            return len(held)
+        n = start
+        while n < len(held) and self.blocks.has_draft[held[n]]:
+            n += 1
+        return n
 
     def _fresh_slot(self) -> int | None:
         """The lowest free slot that holds nothing, else the least recently retained one (its KV given back)."""
@@ -239,16 +262,21 @@ class KVCacheManager:
         self._pending.clear()
 
     def cache_computed(self, req: Request) -> None:
-        """Copy newly completed full blocks of `req` — tokens every model (target, draft) has computed — into the
-        prefix cache."""
-        held, bs = self._held[req.request_id], self.block_size
-        done = req.num_computed if len(self.pools) == 1 else min(req.num_computed, req.num_computed_draft)
-        if done // bs <= len(held):
+        """Copy newly completed full blocks of `req` into the prefix cache: the target's KV of every block it has
+        computed, the draft's of every block the draft has computed too (also into blocks cached without it)."""
+        rid, bs = req.request_id, self.block_size
+        held, held_draft = self._held[rid], self._held_draft[rid]
+        done = req.num_computed // bs
+        done_draft = done if len(self.pools) == 1 else min(req.num_computed, req.num_computed_draft) // bs
+        if done <= len(held) and min(done_draft, len(held)) <= held_draft:
             return                                  # no newly completed block (most steps): nothing to hash
         keys = self._keys_for(req)
-        full = min(done // bs, len(keys))
-        copies: list[tuple[int, int]] = []          # (block position in the sequence, cache block)
-        for i in range(len(held), full):
+        copies: list[tuple[int, int]] = []          # (block position in the sequence, cache block): target KV
+        draft_copies: list[tuple[int, int]] = []    # the same for the draft's KV
+        for i in range(held_draft, min(done_draft, len(held))):
+            if not self.blocks.has_draft[held[i]]:
+                draft_copies.append((i, held[i]))
+        for i in range(len(held), min(done, len(keys))):
             parent = keys[i - 1] if i else 0
             tokens = tuple(req.tokens(i * bs, (i + 1) * bs))
             block = self.blocks.lookup(keys[i], parent, tokens)
@@ -259,8 +287,15 @@ class KVCacheManager:
                 if block is None:
                     break                           # every block is referenced: stop caching, nothing breaks
                 copies.append((i, block))
+            if i < done_draft and not self.blocks.has_draft[block]:
+                draft_copies.append((i, block))
             held.append(block)
-        self._copy_out(req.slot, copies)
+        self._copy_out(req.slot, copies, self._layers[:self._target_layers])
+        self._copy_out(req.slot, draft_copies, self._layers[self._target_layers:],
+                       layer_offset=self._target_layers)
+        for _, block in draft_copies:
+            self.blocks.has_draft[block] = True
+        self._held_draft[rid] = self._draft_prefix(held, held_draft)
 
     def free(self, req: Request, cache: bool = True) -> None:
         """Release `req`'s slot and block references (idempotent); with `cache`, its computed full blocks go to the
@@ -270,13 +305,14 @@ class KVCacheManager:
             self.cache_computed(req)
         for block in self._held.pop(req.request_id, []):
             self.blocks.release(block)
+        self._held_draft.pop(req.request_id, None)
         self._keys.pop(req.request_id, None)
         if req.slot is None:
             return
         slot, req.slot = req.slot, None
-        done = req.num_computed if len(self.pools) == 1 else min(req.num_computed, req.num_computed_draft)
+        done = req.num_computed
         if cache and self.max_retained and done > 0:
-            self._retained[slot] = np.asarray(req.tokens(0, done))
+            self._retained[slot] = (np.asarray(req.tokens(0, done)), min(done, req.num_computed_draft))
             while len(self._retained) > self.max_retained:
                 self._evict(next(iter(self._retained)))
         else:
@@ -285,26 +321,29 @@ class KVCacheManager:
         heapq.heappush(self._free_slots, slot)
 
     # -- copies -----------------------------------------------------------------------------------
-    def _copy_in(self, slot: int, blocks: list[int]) -> None:
-        """Cached blocks → rows [0, n·bs) of `slot`, one gather per layer and K/V."""
-        if not blocks:
-            return
-        n, idx = len(blocks) * self.block_size, np.asarray(blocks)
+    def _copy_in(self, slot: int, blocks: list[int], draft_blocks: int) -> None:
+        """Cached blocks → rows [0, n·bs) of `slot`, one gather per layer and K/V; the draft's layers only from the
+        first `draft_blocks` (the ones cached with its KV)."""
         for j, (pool, layer) in enumerate(self._layers):
+            use = blocks if j < self._target_layers else blocks[:draft_blocks]
+            if not use:
+                continue
+            n, idx = len(use) * self.block_size, np.asarray(use)
             for src, dst in ((self.blocks.keys[j], pool.keys[layer]), (self.blocks.values[j], pool.values[layer])):
                 gathered = src[idx]                                          # [nb, kvh, bs, hd]
                 dst[slot, :, :n, :] = gathered.transpose(1, 0, 2, 3).reshape(gathered.shape[1], n, -1)
 
-    def _copy_out(self, slot: int, copies: list[tuple[int, int]]) -> None:
-        """Rows of `slot` → cache blocks, for (block position, cache block) pairs: one scatter per layer and K/V
-        (a prompt's ~30 blocks copied one by one were ~1,800 small numpy copies, ~6 ms on the first decode step)."""
+    def _copy_out(self, slot: int, copies: list[tuple[int, int]], layers: list, layer_offset: int = 0) -> None:
+        """Rows of `slot` → cache blocks, for (block position, cache block) pairs, in the given (pool, layer)s
+        (block-pool layers `layer_offset` on): one scatter per layer and K/V (a prompt's ~30 blocks copied one by
+        one were ~1,800 small numpy copies, ~6 ms on the first decode step)."""
         if not copies:
             return
         bs, first = self.block_size, copies[0][0]
         span = copies[-1][0] + 1 - first
         picked, blocks = np.array([i - first for i, _ in copies]), np.array([b for _, b in copies])
         rows = slice(first * bs, (first + span) * bs)
-        for j, (pool, layer) in enumerate(self._layers):
+        for j, (pool, layer) in enumerate(layers, layer_offset):
             for src, dst in ((pool.keys[layer], self.blocks.keys[j]), (pool.values[layer], self.blocks.values[j])):
                 kv = src[slot, :, rows, :]                                   # [kvh, span·bs, hd]
                 dst[blocks] = kv.reshape(kv.shape[0], span, bs, -1)[:, picked].transpose(1, 0, 2, 3)

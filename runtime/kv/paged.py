@@ -92,6 +92,8 @@ class PagedKVManager:
     the backends' KVManager protocol, as the CPU backend's KVCacheManager does, so the scheduler drives both.
     """
 
+    draft_may_lag = False         # a block is cached once both models computed it: the draft reads every prompt
+
     def __init__(self, num_blocks: int, block_size: int, num_slots: int | None = None, max_model_len: int | None = None,
                  with_draft: bool = False, prefix_cache: bool = True):
         """with_draft: a draft model keeps its KV under the same tables; a block is cached only once both
@@ -141,7 +143,7 @@ class PagedKVManager:
             self.free(req, cache=False)
             return None
         req.slot = heapq.heappop(self._free_slots)
-        hit = hits * self.block_size
+        hit = req.num_computed_draft = hits * self.block_size
         self.stats.queries += len(req.prompt_ids)
         self.stats.hits += min(hit, len(req.prompt_ids))
         return hit

@@ -138,6 +138,11 @@ class Speculator:
         """A decode-only step's outcome (adaptive speculation checks its decisions against these)."""
         self.rate_check.observe(num_decodes, speculated, tokens, seconds)
 
+    def will_speculate(self, num_decodes: int) -> bool:
+        """Whether steps of `num_decodes` decodes speculate (but for explorations): the draft computes prompts
+        only then."""
+        return not self.config.adaptive or self.rate_check.pays(num_decodes)
+
     def eligible(self, req: Request) -> bool:
         """Penalties make each position's distribution depend on the guesses before it, and verification
         compares raw target logits: requests that adjust logits (penalties, logit bias) are not speculated."""
@@ -190,6 +195,10 @@ class Speculator:
         """Guesses per request id; a draft model's batched guess steps are timed for the planner."""
         if not reqs:
             return {}
+        if self.proposer.name == "draft":     # a lagging draft catches up first, outside its timed guess steps
+            behind = [r for r in reqs if r.num_tokens - r.num_computed_draft > 2]     # (a chunk of 2 or more rows)
+            if behind:
+                self.proposer.feed(behind, [r.tokens(r.num_computed_draft, r.num_tokens - 1) for r in behind])
         t0 = time.perf_counter()
         proposals = self.proposer.propose(reqs, gammas)
         if self.proposer.name == "draft":

@@ -189,3 +189,35 @@ def test_seeded_sampling_gives_the_same_tokens_with_or_without_speculation(engin
             assert [o["token_ids"] for o in run_all(eng, items, join_steps=joins)] == plain, (method, gamma, joins)
             assert eng.speculator.stats.proposed > 0 or method == "ngram"   # sampled text rarely repeats itself
             assert_no_leaks(eng)
+
+
+def test_the_draft_skips_prompts_where_speculation_does_not_pay_and_catches_up_exactly(engine):
+    """Where speculation is measured losing at a batch size, the draft does not compute those prompts (their
+    blocks are cached with the target's KV alone); once speculation runs it catches up, and a later request
+    hitting those blocks gets the draft's KV only where it is there. Greedy output equals plain greedy."""
+    target = engine("llama")
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    first = [(p * 2, params) for p in prompts(3, seed=60)]
+    later = [(p + [7, 8, 9], GREEDY) for p, _ in first]
+    plain = run_all(Engine(target, EngineConfig(SchedulerConfig(max_num_seqs=3), CACHE)), first + later)
+    eng = spec_engine(target, target, adaptive=True, max_num_seqs=3)
+    check = eng.speculator.rate_check
+    check.rates[False][3], check.rates[True][3] = 1e9, 1.0        # measured: speculating 3 decodes loses
+    reqs = [eng.add_request(p, sp) for p, sp in first]
+    outs = {r.request_id: [] for r in reqs}
+    for out in eng.step():
+        outs[out.request_id] += out.token_ids
+    assert all(r.num_computed > 0 for r in reqs) and [r.num_computed_draft for r in reqs] == [0, 0, 0]
+    assert not any(eng.kv.blocks.has_draft)
+    eng.speculator.config = SpecConfig(max_gamma=4, adaptive=False)   # from here every step speculates
+    while eng.has_work():
+        for out in eng.step():
+            outs[out.request_id] += out.token_ids
+    assert [outs[r.request_id] for r in reqs] == [o["token_ids"] for o in plain[:3]]
+    assert all(r.spec_accepted > 0 for r in reqs)
+    spec = run_all(eng, later)
+    for a, b in zip(plain[3:], spec):
+        assert_same_greedy(a, b)
+        assert b["usage"].cached_tokens > 0 and b["usage"].spec_accepted > 0
+    assert any(eng.kv.blocks.has_draft)                            # the draft's KV joined the cached blocks
+    assert_no_leaks(eng)

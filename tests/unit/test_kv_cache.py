@@ -61,7 +61,7 @@ def test_manager_copies_blocks_out_of_and_into_slots_for_every_model():
     for pool in kv.pools:                                # wipe, then the hit copies rows [0, 8) back in
         for arr in pool.keys + pool.values:
             arr[second.slot] = 0
-    kv._copy_in(second.slot, kv._held["second"])
+    kv._copy_in(second.slot, kv._held["second"], draft_blocks=2)
     for j, (pool, layer) in enumerate(kv._layers):
         for blocks, slots in ((kv.blocks.keys, pool.keys), (kv.blocks.values, pool.values)):
             got = slots[layer][second.slot]
@@ -70,6 +70,64 @@ def test_manager_copies_blocks_out_of_and_into_slots_for_every_model():
             assert not got[:, 8:].any()                  # nothing past the hit
     kv.free(second)
     assert kv.blocks.num_in_use == 0 and kv.num_free_slots == 2
+
+
+def test_blocks_are_cached_before_the_draft_computes_them_and_get_its_kv_when_it_does():
+    """A draft that skipped a prompt (speculation off at that batch size) must not keep the target's blocks out of
+    the cache; a hit tells the draft which leading blocks hold its KV, and a draft that catches up later adds its
+    KV to blocks cached without it."""
+    target, draft = KVLayout(num_layers=2, kv_heads=2, head_dim=3), KVLayout(num_layers=1, kv_heads=1, head_dim=4)
+    kv = KVCacheManager([target, draft], num_slots=3, slot_capacity=16, num_blocks=4, block_size=4)
+    ids = list(range(10, 21))                                          # 11 tokens: two full blocks of 4
+    first = Request(ids, SamplingParams(max_tokens=1), request_id="first")
+    assert kv.allocate(first) == 0 and first.num_computed_draft == 0
+    rows = filled(kv, first, np.random.default_rng(0))
+    first.num_computed, first.num_computed_draft = 11, 5               # the draft computed one block only
+    kv.cache_computed(first)
+    held = list(kv._held["first"])
+    assert len(held) == 2 and [kv.blocks.has_draft[b] for b in held] == [True, False]
+    for j, (pool, layer) in enumerate(kv._layers):
+        for blocks, slots in ((kv.blocks.keys, pool.keys), (kv.blocks.values, pool.values)):
+            for i, blk in enumerate(held[:2 if j < 2 else 1]):         # target: both blocks; draft: the first
+                np.testing.assert_array_equal(blocks[j][blk], slots[layer][first.slot, :, 4 * i:4 * i + 4])
+    second = Request(ids[:8] + [99, 98, 97], SamplingParams(max_tokens=1), request_id="second")
+    assert kv.allocate(second) == 8 and second.num_computed_draft == 4  # the target's hit; the draft's first block
+    got = [arr[second.slot] for pool in kv.pools for arr in pool.keys + pool.values]
+    for arr, want in zip(got[:4], rows[:4]):                            # target layers: rows [0, 8) copied in
+        np.testing.assert_array_equal(arr[:, :8], want[:, :8])
+    for arr, want in zip(got[4:], rows[4:]):                            # draft: rows [0, 4) only
+        np.testing.assert_array_equal(arr[:, :4], want[:, :4])
+        assert not arr[:, 4:].any()
+    first.num_computed_draft = 11                                      # the draft catches up: its KV joins block 2
+    kv.cache_computed(first)
+    assert [kv.blocks.has_draft[b] for b in held] == [True, True] and kv._held["first"] == held
+    for blocks, slots in ((kv.blocks.keys[2], kv.pools[1].keys[0]), (kv.blocks.values[2], kv.pools[1].values[0])):
+        np.testing.assert_array_equal(blocks[held[1]], slots[first.slot, :, 4:8])
+    third = Request(ids[:8] + [1, 2, 3], SamplingParams(max_tokens=1), request_id="third")
+    assert kv.allocate(third) == 8 and third.num_computed_draft == 8
+    for req in (second, third):
+        kv.free(req, cache=False)
+    kv.free(first)
+    assert kv.blocks.num_in_use == 0
+
+
+def test_a_retained_slot_gives_the_draft_what_it_had_computed():
+    target, draft = KVLayout(num_layers=1, kv_heads=1, head_dim=2), KVLayout(num_layers=1, kv_heads=1, head_dim=2)
+    kv = KVCacheManager([target, draft], num_slots=2, slot_capacity=32, num_blocks=0, block_size=4,
+                        retained_slots=1)
+    first = Request(list(range(10, 23)), SamplingParams(max_tokens=1), request_id="first")    # 13 tokens
+    assert kv.allocate(first) == 0
+    first.num_computed, first.num_computed_draft = 13, 6
+    kv.free(first)
+    turn = Request(list(range(10, 23)) + [5, 6, 7], SamplingParams(max_tokens=1), request_id="turn")
+    assert kv.allocate(turn) == 13 and turn.slot == 0 and turn.num_computed_draft == 6
+    kv.free(turn, cache=False)
+    short = Request(list(range(10, 14)) + [1, 2], SamplingParams(max_tokens=1), request_id="short")
+    first.num_computed = first.num_computed_draft = 0
+    assert kv.allocate(first) == 0
+    first.num_computed, first.num_computed_draft = 13, 13
+    kv.free(first)
+    assert kv.allocate(short) == 4 and short.num_computed_draft == 4   # the common prefix bounds both
 
 
 def filled(kv, req, rng):
