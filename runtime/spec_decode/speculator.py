@@ -133,15 +133,16 @@ class Speculator:
         self.config, self.proposer, self.sampler, self.cost = config, proposer, sampler, cost
         self.stats = SpecStats()
         self.rate_check = RateCheck()
+        self.planned: dict[int, bool] = {}     # batch size → whether its latest plan speculated (explorations aside)
 
     def observe(self, num_decodes: int, speculated: bool, tokens: int, seconds: float) -> None:
         """A decode-only step's outcome (adaptive speculation checks its decisions against these)."""
         self.rate_check.observe(num_decodes, speculated, tokens, seconds)
 
     def will_speculate(self, num_decodes: int) -> bool:
-        """Whether steps of `num_decodes` decodes speculate (but for explorations): the draft computes prompts
-        only then."""
-        return not self.config.adaptive or self.rate_check.pays(num_decodes)
+        """Whether steps of `num_decodes` decodes speculate (explorations aside), as far as measured and planned so
+        far: the draft computes prompts only then."""
+        return not self.config.adaptive or self.planned.get(num_decodes, True)
 
     def eligible(self, req: Request) -> bool:
         """Penalties make each position's distribution depend on the guesses before it, and verification
@@ -172,7 +173,10 @@ class Speculator:
                 if g > 0:
                     chosen[r.request_id] = g
             return chosen
-        if not cands or not self.rate_check.speculate(len(decodes)):
+        if not cands:
+            return chosen
+        if not self.rate_check.speculate(len(decodes)):
+            self.planned[len(decodes)] = False
             return chosen
         base = step_cost([])
         if base <= 0:                 # nothing measured yet: no basis for a decision
@@ -189,6 +193,7 @@ class Speculator:
                 chosen[r.request_id] = best
                 guesses.append(best)
                 tokens += expected_tokens(alpha, best) - 1
+        self.planned[len(decodes)] = bool(chosen)
         return chosen
 
     def propose(self, reqs: list[Request], gammas: list[int]) -> dict[str, Proposal]:
