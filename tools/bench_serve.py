@@ -13,6 +13,9 @@ server reports.
         --baseline llama --concurrency 1 8 --rounds 3 --json serve.json --plot serve.png
     # or let it start them: runtime serve ENGINE, and llama-server (tools/peers/llama_server.sh builds it)
     python tools/bench_serve.py --quicksilver ENGINE [--draft DRAFT] --llama-server BIN GGUF --baseline llama
+    # speculation vs none, one run: the same engine twice
+    python tools/bench_serve.py --quicksilver TARGET --draft DRAFT --variant spec-off="--speculation off" \
+        --llama-server BIN GGUF --baseline spec-off --concurrency 1 4 --prompt-tokens 500 --max-tokens 128
 """
 
 from __future__ import annotations
@@ -131,8 +134,9 @@ async def measure(name: str, url: str, args, rnd: int) -> dict:
     await stream_one(client, model, text[:200], 4)                                       # warm-up
     out = {}
     for c in args.concurrency:
-        # distinct prompts per stream and per round: no server can answer from its prefix cache
-        prompts = [f"# round {rnd} stream {i}\n" + text[(i * 7 + rnd) * 997 % (len(text) - n_chars):][:n_chars]
+        # distinct prompts per stream, level and round: no server can answer from its prefix cache (the header
+        # names the level too: without it a level's first stream repeated the previous level's first prompt)
+        prompts = [f"# round {rnd} level {c} stream {i}\n" + text[(i * 7 + rnd) * 997 % (len(text) - n_chars):][:n_chars]
                    for i in range(c)]
         out[f"conc{c}"] = await level(client, model, prompts, args.max_tokens)
     start = (rnd * 4099) % (len(text) - n_chars)
@@ -208,6 +212,10 @@ def main() -> None:
     ap.add_argument("--quicksilver", metavar="ENGINE", help="start `runtime serve ENGINE` (defaults, no tuning)")
     ap.add_argument("--draft", metavar="ENGINE", help="with --quicksilver: its draft engine")
     ap.add_argument("--quicksilver-args", default="", help="extra `runtime serve` arguments (quoted)")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=ARGS",
+                    help="with --quicksilver: also start `runtime serve ENGINE ARGS` (no --draft, no "
+                         "--quicksilver-args) as server NAME, e.g. spec-off='--speculation off'; every server this "
+                         "run starts is fresh, so none is measured on prompts cached by an earlier run")
     ap.add_argument("--llama-server", nargs=2, metavar=("BIN", "GGUF"), help="start llama-server on a GGUF")
     ap.add_argument("--llama-slots", type=int, default=8, help="llama-server -np (parallel slots)")
     ap.add_argument("--baseline", default=None, help="server name the ratios are taken against")
@@ -234,6 +242,12 @@ def main() -> None:
             servers["quicksilver"] = f"http://127.0.0.1:{port}/v1"
             log = logs / "bench_serve_quicksilver.log"
             procs["quicksilver"] = (start(cmd, servers["quicksilver"], log), cmd, log)
+            for name, extra in (v.split("=", 1) for v in args.variant):
+                port = free_port()
+                cmd = ["runtime", "serve", args.quicksilver, "--http-port", str(port), "--grpc-port", "-1", *extra.split()]
+                servers[name] = f"http://127.0.0.1:{port}/v1"
+                log = logs / f"bench_serve_{name}.log"
+                procs[name] = (start(cmd, servers[name], log), cmd, log)
         if args.llama_server:
             port = free_port()
             binary, gguf = args.llama_server

@@ -2,11 +2,11 @@
 
 A block holds the K and V of `block_size` consecutive tokens for every layer of every model that shares
 the cache (the target, and the draft when speculating; [kv_heads, block_size, head_dim] per layer), keyed by
-the chained hash of all tokens up to and including it. The draft computes a prompt only when speculation is
-going to use it, so a block may be cached with the target's KV alone: `has_draft` says whether the draft's
-layers hold its KV too. A block with reference count 0 sits in the free queue in least-recently-released order and keeps its contents until
-it is reused, so it can still be hit; allocation takes the oldest. The tokens and parent key of each
-block are stored and compared on lookup, so a hash collision can never return the wrong KV.
+the chained hash of all tokens up to and including it. The draft computes a prompt only when it speculates on
+it, so a block may be cached with the target's KV alone: `has_draft` says whether the draft's layers hold its
+KV too. A block with reference count 0 sits in the free queue in least-recently-released order and keeps its
+contents until it is reused, so it can still be hit; allocation takes the oldest. The tokens and parent key of
+each block are stored and compared on lookup, so a hash collision can never return the wrong KV.
 
 The storage is reserved address space (kv/memory.py): blocks become resident as they are first handed out
 (populated a chunk of blocks ahead, so the copy into a block never page-faults) and stay resident while cached.

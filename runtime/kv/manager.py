@@ -7,8 +7,8 @@ tokens — so concurrency follows the tokens actually held, not slots × context
 are copied into the BlockPool under their chained hash; a new sequence whose prompt starts with cached blocks
 gets them copied into its slot (a memcpy instead of a prefill) and starts computing after them.
 
-With a draft model, the draft computes a sequence's tokens only when speculation is going to use them (it is
-off at batch sizes where it does not pay), so the draft may lag the target: a block is cached as soon as the
+With a draft model, the draft computes a sequence's tokens only when it proposes for it (speculation is off at
+batch sizes where it does not pay), so the draft may lag the target: a block is cached as soon as the
 target has computed it, with the draft's KV added when (if ever) the draft computes it too, and a hit gives the
 draft the leading blocks that hold its KV (`req.num_computed_draft`); the draft catches up on the rest itself.
 

@@ -1,9 +1,11 @@
 """Draft-model proposer: a small model with the target's tokenizer guesses γ tokens autoregressively.
 
 The draft has its own KV slots (same slot index as the target's, owned and reserved by the KVCacheManager) and tracks
-how many tokens of each sequence it has computed in `req.num_computed_draft`. Before proposing it catches
-up on tokens it has not seen (one batched step for the usual single token, a chunk for more), then takes
-γ-1 more batched single-token steps. Rejected guesses need no undo: the next round starts writing at the
+how many tokens of each sequence it has computed in `req.num_computed_draft`. It reads no prompt as the
+target computes it: before proposing it catches up on the tokens it has not seen (the speculator feeds a
+sequence's prompt, or whatever it decoded while speculation was off, as one chunk; then one batched step
+for the usual single token, a chunk of two or more where a sequence is further behind), so it computes
+only what speculation uses. Then it takes γ-1 more batched single-token steps. Rejected guesses need no undo: the next round starts writing at the
 shorter length.
 """
 

@@ -25,8 +25,8 @@ class Proposer(Protocol):
         ...
 
     def feed(self, reqs: list[Request], tokens: list[list[int]]) -> None:
-        """Read prompt chunks the target computed this step (tokens[i] continues reqs[i] after its
-        num_computed_draft), so a draft's first guesses need no catch-up and its blocks can be cached."""
+        """Compute tokens[i], which continue reqs[i] after its num_computed_draft: tokens a draft has not seen
+        (its catch-up before proposing; a paged engine's prompt chunks as the target computes them)."""
         ...
 
     def rollback(self, req: Request, num_valid: int) -> None:

@@ -87,8 +87,8 @@ class RateCheck:
     averages): whether speculation is delivering, and when to look at the other side.
 
     Looking costs little one way (a plain step among speculating ones) and a lot the other: a speculating step
-    after many plain ones makes the draft catch up on every token it missed and verifies each sequence in its
-    own call, several plain steps' worth. So while speculation keeps losing at a batch size, the steps between
+    verifies each sequence in its own call, and after many plain ones the draft first catches up on every token
+    it missed (left out of the measured rate, see Speculator.observe, but paid). So while speculation keeps losing at a batch size, the steps between
     its explorations double (EXPLORE_EVERY up to EXPLORE_MAX), and return to EXPLORE_EVERY once it pays."""
 
     EXPLORE_EVERY = 32
@@ -133,16 +133,13 @@ class Speculator:
         self.config, self.proposer, self.sampler, self.cost = config, proposer, sampler, cost
         self.stats = SpecStats()
         self.rate_check = RateCheck()
-        self.planned: dict[int, bool] = {}     # batch size → whether its latest plan speculated (explorations aside)
+        self.catch_up_s = 0.0          # of this step's proposal: the draft computing tokens it had not seen
 
     def observe(self, num_decodes: int, speculated: bool, tokens: int, seconds: float) -> None:
-        """A decode-only step's outcome (adaptive speculation checks its decisions against these)."""
-        self.rate_check.observe(num_decodes, speculated, tokens, seconds)
-
-    def will_speculate(self, num_decodes: int) -> bool:
-        """Whether steps of `num_decodes` decodes speculate (explorations aside), as far as measured and planned so
-        far: the draft computes prompts only then."""
-        return not self.config.adaptive or self.planned.get(num_decodes, True)
+        """A decode-only step's outcome (adaptive speculation checks its decisions against these). A speculating
+        step's catch-up is left out: it is the draft's share of prompts (and of tokens decoded while it sat out),
+        paid once per token, not a cost of every step that speculates."""
+        self.rate_check.observe(num_decodes, speculated, tokens, seconds - self.catch_up_s if speculated else seconds)
 
     def eligible(self, req: Request) -> bool:
         """Penalties make each position's distribution depend on the guesses before it, and verification
@@ -173,10 +170,7 @@ class Speculator:
                 if g > 0:
                     chosen[r.request_id] = g
             return chosen
-        if not cands:
-            return chosen
-        if not self.rate_check.speculate(len(decodes)):
-            self.planned[len(decodes)] = False
+        if not cands or not self.rate_check.speculate(len(decodes)):
             return chosen
         base = step_cost([])
         if base <= 0:                 # nothing measured yet: no basis for a decision
@@ -193,17 +187,18 @@ class Speculator:
                 chosen[r.request_id] = best
                 guesses.append(best)
                 tokens += expected_tokens(alpha, best) - 1
-        self.planned[len(decodes)] = bool(chosen)
         return chosen
 
     def propose(self, reqs: list[Request], gammas: list[int]) -> dict[str, Proposal]:
         """Guesses per request id; a draft model's batched guess steps are timed for the planner."""
         if not reqs:
             return {}
+        t0 = time.perf_counter()
         if self.proposer.name == "draft":     # a lagging draft catches up first, outside its timed guess steps
             behind = [r for r in reqs if r.num_tokens - r.num_computed_draft > 2]     # (a chunk of 2 or more rows)
             if behind:
                 self.proposer.feed(behind, [r.tokens(r.num_computed_draft, r.num_tokens - 1) for r in behind])
+        self.catch_up_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         proposals = self.proposer.propose(reqs, gammas)
         if self.proposer.name == "draft":

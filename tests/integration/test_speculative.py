@@ -191,35 +191,34 @@ def test_seeded_sampling_gives_the_same_tokens_with_or_without_speculation(engin
             assert_no_leaks(eng)
 
 
-def test_the_draft_skips_prompts_where_speculation_does_not_pay_and_catches_up_exactly(engine):
-    """Where speculation is measured losing at a batch size, the draft does not compute those prompts (their
-    blocks are cached with the target's KV alone); once speculation runs it catches up, and a later request
-    hitting those blocks gets the draft's KV only where it is there. Greedy output equals plain greedy."""
+def test_the_draft_computes_only_what_it_speculates_on_and_catches_up_exactly(engine):
+    """A CPU draft reads no prompt as the target prefills it (the prefix cache keeps those blocks with the
+    target's KV alone); it catches up when it first proposes, and a later request hitting those blocks gets the
+    draft's KV where the draft has added it. Greedy output equals plain greedy."""
     target = engine("llama")
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     first = [(p * 2, params) for p in prompts(3, seed=60)]
     later = [(p + [7, 8, 9], GREEDY) for p, _ in first]
     plain = run_all(Engine(target, EngineConfig(SchedulerConfig(max_num_seqs=3), CACHE)), first + later)
-    eng = spec_engine(target, target, adaptive=True, max_num_seqs=3)
-    check = eng.speculator.rate_check
-    check.rates[False][3], check.rates[True][3] = 1e9, 1.0        # measured: speculating 3 decodes loses
-    run_all(eng, [(p, SamplingParams(max_tokens=3, ignore_eos=True)) for p in prompts(3, seed=61)])
-    assert eng.speculator.planned[3] is False                      # ... so steps of 3 decodes do not speculate
-    with_draft = sum(eng.kv.blocks.has_draft)
+    eng = spec_engine(target, target, max_num_seqs=3)                # fixed γ: every decode step speculates
     reqs = [eng.add_request(p, sp) for p, sp in first]
     outs = {r.request_id: [] for r in reqs}
-    for out in eng.step():
+    while any(r.num_computed < len(r.prompt_ids) for r in reqs):
+        for out in eng.step():
+            outs[out.request_id] += out.token_ids
+        assert [r.num_computed_draft for r in reqs] == [0, 0, 0] and eng.speculator.stats.proposed == 0
+    for out in eng.step():        # the first decode step: its schedule caches the prompts' blocks, then it speculates
         outs[out.request_id] += out.token_ids
-    assert all(r.num_computed > 0 for r in reqs) and [r.num_computed_draft for r in reqs] == [0, 0, 0]
-    eng.speculator.config = SpecConfig(max_gamma=4, adaptive=False)   # from here every step speculates
+    assert eng.kv.blocks.num_in_use > 0 and not any(eng.kv.blocks.has_draft)
+    assert all(r.num_computed_draft >= len(r.prompt_ids) for r in reqs)
     while eng.has_work():
         for out in eng.step():
             outs[out.request_id] += out.token_ids
     assert [outs[r.request_id] for r in reqs] == [o["token_ids"] for o in plain[:3]]
     assert all(r.spec_accepted > 0 for r in reqs)
+    assert any(eng.kv.blocks.has_draft)                            # its KV joined blocks cached without it
     spec = run_all(eng, later)
     for a, b in zip(plain[3:], spec):
         assert_same_greedy(a, b)
         assert b["usage"].cached_tokens > 0 and b["usage"].spec_accepted > 0
-    assert sum(eng.kv.blocks.has_draft) > with_draft               # the draft's KV joined the cached blocks
     assert_no_leaks(eng)
