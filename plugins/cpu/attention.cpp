@@ -12,6 +12,12 @@
 // vectorised softmax, and the weighted sum of values, each with a fixed order of operations, so a row's result
 // does not depend on the batch it is in, the chunk it was prefilled in or the thread that ran it (prefix-cache
 // hits, chunked prefill and batched decoding give bitwise the same attention).
+//
+// A row's keys are taken in segments of kSegment from its first key: each segment's softmax is computed against
+// its own max, and the segments' partial sums are combined in segment order (as flash-decoding does). Every
+// path computes a row this way, so the bits do not depend on the path; what the segments buy is a split of a
+// long context across threads where a step has too few rows to keep both cores reading KV (batch-1 decode had
+// 3 KV heads for 2 threads and read the cache at ~10 GB/s of this machine's ~20).
 
 #include "ops.h"
 
@@ -114,6 +120,9 @@ struct Step {
   float* out;          // [B, S, heads·D]
   int64_t batch, seq, heads, kv_heads, head_dim, capacity, max_pos, window, tile, heads_per_task;
   float scale;
+  bool split;          // decode with few rows: one task per (b, KV head, segment of keys)
+  int segs;            // the most segments a row of this step has
+  struct Partials* shared;   // split: every row's partials
 
   int64_t total(int64_t b) const { return static_cast<int64_t>(seqlens_k[b]) + 1; }
   int64_t past(int64_t b) const { return std::max<int64_t>(0, total(b) - seq); }
@@ -141,10 +150,13 @@ void write_kv(void* user, size_t task) {
 
 constexpr int kTile = 8;        // query tokens per prefill task (× the heads sharing a KV head)
 constexpr int kValueBlock = 32; // keys whose values stay in L1 while every row of a tile takes them
-constexpr int kMinGroupedTasks = 8;  // fewer (b, KV head, tile) tasks than this: one task per head instead
+constexpr int kSegment = 128;   // keys per softmax segment (a multiple of kValueBlock)
+constexpr int kMinGroupedTasks = 8;  // fewer (b, KV head, tile) tasks than this: one task per head, or split keys
 
-// softmax in place over n scores; returns 1 / Σ exp(score − max)
-inline float softmax_unnormalised(float* scores, int n) {
+inline int segments_of(int len) { return (len + kSegment - 1) / kSegment; }
+
+// softmax numerators in place over n scores: exp(score − max); returns max, and Σ exp(score − max) in *sum
+inline float softmax_unnormalised(float* scores, int n, float* sum) {
   float lane_max[kLanes];
   std::fill(lane_max, lane_max + kLanes, -INFINITY);
   int j = 0;
@@ -162,82 +174,161 @@ inline float softmax_unnormalised(float* scores, int n) {
   for (int l = 0; j < n; ++j, ++l) lane_sum[l] += scores[j];
   for (int w = kLanes / 2; w > 0; w /= 2)
     for (int l = 0; l < w; ++l) lane_sum[l] += lane_sum[l + w];
-  return 1.0f / lane_sum[0];
+  *sum = lane_sum[0];
+  return m;
 }
 
-// One task: query tokens [s0, s0 + count) of batch row b, heads [h0, h0 + nh) (which read one KV head). The rows share
-// each block of keys and values while it is in L1; each row's arithmetic (its dots, softmax, and the sum of
-// values in key order) is the same as if it were alone, so results do not depend on the tiling.
+// A row's partial results, one per segment: the segment's max score, Σ exp(score − max) and Σ exp(score − max)·v.
+struct Partials {
+  std::vector<float> max, sum, acc;   // [rows · segs], [rows · segs], [rows · segs · D]
+  int segs = 0;
+  void reset(int rows, int per_row, int head_dim) {
+    segs = per_row;
+    max.assign(static_cast<size_t>(rows) * segs, 0.0f);
+    sum.assign(static_cast<size_t>(rows) * segs, 0.0f);
+    acc.assign(static_cast<size_t>(rows) * segs * head_dim, 0.0f);
+  }
+};
+
+// A row's output from its n segments' partials, in segment order: Σ_k w_k·acc_k / Σ_k w_k·sum_k, w_k =
+// exp(max_k − max). With one segment (w = 1 exactly) that is acc / sum as a single softmax gives.
 template <int D>
-void attend_tile(const Step& st, int64_t b, int64_t s0, int64_t count, int64_t h0, int64_t nh) {
+inline void combine(const float* max, const float* sum, const float* acc, int n, float* out) {
+  if (n == 0) {
+    std::fill(out, out + D, 0.0f);
+    return;
+  }
+  float top = max[0];
+  for (int k = 1; k < n; ++k) top = std::max(top, max[k]);
+  thread_local std::vector<float> w;
+  w.resize(n);
+  for (int k = 0; k < n; ++k) w[k] = max[k] - top;
+  exp_inplace(w.data(), n);
+  float total = 0.0f, num[D] = {};
+  for (int k = 0; k < n; ++k) {
+    total += w[k] * sum[k];
+    for (int d = 0; d < D; ++d) num[d] += w[k] * acc[k * D + d];
+  }
+  float inv = 1.0f / total;
+  for (int d = 0; d < D; ++d) out[d] = num[d] * inv;
+}
+
+// One task: query tokens [s0, s0 + count) of batch row b, heads [h0, h0 + nh) (which read one KV head), segments
+// [seg0, seg1) of each row's keys; partials of row r's segment k go to p at r·p.segs + k (p.segs ≥ seg1 covers
+// the rows' segments). The rows share each block of keys and values while it is in L1; each row's arithmetic (its
+// dots, each segment's softmax, and the sums of values in key order) is the same as if it were alone, so results
+// do not depend on the tiling.
+template <int D>
+void attend_tile(const Step& st, int64_t b, int64_t s0, int64_t count, int64_t h0, int64_t nh, int seg0, int seg1,
+                 Partials& p) {
   const int64_t kvh = h0 / (st.heads / st.kv_heads);
   const int rows = static_cast<int>(count * nh);
-  thread_local std::vector<float> scores, qbuf, acc, inv;
+  thread_local std::vector<float> scores, qbuf;
   thread_local std::vector<int> lo, len;
   const int64_t capacity = std::min(st.capacity, st.max_pos);
   const int stride = static_cast<int>(capacity) + 8;      // a row's scores, with room for a padded last block
   if (scores.size() < static_cast<size_t>(rows) * stride) scores.resize(static_cast<size_t>(rows) * stride);
   qbuf.resize(static_cast<size_t>(rows) * D);
-  acc.resize(static_cast<size_t>(rows) * D);
-  inv.assign(rows, 0.0f);
   lo.assign(rows, 0);
   len.assign(rows, 0);
   const float* keys = st.cache(st.keys, b, kvh, 0);
   const float* values = st.cache(st.values, b, kvh, 0);
-  int max_len = 0, min_lo = INT32_MAX;
+  int max_len = 0;
   for (int r = 0; r < rows; ++r) {
     int64_t s = s0 + r / nh, h = h0 + r % nh, pos = st.past(b) + s;
     if (pos >= st.total(b)) continue;             // right padding of a batched prompt: len 0
     rotate(st.token(b, s) + h * D, st.cos + pos * (D / 2), st.sin + pos * (D / 2), D, st.scale, &qbuf[r * D]);
     lo[r] = static_cast<int>(st.window > 0 ? std::max<int64_t>(0, pos - st.window + 1) : 0);
     len[r] = static_cast<int>(pos + 1 - lo[r]);
-    max_len = std::max(max_len, lo[r] + len[r]);
-    min_lo = std::min(min_lo, lo[r]);
+    max_len = std::max(max_len, len[r]);
   }
-  // scores: blocks of 8 keys from each row's lo; a block is taken by every row that covers it fully, and each
-  // row's last partial block is scored against a zero-padded copy. The rows of a task share lo (0 without a
-  // window; under a window a task is one token, whose heads share its position), so blocks align across rows.
+  // The keys [k_begin, k_end) after each row's first key: its segments seg0..seg1 (rows share their first key: 0
+  // without a window; under a window a task is one token, whose heads share its position).
+  const int k_begin = seg0 * kSegment, k_end = std::min(max_len, seg1 * kSegment);
+  if (k_begin >= k_end) return;
+  // scores: blocks of 8 keys; a block is taken by every row that covers it fully, and each row's last partial
+  // block is scored against a zero-padded copy (a block never straddles a segment).
   alignas(64) float tail[8 * D];
   for (int r = 0; r < rows; ++r) {
-    if (!len[r]) continue;
     int full = len[r] / 8 * 8;
-    if (full < len[r]) {
+    if (full < len[r] && full >= k_begin && full < k_end) {
       std::memset(tail, 0, sizeof tail);
       std::memcpy(tail, keys + static_cast<int64_t>(lo[r] + full) * D, sizeof(float) * D * (len[r] - full));
       dot8<D>(&qbuf[r * D], tail, &scores[static_cast<size_t>(r) * stride + full]);
     }
   }
-  for (int j = min_lo; j < max_len; j += 8)
-    for (int r = 0; r < rows; ++r) {
-      int k = j - lo[r];
-      if (len[r] && k >= 0 && k + 8 <= len[r] / 8 * 8 && k % 8 == 0)
-        dot8<D>(&qbuf[r * D], keys + static_cast<int64_t>(j) * D, &scores[static_cast<size_t>(r) * stride + k]);
-    }
+  for (int k = k_begin; k < k_end; k += 8)
+    for (int r = 0; r < rows; ++r)
+      if (k + 8 <= len[r] / 8 * 8)
+        dot8<D>(&qbuf[r * D], keys + static_cast<int64_t>(lo[r] + k) * D, &scores[static_cast<size_t>(r) * stride + k]);
   for (int r = 0; r < rows; ++r)
-    if (len[r]) inv[r] = softmax_unnormalised(&scores[static_cast<size_t>(r) * stride], len[r]);
-  // values: blocks of kValueBlock keys, each row adds its share in key order
-  std::fill(acc.begin(), acc.end(), 0.0f);
-  for (int j = min_lo; j < max_len; j += kValueBlock)
-    for (int r = 0; r < rows; ++r) {
-      int from = std::max(j, lo[r]), to = std::min(j + kValueBlock, lo[r] + len[r]);
-      if (len[r] && from < to)
-        accumulate<D>(&scores[static_cast<size_t>(r) * stride + (from - lo[r])], values + static_cast<int64_t>(from) * D,
-                      to - from, &acc[r * D]);
+    for (int seg = seg0; seg < std::min(seg1, segments_of(len[r])); ++seg) {
+      int from = seg * kSegment, n = std::min(kSegment, len[r] - from);
+      size_t at = static_cast<size_t>(r) * p.segs + seg;
+      p.max[at] = softmax_unnormalised(&scores[static_cast<size_t>(r) * stride + from], n, &p.sum[at]);
     }
-  for (int r = 0; r < rows; ++r) {
-    int64_t s = s0 + r / nh, h = h0 + r % nh;
-    float* out = st.out + ((b * st.seq + s) * st.heads + h) * D;
-    for (int d = 0; d < D; ++d) out[d] = acc[r * D + d] * inv[r];
-  }
+  // values: blocks of kValueBlock keys, each row adds its share in key order to its segment's sum
+  for (int k = k_begin; k < k_end; k += kValueBlock)
+    for (int r = 0; r < rows; ++r) {
+      int to = std::min(k + kValueBlock, len[r]);
+      if (k < to)
+        accumulate<D>(&scores[static_cast<size_t>(r) * stride + k], values + static_cast<int64_t>(lo[r] + k) * D, to - k,
+                      &p.acc[(static_cast<size_t>(r) * p.segs + k / kSegment) * D]);
+    }
 }
 
-// Phase 2, one task per (b, heads_per_task heads, tile of query tokens).
+// Phase 2 (most steps), one task per (b, heads_per_task heads, tile of query tokens): whole rows.
 template <int D>
 void attend(void* user, size_t task) {
   const Step& st = *static_cast<const Step*>(user);
   int64_t tiles = (st.seq + st.tile - 1) / st.tile, chunks = st.heads / st.heads_per_task;
   int64_t t = task % tiles, c = (task / tiles) % chunks, b = task / tiles / chunks;
-  attend_tile<D>(st, b, t * st.tile, std::min(st.tile, st.seq - t * st.tile), c * st.heads_per_task, st.heads_per_task);
+  int64_t s0 = t * st.tile, count = std::min(st.tile, st.seq - s0), h0 = c * st.heads_per_task, nh = st.heads_per_task;
+  thread_local Partials p;
+  int rows = static_cast<int>(count * nh);
+  int segs = segments_of(static_cast<int>(std::min(st.total(b), st.past(b) + s0 + count)));   // of its longest row
+  p.reset(rows, segs, D);
+  attend_tile<D>(st, b, s0, count, h0, nh, 0, segs, p);
+  for (int r = 0; r < rows; ++r) {
+    int64_t s = s0 + r / nh, h = h0 + r % nh, pos = st.past(b) + s;
+    int n = pos < st.total(b) ? segments_of(static_cast<int>(pos + 1 - (st.window > 0 ? std::max<int64_t>(0, pos - st.window + 1) : 0))) : 0;
+    size_t at = static_cast<size_t>(r) * p.segs;
+    combine<D>(&p.max[at], &p.sum[at], &p.acc[at * D], n, st.out + ((b * st.seq + s) * st.heads + h) * D);
+  }
+}
+
+// Phase 2 of a decode step with few rows (Step::split): one task per (b, KV head, segment of keys), its partials
+// into the step's shared ones (row b·heads + h); combined per row afterwards.
+template <int D>
+void attend_segment(void* user, size_t task) {
+  const Step& st = *static_cast<const Step*>(user);
+  int64_t seg = task % st.segs, g = (task / st.segs) % st.kv_heads, b = task / st.segs / st.kv_heads;
+  int64_t nh = st.heads / st.kv_heads;
+  thread_local Partials p;
+  p.reset(static_cast<int>(nh), st.segs, D);
+  attend_tile<D>(st, b, 0, 1, g * nh, nh, static_cast<int>(seg), static_cast<int>(seg) + 1, p);
+  for (int64_t r = 0; r < nh; ++r) {
+    size_t from = static_cast<size_t>(r) * st.segs + seg, to = static_cast<size_t>(b * st.heads + g * nh + r) * st.segs + seg;
+    st.shared->max[to] = p.max[from];
+    st.shared->sum[to] = p.sum[from];
+    std::memcpy(&st.shared->acc[to * D], &p.acc[from * D], sizeof(float) * D);
+  }
+}
+
+template <int D>
+void run_attention(OrtKernelContext* context, Step& st) {
+  Ort::KernelContext ctx(context);
+  if (!st.split) {
+    ctx.ParallelFor(attend<D>, static_cast<size_t>(st.batch * (st.heads / st.heads_per_task) * ((st.seq + st.tile - 1) / st.tile)), 0, &st);
+    return;
+  }
+  ctx.ParallelFor(attend_segment<D>, static_cast<size_t>(st.batch * st.kv_heads * st.segs), 0, &st);
+  for (int64_t b = 0; b < st.batch; ++b)
+    for (int64_t h = 0; h < st.heads; ++h) {
+      size_t at = static_cast<size_t>(b * st.heads + h) * st.segs;
+      int n = segments_of(static_cast<int>(st.total(b) - (st.window > 0 ? std::max<int64_t>(0, st.total(b) - st.window) : 0)));
+      combine<D>(&st.shared->max[at], &st.shared->sum[at], &st.shared->acc[at * D], n, st.out + (b * st.heads + h) * D);
+    }
 }
 
 std::vector<int64_t> shape_of(const Ort::ConstValue& v) { return v.GetTensorTypeAndShapeInfo().GetShape(); }
@@ -285,17 +376,25 @@ struct CausalAttentionKernel {
     ctx.ParallelFor(write_kv, static_cast<size_t>(st.batch * st.seq), 0, &st);
     // prefill: tiles of kTile tokens share key blocks (one token per task when a local window gives each its own)
     st.tile = st.seq > 1 && window <= 0 ? kTile : 1;
-    // the heads of a KV group share its reads, unless that leaves too few tasks to keep every thread streaming
-    // (batch-1 decode: one task per head; a row's arithmetic is the same either way)
+    // The heads of a KV group share its reads, unless that leaves too few tasks to keep every thread streaming:
+    // then a decode step whose rows have several segments splits each group's keys by segment (batch-1 decode
+    // at 512 tokens: 6 tasks), and a shorter one takes a task per head (a row's arithmetic is the same either way).
     int64_t tiles = (st.seq + st.tile - 1) / st.tile;
-    st.heads_per_task = st.batch * kv_heads * tiles >= kMinGroupedTasks ? heads / kv_heads : 1;
-    auto rows = static_cast<size_t>(st.batch * (heads / st.heads_per_task) * tiles);
+    int64_t longest = 0;
+    for (int64_t b = 0; b < st.batch; ++b) longest = std::max(longest, st.total(b));
+    st.segs = segments_of(static_cast<int>(longest));
+    bool few = st.batch * kv_heads * tiles < kMinGroupedTasks;
+    st.split = few && st.seq == 1 && st.segs > 1;
+    st.heads_per_task = few && !st.split ? 1 : heads / kv_heads;
+    thread_local Partials shared;
+    if (st.split) shared.reset(static_cast<int>(st.batch * heads), st.segs, static_cast<int>(st.head_dim));
+    st.shared = &shared;
     switch (st.head_dim) {
-      case 64: ctx.ParallelFor(attend<64>, rows, 0, &st); break;
-      case 128: ctx.ParallelFor(attend<128>, rows, 0, &st); break;
-      case 16: ctx.ParallelFor(attend<16>, rows, 0, &st); break;
-      case 32: ctx.ParallelFor(attend<32>, rows, 0, &st); break;
-      case 96: ctx.ParallelFor(attend<96>, rows, 0, &st); break;
+      case 64: run_attention<64>(context, st); break;
+      case 128: run_attention<128>(context, st); break;
+      case 16: run_attention<16>(context, st); break;
+      case 32: run_attention<32>(context, st); break;
+      case 96: run_attention<96>(context, st); break;
       default: throw std::invalid_argument("qs.CausalAttention: head_dim must be 16, 32, 64, 96 or 128");
     }
   }

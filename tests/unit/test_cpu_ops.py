@@ -31,7 +31,7 @@ from runtime import cpu_ops
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="this install was built without the qs ops")
 
-CAPACITY = 96
+CAPACITY = 640      # past several of the op's 128-key softmax segments
 
 
 def graph(op: str, heads: int, kv_heads: int, head_dim: int, window: int) -> bytes:
@@ -156,6 +156,10 @@ CASES = [  # (batch, seq, seqlens_k, heads, kv_heads, head_dim, window)
     (1, 5, [44], 4, 1, 16, -1),            # speculative verification, one KV head
     (1, 20, [49], 4, 2, 64, 16),           # a local window (Mistral's sliding window)
     (3, 1, [30, 9, 70], 4, 4, 96, 8),      # windowed decode, no GQA grouping
+    (1, 1, [600], 9, 3, 64, -1),           # batch-1 decode over 5 key segments: split across threads by segment
+    (2, 1, [129, 455], 4, 2, 32, -1),      # two sequences, 2 and 4 segments, split
+    (1, 1, [520], 4, 2, 64, 200),          # a long window: split too, segments from the window's first key
+    (1, 40, [560], 6, 2, 128, -1),         # a prompt chunk after 520 cached tokens: every segment in one task
 ]
 
 
@@ -188,20 +192,25 @@ def test_matches_reference_on_any_shape(data, batch, seq, shape, window, threads
     assert_matches_reference(got, reference(qkv, keys, values, seqlens, heads, kv_heads, window), seqlens)
 
 
+@pytest.mark.parametrize("position", [29, 517])
 @pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (16, 4, 2), (128, 8, 8)])
-def test_a_row_is_bitwise_the_same_alone_batched_or_in_a_chunk(head_dim, heads, kv_heads):
-    """The token at position 29 of a sequence: decoded alone, decoded beside four other sequences (whose count
-    changes how the op splits its work), and as the last of a 10-token prompt chunk: the same bits."""
+def test_a_row_is_bitwise_the_same_alone_batched_or_in_a_chunk(head_dim, heads, kv_heads, position):
+    """The token at `position` of a sequence: decoded alone (at 517, its keys split by segment across threads),
+    decoded beside four other sequences (whose count changes how the op splits its work), and as the last of a
+    10-token prompt chunk (every segment in one task): the same bits."""
     rng = np.random.default_rng(7)
     qkv, keys, values = inputs(rng, 1, 10, heads, kv_heads, head_dim)
-    chunk, chunk_keys, chunk_values = run("qs", qkv, keys, values, [29], heads, kv_heads)
+    chunk, chunk_keys, chunk_values = run("qs", qkv, keys, values, [position], heads, kv_heads)
     last = qkv[:, 9:10]       # decoded over the cache the chunk left (its own row rewritten with the same bits)
-    alone, _, _ = run("qs", last, chunk_keys, chunk_values, [29], heads, kv_heads)
+    alone, _, _ = run("qs", last, chunk_keys, chunk_values, [position], heads, kv_heads)
     others_qkv, others_keys, others_values = inputs(rng, 5, 1, heads, kv_heads, head_dim)
     others_qkv[2], others_keys[2], others_values[2] = last[0], chunk_keys[0], chunk_values[0]
-    batched, _, _ = run("qs", others_qkv, others_keys, others_values, [5, 60, 29, 11, 90], heads, kv_heads)
+    batched, _, _ = run("qs", others_qkv, others_keys, others_values, [5, 600, position, 11, 90], heads, kv_heads)
+    pair_qkv, pair_keys, pair_values = others_qkv[1:3], others_keys[1:3], others_values[1:3]
+    pair, _, _ = run("qs", pair_qkv, pair_keys, pair_values, [600, position], heads, kv_heads)   # split when few
     assert np.array_equal(alone[0, 0], chunk[0, 9])
     assert np.array_equal(batched[2, 0], chunk[0, 9])
+    assert np.array_equal(pair[1, 0], chunk[0, 9])
 
 
 def test_a_sequence_past_the_cache_is_refused():
