@@ -20,7 +20,9 @@ grows), so after each such step the chunk is scaled by target / measured time (a
 the TPOT of running requests bounded while a 4k prompt prefills beside them.
 
 Speculative guesses count against the same budget: after the decodes, the speculation planner may spend what is
-left on guesses (priced by the backend's measured step costs), and prompt chunks get the rest.
+left on guesses (priced by the backend's measured step costs), and prompt chunks get the rest — but not while a
+prompt is prefilling: its TTFT comes first, and a step that carries prompt chunks is no cheap place to verify
+guesses.
 
 Order: lower `priority` first, then arrival (FCFS). A waiting request that finds no room (no free sequence index
 or not enough KV memory) may take the room of the running request of the lowest priority (strictly lower than
@@ -160,7 +162,9 @@ class Scheduler:
             if req.status is RequestStatus.RUNNING and self._reserve(req, req.num_tokens, plan):
                 plan.decodes.append(req)
         budget -= len(plan.decodes)
-        if self.plan_speculation is not None and plan.decodes and budget > 0:
+        # no guesses while a prompt waits for its first token: they would take its budget and lengthen its steps
+        prefilling = any(r.num_pending > 1 for r in self.running)
+        if self.plan_speculation is not None and plan.decodes and budget > 0 and not prefilling:
             gammas = self.plan_speculation(plan.decodes, budget)
             for req in plan.decodes:
                 gamma = gammas.get(req.request_id, 0)

@@ -99,3 +99,20 @@ def test_a_token_budget_below_the_chunk_caps_the_chunk():
     assert SchedulerConfig(token_budget=1024).prefill_chunk == SchedulerConfig().prefill_chunk == 256
     with pytest.raises(ValueError, match="prefill_chunk"):
         SchedulerConfig(prefill_chunk=0)
+
+
+def test_no_guesses_are_planned_while_a_prompt_waits_for_its_first_token():
+    asked = []
+
+    def planner(decodes, budget):
+        asked.append([r.request_id for r in decodes])
+        return {r.request_id: 3 for r in decodes}
+
+    sched, long = _setup()
+    sched.plan_speculation = planner
+    sched.observe(SchedulePlan(decodes=[None]), 0.010)
+    plan = sched.schedule()                                     # "long" prefills beside "short"'s decode
+    assert plan.chunks and plan.decodes and not plan.gammas and asked == []
+    sched.running.remove(long)                                  # nobody prefilling: the planner is asked
+    plan = sched.schedule()
+    assert plan.gammas == {"short": 3} and asked == [["short"]]
