@@ -136,8 +136,8 @@ async def measure(name: str, url: str, args, rnd: int) -> dict:
     for c in args.concurrency:
         # distinct prompts per stream, level and round: no server can answer from its prefix cache (the header
         # names the level too: without it a level's first stream repeated the previous level's first prompt)
-        prompts = [f"# round {rnd} level {c} stream {i}\n" + text[(i * 7 + rnd) * 997 % (len(text) - n_chars):][:n_chars]
-                   for i in range(c)]
+        prompts = [f"# round {rnd} level {c} stream {i}\n"
+                   + text[(i * 7 + rnd) * 997 % (len(text) - n_chars):][:n_chars] for i in range(c)]
         out[f"conc{c}"] = await level(client, model, prompts, args.max_tokens)
     start = (rnd * 4099) % (len(text) - n_chars)
     out["prefix"] = await prefix_case(client, model, text[start:start + n_chars], args.max_tokens, f"{name} {rnd}")
@@ -244,7 +244,8 @@ def main() -> None:
             procs["quicksilver"] = (start(cmd, servers["quicksilver"], log), cmd, log)
             for name, extra in (v.split("=", 1) for v in args.variant):
                 port = free_port()
-                cmd = ["runtime", "serve", args.quicksilver, "--http-port", str(port), "--grpc-port", "-1", *extra.split()]
+                cmd = ["runtime", "serve", args.quicksilver, "--http-port", str(port), "--grpc-port", "-1",
+                       *extra.split()]
                 servers[name] = f"http://127.0.0.1:{port}/v1"
                 log = logs / f"bench_serve_{name}.log"
                 procs[name] = (start(cmd, servers[name], log), cmd, log)

@@ -5,8 +5,8 @@ how many tokens of each sequence it has computed in `req.num_computed_draft`. It
 target computes it: before proposing it catches up on the tokens it has not seen (the speculator feeds a
 sequence's prompt, or whatever it decoded while speculation was off, as one chunk; then one batched step
 for the usual single token, a chunk of two or more where a sequence is further behind), so it computes
-only what speculation uses. Then it takes γ-1 more batched single-token steps. Rejected guesses need no undo: the next round starts writing at the
-shorter length.
+only what speculation uses. Then it takes γ-1 more batched single-token steps. Rejected guesses need no
+undo: the next round starts writing at the shorter length.
 """
 
 from __future__ import annotations

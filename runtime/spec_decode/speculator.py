@@ -88,8 +88,9 @@ class RateCheck:
 
     Looking costs little one way (a plain step among speculating ones) and a lot the other: a speculating step
     verifies each sequence in its own call, and after many plain ones the draft first catches up on every token
-    it missed (left out of the measured rate, see Speculator.observe, but paid). So while speculation keeps losing at a batch size, the steps between
-    its explorations double (EXPLORE_EVERY up to EXPLORE_MAX), and return to EXPLORE_EVERY once it pays."""
+    it missed (left out of the measured rate, see Speculator.observe, but paid). So while speculation keeps
+    losing at a batch size, the steps between its explorations double (EXPLORE_EVERY up to EXPLORE_MAX), and
+    return to EXPLORE_EVERY once it pays."""
 
     EXPLORE_EVERY = 32
     EXPLORE_MAX = 1024
