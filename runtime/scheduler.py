@@ -163,8 +163,8 @@ class Scheduler:
                 plan.decodes.append(req)
         budget -= len(plan.decodes)
         # no guesses while a prompt waits for its first token: they would take its budget and lengthen its steps
-        prefilling = any(r.num_pending > 1 for r in self.running)
-        if self.plan_speculation is not None and plan.decodes and budget > 0 and not prefilling:
+        if (self.plan_speculation is not None and plan.decodes and budget > 0
+                and not any(r.num_pending > 1 for r in self.running)):
             gammas = self.plan_speculation(plan.decodes, budget)
             for req in plan.decodes:
                 gamma = gammas.get(req.request_id, 0)

@@ -126,6 +126,8 @@ struct Step {
 
   int64_t total(int64_t b) const { return static_cast<int64_t>(seqlens_k[b]) + 1; }
   int64_t past(int64_t b) const { return std::max<int64_t>(0, total(b) - seq); }
+  // the first key the query at `pos` attends to (0, or the start of its local window)
+  int64_t first_key(int64_t pos) const { return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0; }
   const float* token(int64_t b, int64_t s) const { return qkv + (b * seq + s) * (heads + 2 * kv_heads) * head_dim; }
   float* cache(float* base, int64_t b, int64_t kvh, int64_t pos) const {
     return base + ((b * kv_heads + kvh) * capacity + pos) * head_dim;
@@ -238,7 +240,7 @@ void attend_tile(const Step& st, int64_t b, int64_t s0, int64_t count, int64_t h
     int64_t s = s0 + r / nh, h = h0 + r % nh, pos = st.past(b) + s;
     if (pos >= st.total(b)) continue;             // right padding of a batched prompt: len 0
     rotate(st.token(b, s) + h * D, st.cos + pos * (D / 2), st.sin + pos * (D / 2), D, st.scale, &qbuf[r * D]);
-    lo[r] = static_cast<int>(st.window > 0 ? std::max<int64_t>(0, pos - st.window + 1) : 0);
+    lo[r] = static_cast<int>(st.first_key(pos));
     len[r] = static_cast<int>(pos + 1 - lo[r]);
     max_len = std::max(max_len, len[r]);
   }
@@ -291,7 +293,7 @@ void attend(void* user, size_t task) {
   attend_tile<D>(st, b, s0, count, h0, nh, 0, segs, p);
   for (int r = 0; r < rows; ++r) {
     int64_t s = s0 + r / nh, h = h0 + r % nh, pos = st.past(b) + s;
-    int n = pos < st.total(b) ? segments_of(static_cast<int>(pos + 1 - (st.window > 0 ? std::max<int64_t>(0, pos - st.window + 1) : 0))) : 0;
+    int n = pos < st.total(b) ? segments_of(static_cast<int>(pos + 1 - st.first_key(pos))) : 0;
     size_t at = static_cast<size_t>(r) * p.segs;
     combine<D>(&p.max[at], &p.sum[at], &p.acc[at * D], n, st.out + ((b * st.seq + s) * st.heads + h) * D);
   }
@@ -326,7 +328,7 @@ void run_attention(OrtKernelContext* context, Step& st) {
   for (int64_t b = 0; b < st.batch; ++b)
     for (int64_t h = 0; h < st.heads; ++h) {
       size_t at = static_cast<size_t>(b * st.heads + h) * st.segs;
-      int n = segments_of(static_cast<int>(st.total(b) - (st.window > 0 ? std::max<int64_t>(0, st.total(b) - st.window) : 0)));
+      int n = segments_of(static_cast<int>(st.total(b) - st.first_key(st.total(b) - 1)));
       combine<D>(&st.shared->max[at], &st.shared->sum[at], &st.shared->acc[at * D], n, st.out + (b * st.heads + h) * D);
     }
 }

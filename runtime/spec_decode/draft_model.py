@@ -2,10 +2,10 @@
 
 The draft has its own KV slots (same slot index as the target's, owned and reserved by the KVCacheManager) and tracks
 how many tokens of each sequence it has computed in `req.num_computed_draft`. It reads no prompt as the
-target computes it: before proposing it catches up on the tokens it has not seen (the speculator feeds a
-sequence's prompt, or whatever it decoded while speculation was off, as one chunk; then one batched step
-for the usual single token, a chunk of two or more where a sequence is further behind), so it computes
-only what speculation uses. Then it takes γ-1 more batched single-token steps. Rejected guesses need no
+target computes it: before proposing it catches up on the tokens it has not seen (`catch_up`: a sequence's
+prompt, or whatever it decoded while speculation was off, as one chunk; then, in `propose`, one batched step
+for the usual single token, a chunk of two where a sequence is two behind), so it computes only what
+speculation uses. Then it takes γ-1 more batched single-token steps. Rejected guesses need no
 undo: the next round starts writing at the shorter length.
 """
 
@@ -40,7 +40,14 @@ class DraftModelProposer:
             self.runner.prefill(self.pool, req.slot, toks, req.num_computed_draft)
             req.num_computed_draft += len(toks)
 
-    def catch_up(self, req: Request, upto: int) -> np.ndarray:
+    def catch_up(self, reqs: list[Request]) -> None:
+        """Sequences more than two tokens behind (a prompt it skipped, tokens decoded while speculation was off)
+        compute all but their last token as one chunk each; propose then takes the rest in its first step (a
+        chunk of two, or the batched single token)."""
+        behind = [r for r in reqs if r.num_tokens - r.num_computed_draft > 2]
+        self.feed(behind, [r.tokens(r.num_computed_draft, r.num_tokens - 1) for r in behind])
+
+    def _catch_up_to(self, req: Request, upto: int) -> np.ndarray:
         """Feed tokens [num_computed_draft, upto) as one chunk; returns the last position's logits."""
         start = req.num_computed_draft
         logits = self.runner.prefill(self.pool, req.slot, req.tokens(start, upto), start)
@@ -56,7 +63,7 @@ class DraftModelProposer:
         single = [i for i, r in enumerate(reqs) if r.num_tokens - r.num_computed_draft == 1]
         for i, r in enumerate(reqs):
             if i not in single:
-                t, q = choose(self.catch_up(r, r.num_tokens), r, self.sampler, r.num_tokens)
+                t, q = choose(self._catch_up_to(r, r.num_tokens), r, self.sampler, r.num_tokens)
                 tokens[i].append(t)
                 probs[i].append(q)
         if single:

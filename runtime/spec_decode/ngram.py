@@ -27,6 +27,9 @@ class NgramProposer:
                         return follow
         return []
 
+    def catch_up(self, reqs: list[Request]) -> None:
+        pass                        # nothing computed: it looks at the tokens themselves
+
     def feed(self, reqs: list[Request], tokens: list[list[int]]) -> None:
         pass                        # looks at the tokens themselves when proposing
 

@@ -35,6 +35,9 @@ class PagedDraftProposer:
             r.num_computed_draft += len(f)
         return logits
 
+    def catch_up(self, reqs: list[Request]) -> None:
+        pass                        # its first guess step is one packed call that carries whatever it has not seen
+
     def propose(self, reqs: list[Request], gammas: list[int]) -> list[Proposal]:
         tokens: list[list[int]] = [[] for _ in reqs]
         probs: list[list[np.ndarray]] = [[] for _ in reqs]

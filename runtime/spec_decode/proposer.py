@@ -24,6 +24,11 @@ class Proposer(Protocol):
         """One proposal per request (gammas[i] tokens, may be fewer if the proposer has nothing)."""
         ...
 
+    def catch_up(self, reqs: list[Request]) -> None:
+        """Before proposing: compute what the proposer has not seen of these sequences, but for what its first
+        guess step takes anyway (the speculator times the guess steps without this)."""
+        ...
+
     def feed(self, reqs: list[Request], tokens: list[list[int]]) -> None:
         """Compute tokens[i], which continue reqs[i] after its num_computed_draft: tokens a draft has not seen
         (its catch-up before proposing; a paged engine's prompt chunks as the target computes them)."""

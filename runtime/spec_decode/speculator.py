@@ -195,10 +195,7 @@ class Speculator:
         if not reqs:
             return {}
         t0 = time.perf_counter()
-        if self.proposer.name == "draft":     # a lagging draft catches up first, outside its timed guess steps
-            behind = [r for r in reqs if r.num_tokens - r.num_computed_draft > 2]     # (a chunk of 2 or more rows)
-            if behind:
-                self.proposer.feed(behind, [r.tokens(r.num_computed_draft, r.num_tokens - 1) for r in behind])
+        self.proposer.catch_up(reqs)          # outside the timed guess steps
         self.catch_up_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         proposals = self.proposer.propose(reqs, gammas)
