@@ -3,7 +3,10 @@ guesses, and verifies them against the target's logits (rolling the proposer bac
 
 Costs are the backend's (`Backend.step_cost`: seconds of a decode step as a function of the guesses of the
 sequences that speculate, from measurements at warm-up refreshed by every step). With acceptance α (per
-sequence, moving average) a round of γ guesses yields on average E(α, γ) = (1 − α^(γ+1)) / (1 − α) tokens.
+sequence: the chance that a guess is accepted once those before it were) a round of γ guesses yields on average
+E(α, γ) = (1 − α^(γ+1)) / (1 − α) tokens. α is estimated from accepted guesses over guesses *tried*: a round
+that accepts a of γ tried a + 1 (a < γ) or γ — accepted over proposed would count the guesses after a rejection,
+which are never tried, as failures (α = 0.7 at γ = 4 reads as 0.44, and a round's worth as 1.8 tokens, not 2.8).
 Sequences join the speculating set, best acceptance first, each with the γ that maximises the step's expected
 tokens per second, only while joining raises it; so speculation switches itself off where it does not pay
 (low acceptance, or large batches where a plain decode step is cheap per token).
@@ -14,7 +17,11 @@ actually delivered: `RateCheck` keeps the measured tokens per second of decode-o
 speculation, per batch size, and stops speculation at a batch size where it delivers less than plain decoding.
 One step in EXPLORE_EVERY runs the other way, so both figures stay current and a change of traffic is noticed
 (exploring a losing speculation backs off, since such a step costs several plain ones). A request that has not
-speculated yet starts from the engine's recent acceptance, not from the configured prior.
+speculated yet starts from the engine's recent acceptance (a moving average that starts at the configured prior).
+
+Estimates that keep speculation off are never re-measured by themselves: one round at acceptance 0 would stop
+every later request from speculating. So an exploration of speculation, and a plan after EXPLORE_EVERY plans that
+chose no one, plan with at least the configured prior (optimism where nothing recent was measured).
 """
 
 from __future__ import annotations
@@ -36,7 +43,8 @@ class SpecConfig:
     max_gamma: int = 6
     adaptive: bool = True           # False: always speculate max_gamma tokens (for tests and benchmarks)
     prior_acceptance: float = 0.7
-    smoothing: float = 0.3          # weight of the latest round in the acceptance average
+    prior_tokens: float = 8.0       # a request's α counts the engine's recent α as this many tried guesses
+    memory: float = 0.8             # weight of a request's earlier guesses each round (recent rounds count most)
 
     def __post_init__(self):
         if not 1 <= self.max_gamma <= 16:
@@ -73,8 +81,9 @@ class SpecStats:
     proposed: int = 0
     accepted: int = 0
     rounds: int = 0
-    recent: float = 0.0      # engine-wide acceptance, a moving average over rounds
-    acceptance: dict[str, float] = field(default_factory=dict)   # request id → moving average
+    recent: float = 0.0      # engine-wide α: decayed accepted over decayed tried guesses (starts at the prior)
+    recent_counts: tuple[float, float] = (0.0, 0.0)
+    history: dict[str, tuple[float, float]] = field(default_factory=dict)   # request id → decayed (accepted, tried)
 
 
 def expected_tokens(alpha: float, gamma: int) -> float:
@@ -100,6 +109,7 @@ class RateCheck:
         self.rates: dict[bool, dict[int, float]] = {True: {}, False: {}}
         self.steps: dict[int, int] = {}
         self.interval: dict[int, int] = {}     # batch size → steps between explorations of the losing side
+        self.exploring = False                 # the last `speculate` explores a speculation measured losing
 
     def observe(self, num_decodes: int, speculated: bool, tokens: int, seconds: float) -> None:
         if seconds <= 0:
@@ -122,8 +132,10 @@ class RateCheck:
         or in the backed-off interval (speculation, while it loses), which measures the other."""
         n = self.steps[num_decodes] = self.steps.get(num_decodes, 0) + 1
         pays = self.pays(num_decodes)
+        self.exploring = False
         if n >= (self.EXPLORE_EVERY if pays else self.interval.get(num_decodes, self.EXPLORE_EVERY)):
             self.steps[num_decodes] = 0           # steps are counted from the last exploration
+            self.exploring = not pays
             return not pays
         return pays
 
@@ -132,8 +144,10 @@ class Speculator:
     def __init__(self, config: SpecConfig, proposer: Proposer, sampler: Sampler, cost: CostModel):
         """`cost`: the backend's measured step costs; the proposer's timed steps are recorded there as "draft"."""
         self.config, self.proposer, self.sampler, self.cost = config, proposer, sampler, cost
-        self.stats = SpecStats()
+        self.stats = SpecStats(recent=config.prior_acceptance,
+                               recent_counts=(config.prior_acceptance * config.prior_tokens, config.prior_tokens))
         self.rate_check = RateCheck()
+        self.idle_plans = 0            # plans in a row that chose no one (while someone could speculate)
         self.catch_up_s = 0.0          # of this step's proposal: the draft computing tokens it had not seen
 
     def observe(self, num_decodes: int, speculated: bool, tokens: int, seconds: float) -> None:
@@ -152,11 +166,13 @@ class Speculator:
         return max(0, min(self.config.max_gamma, left))
 
     def _alpha(self, req: Request) -> float:
-        """The request's smoothed acceptance rate; before it has speculated, the rate measured over this
-        engine's recent rounds (a new request of a workload the draft predicts badly starts there, not at an
-        optimistic constant), or the configured prior before any round."""
-        return self.stats.acceptance.get(req.request_id, self.stats.recent if self.stats.rounds else
-                                         self.config.prior_acceptance)
+        """The request's acceptance: its own guesses (recent rounds weigh most) and `prior_tokens` guesses at the
+        rate of this engine's recent rounds. A new request starts at the engine's rate (of a workload the draft
+        predicts badly, not at an optimistic constant); one rejected round does not stop a request that the
+        draft predicts well (guesses are accepted in runs and fail in bursts)."""
+        accepted, tried = self.stats.history.get(req.request_id, (0.0, 0.0))
+        k = self.config.prior_tokens
+        return (accepted + k * self.stats.recent) / (tried + k)
 
     def plan(self, decodes: list[Request], capacity: int, budget: int,
              step_cost: Callable[[Sequence[int]], float]) -> dict[str, int]:
@@ -176,18 +192,25 @@ class Speculator:
         base = step_cost([])
         if base <= 0:                 # nothing measured yet: no basis for a decision
             return chosen
-        tokens, guesses, rate = float(len(decodes)), [], len(decodes) / base
+        floor = (self.config.prior_acceptance if self.rate_check.exploring or self.idle_plans >= RateCheck.EXPLORE_EVERY
+                 else 0.0)
+        # What a step costs beyond its model calls (scheduling, sampling, delivery), from plain steps' measured rate:
+        # a step that speculates pays it once for several tokens.
+        plain = self.rate_check.rates[False].get(len(decodes))
+        overhead = max(0.0, len(decodes) / plain - base) if plain else 0.0
+        tokens, guesses, rate = float(len(decodes)), [], len(decodes) / (base + overhead)
         for r, gmax in sorted(cands, key=lambda c: self._alpha(c[0]), reverse=True):
-            alpha, best = self._alpha(r), 0
+            alpha, best = max(floor, self._alpha(r)), 0
             for g in range(1, min(gmax, budget - sum(guesses)) + 1):
                 gain = expected_tokens(alpha, g) - 1
-                trial = (tokens + gain) / step_cost(guesses + [g])
+                trial = (tokens + gain) / (step_cost(guesses + [g]) + overhead)
                 if gain > 0.05 and trial > rate:
                     best, rate = g, trial
             if best:
                 chosen[r.request_id] = best
                 guesses.append(best)
                 tokens += expected_tokens(alpha, best) - 1
+        self.idle_plans = 0 if chosen else self.idle_plans + 1
         return chosen
 
     def propose(self, reqs: list[Request], gammas: list[int]) -> dict[str, Proposal]:
@@ -217,12 +240,15 @@ class Speculator:
             return
         s = self.stats
         s.proposed, s.accepted, s.rounds = s.proposed + proposed, s.accepted + accepted, s.rounds + 1
-        rate = accepted / proposed
-        s.recent = rate if s.rounds == 1 else (1 - RECENT_WEIGHT) * s.recent + RECENT_WEIGHT * rate
-        old = self._alpha(req)
-        s.acceptance[req.request_id] = (1 - self.config.smoothing) * old + self.config.smoothing * rate
+        tried = accepted + (accepted < proposed)
+        a, t = s.recent_counts
+        s.recent_counts = ((1 - RECENT_WEIGHT) * a + accepted, (1 - RECENT_WEIGHT) * t + tried)
+        s.recent = s.recent_counts[0] / s.recent_counts[1]
+        a, t = s.history.get(req.request_id, (0.0, 0.0))
+        m = self.config.memory
+        s.history[req.request_id] = (m * a + accepted, m * t + tried)
         req.spec_proposed += proposed
         req.spec_accepted += accepted
 
     def forget(self, req: Request) -> None:
-        self.stats.acceptance.pop(req.request_id, None)
+        self.stats.history.pop(req.request_id, None)

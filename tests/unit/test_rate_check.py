@@ -50,7 +50,8 @@ def test_exploring_a_losing_side_backs_off_and_resets_when_it_pays():
 
 
 def test_new_requests_start_from_the_measured_acceptance():
-    """Before a request has speculated its acceptance is the engine's recent one, not the configured prior."""
+    """Before a request has speculated its acceptance is the engine's recent one (a moving average from the
+    configured prior), not the prior itself."""
     from runtime.request import Request, SamplingParams
     from runtime.spec_decode.speculator import SpecConfig, Speculator
 
@@ -59,5 +60,55 @@ def test_new_requests_start_from_the_measured_acceptance():
     assert spec._alpha(fresh) == 0.7
     old = Request([1, 2, 3], SamplingParams(max_tokens=4), request_id="old")
     for _ in range(200):
-        spec._account(old, proposed=4, accepted=1)
-    assert abs(spec._alpha(fresh) - 0.25) < 1e-6
+        spec._account(old, proposed=4, accepted=1)      # 1 accepted of 2 tried
+    assert abs(spec._alpha(fresh) - 0.5) < 1e-4
+
+
+def _speculator(**config):
+    from runtime.spec_decode.speculator import SpecConfig, Speculator
+
+    return Speculator(SpecConfig(**config), proposer=None, sampler=None, cost=None)
+
+
+def test_acceptance_counts_the_guesses_tried_not_those_after_a_rejection():
+    """A round that accepts a of γ tried a + 1 guesses (the ones after the first rejection were never tried):
+    rounds accepting 2 of 4 mean α = 2/3 (E(2/3, 4) = 2.6 tokens a round), not 2/4."""
+    from runtime.request import Request, SamplingParams
+
+    spec = _speculator(prior_acceptance=0.7)
+    req = Request([1, 2, 3], SamplingParams(max_tokens=4), request_id="r")
+    for _ in range(300):
+        spec._account(req, proposed=4, accepted=2)
+    assert abs(spec._alpha(req) - 2 / 3) < 1e-3 and abs(spec.stats.recent - 2 / 3) < 1e-3
+    for _ in range(300):
+        spec._account(req, proposed=4, accepted=4)      # every guess accepted: nothing was rejected
+    assert spec._alpha(req) > 0.999
+
+
+def test_one_rejected_round_does_not_stop_a_request_the_draft_predicts_well():
+    from runtime.request import Request, SamplingParams
+
+    spec = _speculator(prior_acceptance=0.7)
+    req = Request([1, 2, 3], SamplingParams(max_tokens=4), request_id="r")
+    for _ in range(10):
+        spec._account(req, proposed=4, accepted=4)
+    spec._account(req, proposed=4, accepted=0)
+    assert spec._alpha(req) > 0.8
+
+
+def test_speculation_measured_useless_is_tried_again_with_the_prior():
+    """Acceptance 0 everywhere keeps every plan empty, which alone would never measure anything again (one bad
+    round used to stop speculation for good): after EXPLORE_EVERY empty plans one plans with the prior."""
+    from runtime.request import Request, SamplingParams
+
+    spec = _speculator(prior_acceptance=0.7)
+    old = Request([1, 2, 3], SamplingParams(max_tokens=4), request_id="old")
+    for _ in range(400):
+        spec._account(old, proposed=4, accepted=0)
+    assert spec.stats.recent < 1e-6
+    req = Request([1, 2, 3], SamplingParams(max_tokens=100), request_id="new")
+    cost = lambda guesses: 0.010 + sum(0.001 + 0.002 * g for g in guesses)     # noqa: E731
+    plans = [spec.plan([req], capacity=2048, budget=64, step_cost=cost) for _ in range(3 * RateCheck.EXPLORE_EVERY)]
+    tried = [i for i, p in enumerate(plans) if p]
+    assert len(tried) == 2 and tried[0] >= RateCheck.EXPLORE_EVERY and tried[1] - tried[0] > RateCheck.EXPLORE_EVERY
+    assert all(plans[i] == {"new": plans[tried[0]]["new"]} and plans[i]["new"] >= 1 for i in tried)
