@@ -87,7 +87,6 @@ class CpuBackend:
 
     def step_cost(self, num_decodes: int) -> Callable[[Sequence[int]], float]:
         """Plain decodes batched, each verification its own call, the draft's guess steps batched."""
-        ver = [0.0] + [self.cost("ver", g + 1) for g in range(1, self._max_gamma + 1)]
         memo: dict[tuple[str, int], float] = {}
 
         def cost(kind: str, n: int) -> float:
@@ -97,7 +96,8 @@ class CpuBackend:
 
         def seconds(guesses: Sequence[int]) -> float:
             k = len(guesses)
-            return cost("dec", num_decodes - k) + sum(ver[g] for g in guesses) + (max(guesses) * cost("draft", k) if k else 0.0)
+            return (cost("dec", num_decodes - k) + sum(cost("ver", g + 1) for g in guesses)
+                    + (max(guesses) * cost("draft", k) if k else 0.0))
         return seconds
 
     def warm_up(self) -> None:

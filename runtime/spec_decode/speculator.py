@@ -20,8 +20,8 @@ One step in EXPLORE_EVERY runs the other way, so both figures stay current and a
 speculated yet starts from the engine's recent acceptance (a moving average that starts at the configured prior).
 
 Estimates that keep speculation off are never re-measured by themselves: one round at acceptance 0 would stop
-every later request from speculating. So an exploration of speculation, and a plan after EXPLORE_EVERY plans that
-chose no one, plan with at least the configured prior (optimism where nothing recent was measured).
+every later request from speculating. So a plan after EXPLORE_EVERY plans that chose no one plans with at least
+the configured prior (optimism where nothing recent was measured).
 """
 
 from __future__ import annotations
@@ -99,43 +99,63 @@ class RateCheck:
     verifies each sequence in its own call, and after many plain ones the draft first catches up on every token
     it missed (left out of the measured rate, see Speculator.observe, but paid). So while speculation keeps
     losing at a batch size, the steps between its explorations double (EXPLORE_EVERY up to EXPLORE_MAX), and
-    return to EXPLORE_EVERY once it pays."""
+    return to EXPLORE_EVERY once it pays. The first speculating step after plain ones is not measured (the
+    draft's weights and KV come back into cache, its catch-up tail runs): a single exploring step measured that
+    way lost where steady speculation won (433 vs 773 tok/s on the bundled pair at batch 1), so an exploration
+    of speculation runs BURST steps and its verdict is taken after the last."""
 
     EXPLORE_EVERY = 32
     EXPLORE_MAX = 1024
-    WEIGHT = 0.2
+    BURST = 4
+    WEIGHT = 0.1
+    MARGIN = 0.85
 
     def __init__(self):
-        self.rates: dict[bool, dict[int, float]] = {True: {}, False: {}}
+        # side → batch size → decayed (tokens, seconds): a rate is their ratio, not an average of per-step rates
+        # (a speculating step yields 1 to γ+1 tokens, and the mean of such ratios swung 2x from step to step)
+        self.sums: dict[bool, dict[int, tuple[float, float]]] = {True: {}, False: {}}
         self.steps: dict[int, int] = {}
         self.interval: dict[int, int] = {}     # batch size → steps between explorations of the losing side
-        self.exploring = False                 # the last `speculate` explores a speculation measured losing
+        self.burst: dict[int, int] = {}        # batch size → steps left of an exploration of speculation
+        self.last_speculated = False
 
     def observe(self, num_decodes: int, speculated: bool, tokens: int, seconds: float) -> None:
-        if seconds <= 0:
+        cold, self.last_speculated = speculated and not self.last_speculated, speculated
+        if seconds <= 0 or cold:
             return
-        rates, rate = self.rates[speculated], tokens / seconds
-        old = rates.get(num_decodes)
-        rates[num_decodes] = rate if old is None else (1 - self.WEIGHT) * old + self.WEIGHT * rate
-        if speculated and old is not None:        # an exploration's verdict sets the next interval
+        sums = self.sums[speculated]
+        old = sums.get(num_decodes)
+        w = self.WEIGHT
+        sums[num_decodes] = (tokens, seconds) if old is None else ((1 - w) * old[0] + w * tokens,
+                                                                     (1 - w) * old[1] + w * seconds)
+        if speculated and old is not None and not self.burst.get(num_decodes):   # a verdict sets the next interval
             interval = self.interval.get(num_decodes, self.EXPLORE_EVERY)
             self.interval[num_decodes] = (self.EXPLORE_EVERY if self.pays(num_decodes)
                                           else min(2 * interval, self.EXPLORE_MAX))
 
     def pays(self, num_decodes: int) -> bool:
-        """Speculation has not been measured delivering less than plain decoding at this batch size."""
-        spec, plain = self.rates[True].get(num_decodes), self.rates[False].get(num_decodes)
-        return spec is None or plain is None or spec >= plain
+        """Speculation has not been measured delivering clearly less than plain decoding at this batch size (below
+        MARGIN × plain: the planner already prices each choice, and these rates move ±20 % with the prompts)."""
+        spec, plain = self.rate(True, num_decodes), self.rate(False, num_decodes)
+        return spec is None or plain is None or spec >= self.MARGIN * plain
+
+    def rate(self, speculated: bool, num_decodes: int) -> float | None:
+        """Measured tokens per second of decode-only steps of this side and batch size; None before any."""
+        sums = self.sums[speculated].get(num_decodes)
+        return sums[0] / sums[1] if sums else None
 
     def speculate(self, num_decodes: int) -> bool:
         """This step's side: the one that pays, except one step in EXPLORE_EVERY (plain, while speculation pays)
-        or in the backed-off interval (speculation, while it loses), which measures the other."""
+        or BURST steps in the backed-off interval (speculation, while it loses), which measure the other."""
+        if self.burst.get(num_decodes):
+            self.burst[num_decodes] -= 1
+            return True
         n = self.steps[num_decodes] = self.steps.get(num_decodes, 0) + 1
         pays = self.pays(num_decodes)
-        self.exploring = False
         if n >= (self.EXPLORE_EVERY if pays else self.interval.get(num_decodes, self.EXPLORE_EVERY)):
             self.steps[num_decodes] = 0           # steps are counted from the last exploration
-            self.exploring = not pays
+            if not pays:
+                self.burst[num_decodes] = self.BURST - 1
             return not pays
         return pays
 
@@ -148,6 +168,7 @@ class Speculator:
                                recent_counts=(config.prior_acceptance * config.prior_tokens, config.prior_tokens))
         self.rate_check = RateCheck()
         self.idle_plans = 0            # plans in a row that chose no one (while someone could speculate)
+        self._empty_plan: tuple[int, int] | None = None   # (batch size, rounds) of the last plan, if it chose no one
         self.catch_up_s = 0.0          # of this step's proposal: the draft computing tokens it had not seen
 
     def observe(self, num_decodes: int, speculated: bool, tokens: int, seconds: float) -> None:
@@ -189,14 +210,17 @@ class Speculator:
             return chosen
         if not cands or not self.rate_check.speculate(len(decodes)):
             return chosen
+        explore = self.idle_plans >= RateCheck.EXPLORE_EVERY
+        if not explore and self._empty_plan == (len(decodes), self.stats.rounds):
+            self.idle_plans += 1      # no round since an empty plan at this batch size: it would be empty again
+            return chosen
         base = step_cost([])
         if base <= 0:                 # nothing measured yet: no basis for a decision
             return chosen
-        floor = (self.config.prior_acceptance if self.rate_check.exploring or self.idle_plans >= RateCheck.EXPLORE_EVERY
-                 else 0.0)
+        floor = self.config.prior_acceptance if explore else 0.0
         # What a step costs beyond its model calls (scheduling, sampling, delivery), from plain steps' measured rate:
         # a step that speculates pays it once for several tokens.
-        plain = self.rate_check.rates[False].get(len(decodes))
+        plain = self.rate_check.rate(False, len(decodes))
         overhead = max(0.0, len(decodes) / plain - base) if plain else 0.0
         tokens, guesses, rate = float(len(decodes)), [], len(decodes) / (base + overhead)
         for r, gmax in sorted(cands, key=lambda c: self._alpha(c[0]), reverse=True):
@@ -206,11 +230,13 @@ class Speculator:
                 trial = (tokens + gain) / (step_cost(guesses + [g]) + overhead)
                 if gain > 0.05 and trial > rate:
                     best, rate = g, trial
-            if best:
-                chosen[r.request_id] = best
-                guesses.append(best)
-                tokens += expected_tokens(alpha, best) - 1
-        self.idle_plans = 0 if chosen else self.idle_plans + 1
+            if not best:              # those after it guess worse at the same price: none of them joins either
+                break
+            chosen[r.request_id] = best
+            guesses.append(best)
+            tokens += expected_tokens(alpha, best) - 1
+        self.idle_plans = 0 if chosen or explore else self.idle_plans + 1
+        self._empty_plan = None if chosen else (len(decodes), self.stats.rounds)
         return chosen
 
     def propose(self, reqs: list[Request], gammas: list[int]) -> dict[str, Proposal]:

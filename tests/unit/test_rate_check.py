@@ -10,40 +10,50 @@ def sides(check: RateCheck, n: int, steps: int) -> str:
 
 
 def test_speculation_runs_until_measured_losing_and_both_sides_stay_measured():
-    check, every = RateCheck(), RateCheck.EXPLORE_EVERY
+    check, every, burst = RateCheck(), RateCheck.EXPLORE_EVERY, RateCheck.BURST
     assert sides(check, 4, every) == "s" * (every - 1) + "p"          # nothing measured: speculate, explore plain
-    check.observe(4, True, tokens=8, seconds=0.1)                     # 80 tok/s speculating
     check.observe(4, False, tokens=4, seconds=0.04)                   # 100 tok/s plain
+    check.observe(4, True, tokens=8, seconds=0.05)                    # first after plain: not measured (cold)
+    assert check.pays(4) and check.rate(True, 4) is None
+    check.observe(4, True, tokens=8, seconds=0.1)                     # 80 tok/s speculating
     assert not check.pays(4)
-    assert sides(check, 4, every) == "p" * (every - 1) + "s"          # plain, exploring speculation
+    assert sides(check, 4, every - 1 + burst) == "p" * (every - 1) + "s" * burst   # exploring speculation: a burst
     assert check.pays(1) and check.pays(8)                            # other batch sizes keep their own figures
     for _ in range(20):                                               # speculation gets better (new traffic)
         check.observe(4, True, tokens=15, seconds=0.1)
     assert check.pays(4) and sides(check, 4, every)[:every - 1] == "s" * (every - 1)
 
 
-def test_rates_are_moving_averages_and_ignore_empty_steps():
+def test_rates_are_decayed_tokens_over_decayed_seconds_and_ignore_empty_steps():
     check = RateCheck()
     check.observe(2, False, tokens=10, seconds=0.1)
     check.observe(2, False, tokens=20, seconds=0.1)
-    assert check.rates[False][2] == (1 - RateCheck.WEIGHT) * 100 + RateCheck.WEIGHT * 200
+    w = RateCheck.WEIGHT
+    assert check.rate(False, 2) == ((1 - w) * 10 + w * 20) / ((1 - w) * 0.1 + w * 0.1)   # decayed tokens / seconds
     check.observe(2, True, tokens=5, seconds=0.0)
-    assert 2 not in check.rates[True]
+    assert check.rate(True, 2) is None
 
 
 def test_exploring_a_losing_side_backs_off_and_resets_when_it_pays():
-    """Each exploration that finds speculation still losing doubles the plain steps before the next one (up to
-    EXPLORE_MAX); one that finds it paying brings back EXPLORE_EVERY."""
-    check, every = RateCheck(), RateCheck.EXPLORE_EVERY
+    """Each exploration (BURST speculating steps, the first not measured) that finds speculation still losing
+    doubles the plain steps before the next one (up to EXPLORE_MAX); one that finds it paying brings back
+    EXPLORE_EVERY."""
+    check, every, burst = RateCheck(), RateCheck.EXPLORE_EVERY, RateCheck.BURST
     check.observe(2, False, tokens=2, seconds=0.01)                   # 200 tok/s plain
+    check.observe(2, True, tokens=3, seconds=0.03)                    # (cold)
     check.observe(2, True, tokens=3, seconds=0.03)                    # 100 tok/s speculating
-    gaps = []
-    for _ in range(7):
-        run = sides(check, 2, 4 * RateCheck.EXPLORE_MAX)
-        gaps.append(run.index("s") + 1)
-        check.observe(2, True, tokens=3, seconds=0.03)                # the exploration lost again
-        check.steps[2] = 0                                            # sides() ran on past it: count anew
-    assert gaps == [min(every * 2 ** k, RateCheck.EXPLORE_MAX) for k in range(7)]
+    starts, runs, prev = [], [], False
+    for i in range(4 * RateCheck.EXPLORE_MAX):
+        side = check.speculate(2)
+        if side and not prev:
+            starts.append(i)
+        runs.append(side)
+        check.observe(2, side, tokens=3 if side else 2, seconds=0.03 if side else 0.01)
+        prev = side
+    assert all(runs[s:s + burst] == [True] * burst and not runs[s + burst] for s in starts)
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert starts[0] == every - 1
+    assert gaps[:6] == [burst - 1 + min(every * 2 ** k, RateCheck.EXPLORE_MAX) for k in range(1, 7)]
     for _ in range(30):                                               # speculation now delivers 300 tok/s
         check.observe(2, True, tokens=9, seconds=0.03)
     assert check.pays(2) and check.interval[2] == every
