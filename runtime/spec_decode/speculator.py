@@ -14,14 +14,16 @@ tokens per second, only while joining raises it; so speculation switches itself 
 The cost model prices ONNX Runtime calls; it cannot see everything a speculating step costs (the rejection
 sampler, the draft's Python steps, its prompt chunks). So the decision is also checked against what steps
 actually delivered: `RateCheck` keeps the measured tokens per second of decode-only steps with and without
-speculation, per batch size, and stops speculation at a batch size where it delivers less than plain decoding.
-One step in EXPLORE_EVERY runs the other way, so both figures stay current and a change of traffic is noticed
+speculation, per batch size, and stops speculation at a batch size where it delivers clearly less than plain
+decoding. One step in EXPLORE_EVERY runs the other way, so both figures stay current and a change of traffic is noticed
 (exploring a losing speculation backs off, since such a step costs several plain ones). A request that has not
 speculated yet starts from the engine's recent acceptance (a moving average that starts at the configured prior).
 
 Estimates that keep speculation off are never re-measured by themselves: one round at acceptance 0 would stop
-every later request from speculating. So a plan after EXPLORE_EVERY plans that chose no one plans with at least
-the configured prior (optimism where nothing recent was measured).
+every later request from speculating. So after `explore_after` plans that chose no one, a plan uses at least the
+configured prior (optimism where nothing recent was measured). Such a round is dear — the draft first catches up
+on the whole sequence (14 ms for a 500-token prompt on the bundled draft) — so each one that does not bring
+speculation back doubles the wait (EXPLORE_EVERY up to EXPLORE_MAX plans).
 """
 
 from __future__ import annotations
@@ -168,6 +170,7 @@ class Speculator:
                                recent_counts=(config.prior_acceptance * config.prior_tokens, config.prior_tokens))
         self.rate_check = RateCheck()
         self.idle_plans = 0            # plans in a row that chose no one (while someone could speculate)
+        self.explore_after = RateCheck.EXPLORE_EVERY   # idle plans before one plans with the prior
         self._empty_plan: tuple[int, int] | None = None   # (batch size, rounds) of the last plan, if it chose no one
         self.catch_up_s = 0.0          # of this step's proposal: the draft computing tokens it had not seen
 
@@ -210,7 +213,7 @@ class Speculator:
             return chosen
         if not cands or not self.rate_check.speculate(len(decodes)):
             return chosen
-        explore = self.idle_plans >= RateCheck.EXPLORE_EVERY
+        explore = self.idle_plans >= self.explore_after
         if not explore and self._empty_plan == (len(decodes), self.stats.rounds):
             self.idle_plans += 1      # no round since an empty plan at this batch size: it would be empty again
             return chosen
@@ -236,6 +239,10 @@ class Speculator:
             guesses.append(best)
             tokens += expected_tokens(alpha, best) - 1
         self.idle_plans = 0 if chosen or explore else self.idle_plans + 1
+        if explore:                   # reset once the estimates choose speculation by themselves
+            self.explore_after = min(2 * self.explore_after, RateCheck.EXPLORE_MAX)
+        elif chosen:
+            self.explore_after = RateCheck.EXPLORE_EVERY
         self._empty_plan = None if chosen else (len(decodes), self.stats.rounds)
         return chosen
 

@@ -106,9 +106,10 @@ def test_one_rejected_round_does_not_stop_a_request_the_draft_predicts_well():
     assert spec._alpha(req) > 0.8
 
 
-def test_speculation_measured_useless_is_tried_again_with_the_prior():
+def test_speculation_measured_useless_is_tried_again_with_the_prior_ever_more_rarely():
     """Acceptance 0 everywhere keeps every plan empty, which alone would never measure anything again (one bad
-    round used to stop speculation for good): after EXPLORE_EVERY empty plans one plans with the prior."""
+    round used to stop speculation for good): after EXPLORE_EVERY empty plans one plans with the prior, and each
+    such try that does not bring speculation back doubles the wait (a try costs the draft's catch-up)."""
     from runtime.request import Request, SamplingParams
 
     spec = _speculator(prior_acceptance=0.7)
@@ -116,9 +117,17 @@ def test_speculation_measured_useless_is_tried_again_with_the_prior():
     for _ in range(400):
         spec._account(old, proposed=4, accepted=0)
     assert spec.stats.recent < 1e-6
-    req = Request([1, 2, 3], SamplingParams(max_tokens=100), request_id="new")
+    req = Request([1, 2, 3], SamplingParams(max_tokens=10_000), request_id="new")
     cost = lambda guesses: 0.010 + sum(0.001 + 0.002 * g for g in guesses)     # noqa: E731
-    plans = [spec.plan([req], capacity=2048, budget=64, step_cost=cost) for _ in range(3 * RateCheck.EXPLORE_EVERY)]
+    every = RateCheck.EXPLORE_EVERY
+    plans = [spec.plan([req], capacity=20_000, budget=64, step_cost=cost) for _ in range(16 * every)]
     tried = [i for i, p in enumerate(plans) if p]
-    assert len(tried) == 2 and tried[0] >= RateCheck.EXPLORE_EVERY and tried[1] - tried[0] > RateCheck.EXPLORE_EVERY
     assert all(plans[i] == {"new": plans[tried[0]]["new"]} and plans[i]["new"] >= 1 for i in tried)
+    waits = [b - a for a, b in zip(tried, tried[1:])]
+    assert tried[0] >= every and len(waits) == 3
+    # empty plans between tries: 64, 128, 256 (and the rate check's own plain steps, one in EXPLORE_EVERY)
+    assert all(every * 2 ** (k + 1) < w <= every * 2 ** (k + 1) * (1 + 2 / every) for k, w in enumerate(waits))
+    for _ in range(6):
+        spec._account(req, proposed=4, accepted=4)                             # the try found a good draft:
+    assert spec.plan([req], capacity=20_000, budget=64, step_cost=cost)        # it speculates by itself,
+    assert spec.explore_after == every                                         # and the wait is back to the start
