@@ -42,7 +42,7 @@ class CpuBackend:
         # after every call (bundled pair, fixed γ=4 at batch 1 in process: 0.80x -> 1.19x of plain decoding). Its
         # small decode steps lose nothing by it (0.41 ms, as on one thread); its catch-up on a 500-token prompt
         # keeps a second thread (14 ms; 21 ms on one).
-        self.draft = ModelRunner(config.draft, **dict(opts, spin=False)) if config.draft else None
+        self.draft = ModelRunner(config.draft, **dict(opts, threads=1)) if config.draft else None
         if self.draft is not None:
             check_same_tokenizer(self.runner, self.draft)
         self.max_model_len = context_length(config, self.runner, self.draft)
