@@ -38,10 +38,10 @@ class CpuBackend:
     def __init__(self, engine_dir: Path, config: EngineConfig, sampler: Sampler):
         opts = dict(threads=config.threads, verify=config.verify_artifact, spin=config.spin)
         self.runner = ModelRunner(engine_dir, **opts)
-        # The draft's worker threads sleep between its ops: spinning, they took a core from the target's worker
-        # after every call (bundled pair, fixed γ=4 at batch 1 in process: 0.80x -> 1.19x of plain decoding). Its
-        # small decode steps lose nothing by it (0.41 ms, as on one thread); its catch-up on a 500-token prompt
-        # keeps a second thread (14 ms; 21 ms on one).
+        # The draft runs on the engine thread alone: a worker of its own spun beside the target's after every
+        # call (bundled pair, fixed γ=4 at batch 1 in process: 0.80x -> 1.19x of plain decoding); sleeping workers
+        # lost at the API. Its small decode steps take as long on one thread (0.41 ms); its catch-up on a
+        # 500-token prompt takes 21 ms (14 on two).
         self.draft = ModelRunner(config.draft, **dict(opts, threads=1)) if config.draft else None
         if self.draft is not None:
             check_same_tokenizer(self.runner, self.draft)
