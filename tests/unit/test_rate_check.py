@@ -1,8 +1,14 @@
 """Adaptive speculation checks its decisions against measured outcomes: per batch size, decode-only steps with
-speculation must deliver at least the tokens per second of plain steps, else speculation stops there; one step in
-EXPLORE_EVERY measures the other side."""
+speculation must deliver at least MARGIN × the tokens per second of plain steps, else speculation stops there; one
+step in EXPLORE_EVERY measures the other side. Its acceptance estimates count the guesses tried, and estimates
+that keep speculation off are tried again with the prior, ever more rarely."""
 
-from runtime.spec_decode.speculator import RateCheck
+from runtime.request import Request, SamplingParams
+from runtime.spec_decode.speculator import RateCheck, SpecConfig, Speculator
+
+
+def _speculator(**config) -> Speculator:
+    return Speculator(SpecConfig(**config), proposer=None, sampler=None, cost=None)
 
 
 def sides(check: RateCheck, n: int, steps: int) -> str:
@@ -62,10 +68,7 @@ def test_exploring_a_losing_side_backs_off_and_resets_when_it_pays():
 def test_new_requests_start_from_the_measured_acceptance():
     """Before a request has speculated its acceptance is the engine's recent one (a moving average from the
     configured prior), not the prior itself."""
-    from runtime.request import Request, SamplingParams
-    from runtime.spec_decode.speculator import SpecConfig, Speculator
-
-    spec = Speculator(SpecConfig(prior_acceptance=0.7), proposer=None, sampler=None, cost=None)
+    spec = _speculator(prior_acceptance=0.7)
     fresh = Request([1, 2, 3], SamplingParams(max_tokens=4), request_id="fresh")
     assert spec._alpha(fresh) == 0.7
     old = Request([1, 2, 3], SamplingParams(max_tokens=4), request_id="old")
@@ -74,17 +77,9 @@ def test_new_requests_start_from_the_measured_acceptance():
     assert abs(spec._alpha(fresh) - 0.5) < 1e-4
 
 
-def _speculator(**config):
-    from runtime.spec_decode.speculator import SpecConfig, Speculator
-
-    return Speculator(SpecConfig(**config), proposer=None, sampler=None, cost=None)
-
-
 def test_acceptance_counts_the_guesses_tried_not_those_after_a_rejection():
     """A round that accepts a of γ tried a + 1 guesses (the ones after the first rejection were never tried):
     rounds accepting 2 of 4 mean α = 2/3 (E(2/3, 4) = 2.6 tokens a round), not 2/4."""
-    from runtime.request import Request, SamplingParams
-
     spec = _speculator(prior_acceptance=0.7)
     req = Request([1, 2, 3], SamplingParams(max_tokens=4), request_id="r")
     for _ in range(300):
@@ -96,8 +91,6 @@ def test_acceptance_counts_the_guesses_tried_not_those_after_a_rejection():
 
 
 def test_one_rejected_round_does_not_stop_a_request_the_draft_predicts_well():
-    from runtime.request import Request, SamplingParams
-
     spec = _speculator(prior_acceptance=0.7)
     req = Request([1, 2, 3], SamplingParams(max_tokens=4), request_id="r")
     for _ in range(10):
@@ -110,8 +103,6 @@ def test_speculation_measured_useless_is_tried_again_with_the_prior_ever_more_ra
     """Acceptance 0 everywhere keeps every plan empty, which alone would never measure anything again (one bad
     round used to stop speculation for good): after EXPLORE_EVERY empty plans one plans with the prior, and each
     such try that does not bring speculation back doubles the wait (a try costs the draft's catch-up)."""
-    from runtime.request import Request, SamplingParams
-
     spec = _speculator(prior_acceptance=0.7)
     old = Request([1, 2, 3], SamplingParams(max_tokens=4), request_id="old")
     for _ in range(400):
