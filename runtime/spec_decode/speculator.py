@@ -110,7 +110,7 @@ class RateCheck:
     EXPLORE_MAX = 1024
     BURST = 4
     WEIGHT = 0.1
-    MARGIN = 0.85
+    MARGIN = 0.95
 
     def __init__(self):
         # side → batch size → decayed (tokens, seconds): a rate is their ratio, not an average of per-step rates
@@ -137,7 +137,7 @@ class RateCheck:
 
     def pays(self, num_decodes: int) -> bool:
         """Speculation has not been measured delivering clearly less than plain decoding at this batch size (below
-        MARGIN × plain: the planner already prices each choice, and these rates move ±20 % with the prompts)."""
+        MARGIN × plain: the planner already prices each choice, and the rates still move with the prompts)."""
         spec, plain = self.rate(True, num_decodes), self.rate(False, num_decodes)
         return spec is None or plain is None or spec >= self.MARGIN * plain
 
@@ -171,8 +171,9 @@ class Speculator:
         self.rate_check = RateCheck()
         self.idle_plans = 0            # plans in a row that chose no one (while someone could speculate)
         self.explore_after = RateCheck.EXPLORE_EVERY   # idle plans before one plans with the prior
-        self._empty_plan: tuple[int, int] | None = None   # (batch size, rounds) of the last plan, if it chose no one
+        self._empty_plan: tuple | None = None    # (request ids, rounds) of the last plan, if it chose no one
         self.catch_up_s = 0.0          # of this step's proposal: the draft computing tokens it had not seen
+        self.catch_up_per_token: float | None = None     # measured seconds a token of such catch-up costs
 
     def observe(self, num_decodes: int, speculated: bool, tokens: int, seconds: float) -> None:
         """A decode-only step's outcome (adaptive speculation checks its decisions against these). A speculating
@@ -214,8 +215,9 @@ class Speculator:
         if not cands or not self.rate_check.speculate(len(decodes)):
             return chosen
         explore = self.idle_plans >= self.explore_after
-        if not explore and self._empty_plan == (len(decodes), self.stats.rounds):
-            self.idle_plans += 1      # no round since an empty plan at this batch size: it would be empty again
+        key = (tuple(r.request_id for r in decodes), self.stats.rounds)
+        if not explore and self._empty_plan == key:
+            self.idle_plans += 1      # the same requests, no round since their plan was empty: it would be again
             return chosen
         base = step_cost([])
         if base <= 0:                 # nothing measured yet: no basis for a decision
@@ -228,6 +230,7 @@ class Speculator:
         tokens, guesses, rate = float(len(decodes)), [], len(decodes) / (base + overhead)
         for r, gmax in sorted(cands, key=lambda c: self._alpha(c[0]), reverse=True):
             alpha, best = max(floor, self._alpha(r)), 0
+            before = rate
             for g in range(1, min(gmax, budget - sum(guesses)) + 1):
                 gain = expected_tokens(alpha, g) - 1
                 trial = (tokens + gain) / (step_cost(guesses + [g]) + overhead)
@@ -235,24 +238,45 @@ class Speculator:
                     best, rate = g, trial
             if not best:              # those after it guess worse at the same price: none of them joins either
                 break
+            gain = expected_tokens(alpha, best) - 1
+            if not self._worth_catching_up(r, tokens / before, (tokens + gain) / rate, gain):
+                rate = before
+                continue
             chosen[r.request_id] = best
             guesses.append(best)
-            tokens += expected_tokens(alpha, best) - 1
+            tokens += gain
         self.idle_plans = 0 if chosen or explore else self.idle_plans + 1
         if explore:                   # reset once the estimates choose speculation by themselves
             self.explore_after = min(2 * self.explore_after, RateCheck.EXPLORE_MAX)
         elif chosen:
             self.explore_after = RateCheck.EXPLORE_EVERY
-        self._empty_plan = None if chosen else (len(decodes), self.stats.rounds)
+        self._empty_plan = None if chosen else key
         return chosen
+
+    def _worth_catching_up(self, req: Request, plain_step: float, spec_step: float, gain: float) -> bool:
+        """A draft that lags a sequence by more than a step's worth (its prompt, tokens decoded while it sat out)
+        first computes them, once: worth it only if speculating saves more over the request's remaining tokens
+        (one a step at `plain_step` seconds, or 1 + `gain` a step at `spec_step`) than that costs."""
+        lag = req.num_tokens - req.num_computed_draft
+        if lag <= 2 or self.catch_up_per_token is None:
+            return True
+        remaining = req.params.max_tokens - len(req.output_ids)
+        saving = remaining * plain_step - remaining / (1 + gain) * spec_step
+        return saving > (lag - 1) * self.catch_up_per_token
 
     def propose(self, reqs: list[Request], gammas: list[int]) -> dict[str, Proposal]:
         """Guesses per request id; a draft model's batched guess steps are timed for the planner."""
         if not reqs:
             return {}
+        behind = sum(r.num_tokens - r.num_computed_draft for r in reqs)
         t0 = time.perf_counter()
         self.proposer.catch_up(reqs)          # outside the timed guess steps
         self.catch_up_s = time.perf_counter() - t0
+        caught = behind - sum(r.num_tokens - r.num_computed_draft for r in reqs)
+        if caught > 8:
+            per_token = self.catch_up_s / caught
+            old = self.catch_up_per_token
+            self.catch_up_per_token = per_token if old is None else 0.8 * old + 0.2 * per_token
         t0 = time.perf_counter()
         proposals = self.proposer.propose(reqs, gammas)
         if self.proposer.name == "draft":

@@ -122,3 +122,17 @@ def test_speculation_measured_useless_is_tried_again_with_the_prior_ever_more_ra
         spec._account(req, proposed=4, accepted=4)                             # the try found a good draft:
     assert spec.plan([req], capacity=20_000, budget=64, step_cost=cost)        # it speculates by itself,
     assert spec.explore_after == every                                         # and the wait is back to the start
+
+
+def test_a_lagging_draft_catches_up_only_where_the_rest_of_the_request_pays_for_it():
+    """A request whose draft has not read its 500-token prompt starts speculating only if the expected saving over
+    its remaining tokens exceeds the measured catch-up (499 tokens at 40 µs: 20 ms)."""
+    spec = _speculator(prior_acceptance=0.8)
+    spec.catch_up_per_token = 40e-6
+    cost = lambda guesses: 0.0013 + sum(0.0008 + 0.0004 * g for g in guesses)   # noqa: E731  target 1.3 ms a step
+    short = Request(list(range(500)), SamplingParams(max_tokens=20), request_id="short")
+    long = Request(list(range(500)), SamplingParams(max_tokens=2000), request_id="long")
+    assert spec.plan([short], capacity=4096, budget=64, step_cost=cost) == {}
+    assert spec.plan([long], capacity=4096, budget=64, step_cost=cost)["long"] >= 1
+    short.num_computed_draft = short.num_tokens - 1        # a draft that keeps up pays nothing first
+    assert spec.plan([short], capacity=4096, budget=64, step_cost=cost)["short"] >= 1
