@@ -216,13 +216,13 @@ inline void combine(const float* max, const float* sum, const float* acc, int n,
 }
 
 // One task: query tokens [s0, s0 + count) of batch row b, heads [h0, h0 + nh) (which read one KV head), segments
-// [seg0, seg1) of each row's keys; partials of row r's segment k go to p at r·p.segs + k (p.segs ≥ seg1 covers
-// the rows' segments). The rows share each block of keys and values while it is in L1; each row's arithmetic (its
+// [seg0, seg1) of each row's keys; partials of row r's segment k go to p at (row0 + r)·p.segs + k (p.segs ≥ seg1
+// covers the rows' segments). The rows share each block of keys and values while it is in L1; each row's arithmetic (its
 // dots, each segment's softmax, and the sums of values in key order) is the same as if it were alone, so results
 // do not depend on the tiling.
 template <int D>
 void attend_tile(const Step& st, int64_t b, int64_t s0, int64_t count, int64_t h0, int64_t nh, int seg0, int seg1,
-                 Partials& p) {
+                 Partials& p, int64_t row0 = 0) {
   const int64_t kvh = h0 / (st.heads / st.kv_heads);
   const int rows = static_cast<int>(count * nh);
   thread_local std::vector<float> scores, qbuf;
@@ -266,7 +266,7 @@ void attend_tile(const Step& st, int64_t b, int64_t s0, int64_t count, int64_t h
   for (int r = 0; r < rows; ++r)
     for (int seg = seg0; seg < std::min(seg1, segments_of(len[r])); ++seg) {
       int from = seg * kSegment, n = std::min(kSegment, len[r] - from);
-      size_t at = static_cast<size_t>(r) * p.segs + seg;
+      size_t at = static_cast<size_t>(row0 + r) * p.segs + seg;
       p.max[at] = softmax_unnormalised(&scores[static_cast<size_t>(r) * stride + from], n, &p.sum[at]);
     }
   // values: blocks of kValueBlock keys, each row adds its share in key order to its segment's sum
@@ -275,7 +275,7 @@ void attend_tile(const Step& st, int64_t b, int64_t s0, int64_t count, int64_t h
       int to = std::min(k + kValueBlock, len[r]);
       if (k < to)
         accumulate<D>(&scores[static_cast<size_t>(r) * stride + k], values + static_cast<int64_t>(lo[r] + k) * D, to - k,
-                      &p.acc[(static_cast<size_t>(r) * p.segs + k / kSegment) * D]);
+                      &p.acc[(static_cast<size_t>(row0 + r) * p.segs + k / kSegment) * D]);
     }
 }
 
@@ -300,21 +300,14 @@ void attend(void* user, size_t task) {
 }
 
 // Phase 2 of a decode step with few rows (Step::split): one task per (b, KV head, segment of keys), its partials
-// into the step's shared ones (row b·heads + h); combined per row afterwards.
+// straight into the step's shared ones (row b·heads + h; tasks write disjoint entries); combined per row afterwards.
 template <int D>
 void attend_segment(void* user, size_t task) {
   const Step& st = *static_cast<const Step*>(user);
   int64_t seg = task % st.segs, g = (task / st.segs) % st.kv_heads, b = task / st.segs / st.kv_heads;
   int64_t nh = st.heads / st.kv_heads;
-  thread_local Partials p;
-  p.reset(static_cast<int>(nh), st.segs, D);
-  attend_tile<D>(st, b, 0, 1, g * nh, nh, static_cast<int>(seg), static_cast<int>(seg) + 1, p);
-  for (int64_t r = 0; r < nh; ++r) {
-    size_t from = static_cast<size_t>(r) * st.segs + seg, to = static_cast<size_t>(b * st.heads + g * nh + r) * st.segs + seg;
-    st.shared->max[to] = p.max[from];
-    st.shared->sum[to] = p.sum[from];
-    std::memcpy(&st.shared->acc[to * D], &p.acc[from * D], sizeof(float) * D);
-  }
+  attend_tile<D>(st, b, 0, 1, g * nh, nh, static_cast<int>(seg), static_cast<int>(seg) + 1, *st.shared,
+                 b * st.heads + g * nh);
 }
 
 template <int D>

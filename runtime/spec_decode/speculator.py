@@ -57,7 +57,8 @@ class CostModel:
     """Measured step costs keyed by batch size or token count; linear interpolation between measured keys."""
 
     def __init__(self):
-        self.table: dict[str, dict[int, float]] = {"dec": {}, "ver": {}, "draft": {}, "step": {}}
+        # "catch_up": seconds a token of a draft's catch-up costs (key 1), recorded by the speculator
+        self.table: dict[str, dict[int, float]] = {"dec": {}, "ver": {}, "draft": {}, "step": {}, "catch_up": {}}
 
     def record(self, kind: str, n: int, seconds: float) -> None:
         """Moving average; a sample far above the current estimate (a page fault, a GC pause, another process)
@@ -83,9 +84,19 @@ class SpecStats:
     proposed: int = 0
     accepted: int = 0
     rounds: int = 0
-    recent: float = 0.0      # engine-wide α: decayed accepted over decayed tried guesses (starts at the prior)
-    recent_counts: tuple[float, float] = (0.0, 0.0)
+    recent_counts: tuple[float, float] = (0.0, 0.0)   # engine-wide decayed (accepted, tried) guesses
     history: dict[str, tuple[float, float]] = field(default_factory=dict)   # request id → decayed (accepted, tried)
+
+    @property
+    def recent(self) -> float:
+        """The engine-wide α: decayed accepted over decayed tried guesses (the counts start at the prior)."""
+        accepted, tried = self.recent_counts
+        return accepted / tried
+
+
+def decayed(counts: tuple[float, float], keep: float, accepted: int, tried: int) -> tuple[float, float]:
+    """(accepted, tried) counts with the old ones weighted by `keep`: recent rounds count most."""
+    return keep * counts[0] + accepted, keep * counts[1] + tried
 
 
 def expected_tokens(alpha: float, gamma: int) -> float:
@@ -166,14 +177,12 @@ class Speculator:
     def __init__(self, config: SpecConfig, proposer: Proposer, sampler: Sampler, cost: CostModel):
         """`cost`: the backend's measured step costs; the proposer's timed steps are recorded there as "draft"."""
         self.config, self.proposer, self.sampler, self.cost = config, proposer, sampler, cost
-        self.stats = SpecStats(recent=config.prior_acceptance,
-                               recent_counts=(config.prior_acceptance * config.prior_tokens, config.prior_tokens))
+        self.stats = SpecStats(recent_counts=(config.prior_acceptance * config.prior_tokens, config.prior_tokens))
         self.rate_check = RateCheck()
         self.idle_plans = 0            # plans in a row that chose no one (while someone could speculate)
         self.explore_after = RateCheck.EXPLORE_EVERY   # idle plans before one plans with the prior
         self._empty_plan: tuple | None = None    # (request ids, rounds) of the last plan, if it chose no one
         self.catch_up_s = 0.0          # of this step's proposal: the draft computing tokens it had not seen
-        self.catch_up_per_token: float | None = None     # measured seconds a token of such catch-up costs
 
     def observe(self, num_decodes: int, speculated: bool, tokens: int, seconds: float) -> None:
         """A decode-only step's outcome (adaptive speculation checks its decisions against these). A speculating
@@ -257,12 +266,12 @@ class Speculator:
         """A draft that lags a sequence by more than a step's worth (its prompt, tokens decoded while it sat out)
         first computes them, once: worth it only if speculating saves more over the request's remaining tokens
         (one a step at `plain_step` seconds, or 1 + `gain` a step at `spec_step`) than that costs."""
-        lag = req.num_tokens - req.num_computed_draft
-        if lag <= 2 or self.catch_up_per_token is None:
+        lag, per_token = req.num_tokens - req.num_computed_draft, self.cost("catch_up", 1)
+        if lag <= 2 or not per_token:             # nothing to catch up, or not measured yet
             return True
         remaining = req.params.max_tokens - len(req.output_ids)
         saving = remaining * plain_step - remaining / (1 + gain) * spec_step
-        return saving > (lag - 1) * self.catch_up_per_token
+        return saving > (lag - 1) * per_token
 
     def propose(self, reqs: list[Request], gammas: list[int]) -> dict[str, Proposal]:
         """Guesses per request id; a draft model's batched guess steps are timed for the planner."""
@@ -274,9 +283,7 @@ class Speculator:
         self.catch_up_s = time.perf_counter() - t0
         caught = behind - sum(r.num_tokens - r.num_computed_draft for r in reqs)
         if caught > 8:
-            per_token = self.catch_up_s / caught
-            old = self.catch_up_per_token
-            self.catch_up_per_token = per_token if old is None else 0.8 * old + 0.2 * per_token
+            self.cost.record("catch_up", 1, self.catch_up_s / caught)
         t0 = time.perf_counter()
         proposals = self.proposer.propose(reqs, gammas)
         if self.proposer.name == "draft":
@@ -298,12 +305,9 @@ class Speculator:
         s = self.stats
         s.proposed, s.accepted, s.rounds = s.proposed + proposed, s.accepted + accepted, s.rounds + 1
         tried = accepted + (accepted < proposed)
-        a, t = s.recent_counts
-        s.recent_counts = ((1 - RECENT_WEIGHT) * a + accepted, (1 - RECENT_WEIGHT) * t + tried)
-        s.recent = s.recent_counts[0] / s.recent_counts[1]
-        a, t = s.history.get(req.request_id, (0.0, 0.0))
-        m = self.config.memory
-        s.history[req.request_id] = (m * a + accepted, m * t + tried)
+        s.recent_counts = decayed(s.recent_counts, 1 - RECENT_WEIGHT, accepted, tried)
+        s.history[req.request_id] = decayed(s.history.get(req.request_id, (0.0, 0.0)), self.config.memory, accepted,
+                                            tried)
         req.spec_proposed += proposed
         req.spec_accepted += accepted
 

@@ -4,11 +4,11 @@ step in EXPLORE_EVERY measures the other side. Its acceptance estimates count th
 that keep speculation off are tried again with the prior, ever more rarely."""
 
 from runtime.request import Request, SamplingParams
-from runtime.spec_decode.speculator import RateCheck, SpecConfig, Speculator
+from runtime.spec_decode.speculator import CostModel, RateCheck, SpecConfig, Speculator
 
 
 def _speculator(**config) -> Speculator:
-    return Speculator(SpecConfig(**config), proposer=None, sampler=None, cost=None)
+    return Speculator(SpecConfig(**config), proposer=None, sampler=None, cost=CostModel())
 
 
 def sides(check: RateCheck, n: int, steps: int) -> str:
@@ -128,7 +128,7 @@ def test_a_lagging_draft_catches_up_only_where_the_rest_of_the_request_pays_for_
     """A request whose draft has not read its 500-token prompt starts speculating only if the expected saving over
     its remaining tokens exceeds the measured catch-up (499 tokens at 40 µs: 20 ms)."""
     spec = _speculator(prior_acceptance=0.8)
-    spec.catch_up_per_token = 40e-6
+    spec.cost.record("catch_up", 1, 40e-6)                 # seconds a token, as propose() measures it
     cost = lambda guesses: 0.0013 + sum(0.0008 + 0.0004 * g for g in guesses)   # noqa: E731  target 1.3 ms a step
     short = Request(list(range(500)), SamplingParams(max_tokens=20), request_id="short")
     long = Request(list(range(500)), SamplingParams(max_tokens=2000), request_id="long")
