@@ -26,9 +26,10 @@ from .errors import CheckpointError
 
 GRAPH_FILE, DATA_FILE = "model.onnx", "model.onnx.data"
 CALIB_TOKENS = 512
-# What the compiler emits for the same checkpoint and options; bumped when that changes (2: qs.Int8MatMul), so
+# What the compiler emits for the same checkpoint and options; bumped when that changes (2: qs.Int8MatMul, 3: an
+# fp16 KV cache by default where qs.CausalAttention runs a quantized engine, and qs.SwiGLU), so
 # engines built before — the bundled ones above all — are known to be older graphs and rebuilt (runtime.bundled).
-GRAPH_REVISION = 2
+GRAPH_REVISION = 3
 
 
 def _kv_record(spec: ModelSpec, cfg: CompileConfig, max_len: int) -> dict:
@@ -41,7 +42,8 @@ def _kv_record(spec: ModelSpec, cfg: CompileConfig, max_len: int) -> dict:
                 "cache_out": "key_cache_out.{layer}, value_cache_out.{layer}",
                 "note": "the cache outputs alias the inputs (updated in place); block_size is the runtime's default, "
                         "any works"}
-    record = {"layout": "BNSH", "dtype": "int8" if cfg.kv_cache == "int8" else "float32", **common,
+    dtype = {"fp32": "float32", "fp16": "float16", "int8": "int8"}[cfg.kv_cache]
+    record = {"layout": "BNSH", "dtype": dtype, **common,
               "past": "past_key_values.{layer}.{key|value}", "present": "present.{layer}.{key|value}",
               "note": "present must be bound to the same buffer as past; K is stored after rotary"}
     if cfg.kv_cache == "int8":
@@ -111,10 +113,25 @@ def _check_head_dim(spec: ModelSpec, cfg: CompileConfig) -> None:
 QS_HEAD_DIMS = (16, 32, 64, 96, 128)     # what qs.CausalAttention is compiled for (plugins/cpu/attention.cpp)
 
 
+def _resolve_kv_cache(spec: ModelSpec, cfg: CompileConfig) -> str:
+    """--kv-cache auto: fp16 where qs.CausalAttention runs a quantized or fp16 cpu engine (a decode step streams
+    the whole cache: half the bytes is ~5 % of a batch-1 smollm2 int8 step and ~18 % at batch 8, with half the
+    memory per token), else fp32 — an fp32 engine stays the exact reference, GroupQueryAttention has no fp16
+    cpu cache, and the GPU targets' paged cache is fp16 by construction."""
+    if cfg.kv_cache != "auto":
+        return cfg.kv_cache
+    ours = cfg.target == "cpu" and cfg.own_kernels and spec.head_dim in QS_HEAD_DIMS
+    return "fp16" if ours and cfg.precision != "fp32" else "fp32"
+
+
 def _attention_op(spec: ModelSpec, cfg: CompileConfig) -> str:
-    """"qs" (qs.CausalAttention) with our kernels over an fp32 KV cache at a head size ours is compiled for; else
-    "ort" (GroupQueryAttention)."""
-    ours = cfg.own_kernels and cfg.kv_cache == "fp32" and spec.head_dim in QS_HEAD_DIMS
+    """"qs" (qs.CausalAttention) with our kernels over an fp32 or fp16 KV cache at a head size ours is compiled
+    for; else "ort" (GroupQueryAttention), which an fp16 cache cannot use."""
+    ours = cfg.own_kernels and cfg.kv_cache in ("fp32", "fp16") and spec.head_dim in QS_HEAD_DIMS
+    if cfg.kv_cache == "fp16" and not ours:
+        why = ("this install was built without our cpu ops" if not cfg.own_kernels
+               else f"head_dim {spec.head_dim} is not one it is compiled for ({', '.join(map(str, QS_HEAD_DIMS))})")
+        raise CheckpointError(f"--kv-cache fp16 needs qs.CausalAttention, and {why}; use --kv-cache fp32")
     return "qs" if ours else "ort"
 
 
@@ -157,6 +174,7 @@ def build(cfg: CompileConfig, log=print) -> dict:
     check_destination(cfg.out_dir, cfg.overwrite)   # before the work, not only at the swap
     spec = read_spec(cfg.model_dir)
     _check_head_dim(spec, cfg)
+    cfg = replace(cfg, kv_cache=_resolve_kv_cache(spec, cfg))
     tok_files = tokenizer_files(cfg.model_dir)
     reader = CheckpointReader(cfg.model_dir)
     reader.check(REGISTRY[spec.architecture](spec, reader).tensor_shapes())
@@ -177,7 +195,7 @@ def build(cfg: CompileConfig, log=print) -> dict:
             arch = REGISTRY[spec.architecture](spec, reader)
             ctx = Ctx(builder, spec, cfg.precision, cfg.quant.block_size, cfg.quant.embeddings, cfg.target, max_len,
                       _kv_scales(spec, reader, cfg, tok_files[0], log), cfg.batch_invariant, attention=attention,
-                      own_kernels=cfg.own_kernels, own_int4=cfg.own_int4)
+                      own_kernels=cfg.own_kernels, own_int4=cfg.own_int4, kv_cache=cfg.kv_cache)
             with tqdm(total=spec.num_layers, desc="export", unit="layer", leave=False) as bar:
                 arch.emit(ctx, max_len, progress=bar.update)
         finally:

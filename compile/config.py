@@ -13,7 +13,10 @@ TARGETS = ("cpu", "cuda", "tensorrt")
 TARGET_PRECISIONS = {"cpu": PRECISIONS, "cuda": ("fp16", "int4", "fp8"), "tensorrt": ("fp16", "fp8", "int8")}
 EMBEDDINGS = ("quantized", "int8", "fp32")
 KERNELS = ("auto", "qs", "ort")   # cpu: our ops (plugins/cpu) beside ONNX Runtime's, or ONNX Runtime's alone
-KV_CACHE_DTYPES = ("fp32", "int8")    # cpu: GroupQueryAttention's cache; int8 holds 4× the tokens per byte
+# cpu KV cache storage: fp32, fp16 (qs.CausalAttention: half the bytes a decode step streams), int8
+# (GroupQueryAttention's quantized cache: 4× the tokens per byte); auto: fp16 where our attention op runs a
+# quantized or fp16 engine, else fp32 (an fp32 engine stays the exact reference)
+KV_CACHE_DTYPES = ("auto", "fp32", "fp16", "int8")
 
 
 @dataclass(frozen=True)
@@ -44,7 +47,7 @@ class CompileConfig:
     overwrite: bool = False
     quant: QuantConfig = QuantConfig()
     report: bool = True             # measure the accuracy report (perplexity vs the fp32 build)
-    kv_cache: str = "fp32"          # KV cache storage: fp32, or int8 with calibrated per-channel scales (cpu)
+    kv_cache: str = "auto"          # KV cache storage (cpu): fp32, fp16, int8 (calibrated per-channel scales), auto
     kernels: str = "auto"           # cpu: qs (our ops beside ONNX Runtime's), ort (its alone), auto: qs when built
 
     @property
@@ -99,7 +102,10 @@ class CompileConfig:
             raise ValueError(f"kernels must be one of {', '.join(KERNELS)}, not {self.kernels!r}")
         if self.kernels == "qs" and self.target != "cpu":
             raise ValueError(f"--kernels qs are cpu ops; --target {self.target} has its own kernels")
-        if self.kv_cache != "fp32" and self.target != "cpu":
+        if self.kv_cache == "fp16" and self.kernels == "ort":
+            raise ValueError("--kv-cache fp16 is read by our attention op (qs.CausalAttention); --kernels ort has "
+                             "GroupQueryAttention, whose cpu cache is fp32 or int8")
+        if self.kv_cache not in ("fp32", "auto") and self.target != "cpu":
             raise ValueError(f"--kv-cache {self.kv_cache} is a CPU format; --target {self.target} keeps its paged "
                              "cache in fp16")
         if self.quant.calib is not None and self.precision != "int4":

@@ -11,10 +11,11 @@ from .rope import inv_frequencies
 
 class ReferenceModel:
     def __init__(self, spec: ModelSpec, reader: CheckpointReader, capture: dict | None = None,
-                 kv_scales: list[tuple[np.ndarray, np.ndarray]] | None = None):
+                 kv_scales: list[tuple[np.ndarray, np.ndarray]] | None = None, kv_half: bool = False):
         """`capture`, when given, receives the inputs of every linear group: (layer, "qkv" | "gate_up" | "down").
-        `kv_scales`, (k, v) per layer, models an int8 KV cache: attention reads clip(round(x / s), -128, 127) · s."""
-        self.spec, self.r, self.capture, self.kv_scales = spec, reader, capture, kv_scales
+        `kv_scales`, (k, v) per layer, models an int8 KV cache: attention reads clip(round(x / s), -128, 127) · s.
+        `kv_half` models an fp16 one: attention reads K/V rounded to float16."""
+        self.spec, self.r, self.capture, self.kv_scales, self.kv_half = spec, reader, capture, kv_scales, kv_half
         self.inv_freq = inv_frequencies(spec.head_dim, spec.rope_theta, spec.rope_scaling)
         self.k: list[np.ndarray] = [np.zeros((spec.num_kv_heads, 0, spec.head_dim))] * spec.num_layers
         self.v: list[np.ndarray] = list(self.k)
@@ -52,6 +53,8 @@ class ReferenceModel:
         k, v = self.k[i], self.v[i]
         if self.kv_scales is not None:
             k, v = (np.clip(np.round(x / sc[0]), -128, 127) * sc[0] for x, sc in zip((k, v), self.kv_scales[i]))
+        if self.kv_half:
+            k, v = (x.astype(np.float16).astype(np.float64) for x in (k, v))
         k, v = np.repeat(k, rep, 0), np.repeat(v, rep, 0)
         scores = q @ k.transpose(0, 2, 1) / np.sqrt(s.head_dim)
         key_pos = np.arange(k.shape[1])

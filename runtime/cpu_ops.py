@@ -3,8 +3,8 @@
 ONNX Runtime loads that module's file as a custom-op library: `register(so)` adds the `qs` domain to a session:
 qs.CausalAttention (the decode-friendly replacement of com.microsoft.GroupQueryAttention), qs.Int8MatMul and
 qs.Int4MatMul (whole batch-invariant int8 / block-wise int4 linears on weights packed for them), qs.PackedGather
-and qs.Int4Gather (embedding rows from those packed tables), and qs.RowQuantize (which engines built before
-qs.Int8MatMul use). The ops are built when ONNX Runtime's API headers were found at install time (CMakeLists.txt);
+and qs.Int4Gather (embedding rows from those packed tables), qs.SwiGLU (the MLP's activation in one op), and
+qs.RowQuantize (which engines built before qs.Int8MatMul use). The ops are built when ONNX Runtime's API headers were found at install time (CMakeLists.txt);
 `available()` says whether this install has them, and the compiler emits them only then (`compile build --kernels`).
 """
 

@@ -49,10 +49,10 @@ def engine(checkpoint, tmp_path_factory):
     """engine(name, precision, kv_cache) → path of an engine built from checkpoint(name) (cached for the session)."""
     cache: dict[tuple[str, str, str], Path] = {}
 
-    def get(name: str, precision: str = "fp32", kv_cache: str = "fp32") -> Path:
+    def get(name: str, precision: str = "fp32", kv_cache: str = "auto") -> Path:
         key = (name, precision, kv_cache)
         if key not in cache:
-            out = tmp_path_factory.mktemp("engine") / (f"{name}-{precision}" + ("" if kv_cache == "fp32" else f"-kv{kv_cache}"))
+            out = tmp_path_factory.mktemp("engine") / (f"{name}-{precision}" + ("" if kv_cache == "auto" else f"-kv{kv_cache}"))
             build(CompileConfig(checkpoint(name), out, precision, kv_cache=kv_cache), log=lambda _: None)
             cache[key] = out
         return cache[key]

@@ -73,14 +73,14 @@ class LlamaArch:
     def layer_weights(self, i: int, prefix: str, keys) -> dict[str, np.ndarray]:
         return {k: self.reader.get(f"model.layers.{i}.{prefix}.{k}") for k in keys}
 
-    def declare_io(self, b: GraphBuilder, target: str, int8_kv: bool = False) -> None:
+    def declare_io(self, b: GraphBuilder, target: str, kv_dtype: str = "fp32") -> None:
         """The graph interface of the module docstring: step inputs, then the per-layer KV caches."""
         s, I64, I32 = self.spec, TensorProto.INT64, TensorProto.INT32
         if target == "cpu":
             steps = [("input_ids", I64, ["batch", "sequence"]), ("seqlens_k", I32, ["batch"]),
                      ("total_sequence_length", I32, [])]
             caches = ("past_key", "past_value"), ("present_key", "present_value")
-            kv_type = TensorProto.INT8 if int8_kv else TensorProto.FLOAT
+            kv_type = {"fp32": TensorProto.FLOAT, "fp16": TensorProto.FLOAT16, "int8": TensorProto.INT8}[kv_dtype]
             kv_shape = ["batch", s.num_kv_heads, "kv_capacity", s.head_dim]
         else:
             steps = [("input_ids", I64, ["num_tokens"]), ("cumulative_sequence_length", I32, ["batch_plus_1"]),
@@ -101,7 +101,7 @@ class LlamaArch:
 
     def emit(self, ctx: layers.Ctx, max_seq_len: int, progress: Callable[[], None] = lambda: None) -> None:
         s, b, r = self.spec, ctx.b, self.reader
-        self.declare_io(b, ctx.target, ctx.kv_scales is not None)
+        self.declare_io(b, ctx.target, ctx.kv_cache)
         cos, sin = cos_sin_cache(s.head_dim, s.rope_theta, s.rope_scaling, max_seq_len)
         b.weight("cos_cache", cos.astype(ctx.act))
         b.weight("sin_cache", sin.astype(ctx.act))

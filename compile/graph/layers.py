@@ -35,6 +35,7 @@ class Ctx:
     own_kernels: bool = False  # cpu: our qs ops may be used (qs.Int8MatMul in the int8 linears and head)
     own_int4: bool = False     # cpu int4: qs.Int4MatMul for the linears (blocks of 32) instead of MatMulNBits
     shared: dict[str, str] = field(default_factory=dict)  # values built once per graph (per-row shapes)
+    kv_cache: str = "fp32"     # cpu KV cache storage: fp32 | fp16 (qs.CausalAttention) | int8 (GroupQueryAttention)
 
     @property
     def act(self) -> type:
@@ -272,10 +273,14 @@ def attention(ctx: Ctx, x: str, w: dict[str, np.ndarray], layer: int, kv: dict[s
 
 
 def mlp(ctx: Ctx, x: str, w: dict[str, np.ndarray], layer: int) -> str:
-    """SwiGLU:  x ─▶ MatMul(Wgate|Wup) ─▶ Split ─▶ gate·sigmoid(gate) · up ─▶ MatMul(Wdown)"""
+    """SwiGLU:  x ─▶ MatMul(Wgate|Wup) ─▶ Split ─▶ gate·sigmoid(gate) · up ─▶ MatMul(Wdown); with our cpu ops
+    the middle is one qs.SwiGLU (plugins/cpu/swiglu.cpp) instead of four ops."""
     name, ffn = f"/model/layers.{layer}/mlp", ctx.spec.intermediate_size
     gate_up = linear(ctx, x, np.concatenate([w["gate_proj.weight"], w["up_proj.weight"]], axis=0), None,
                      f"{name}/gate_up_proj")
+    if ctx.target == "cpu" and ctx.own_kernels:
+        prod = ctx.b.op("SwiGLU", [gate_up], f"{name}/SwiGLU", domain=QS_DOMAIN)
+        return linear(ctx, prod, w["down_proj.weight"], None, f"{name}/down_proj")
     gate, up = ctx.b.node("Split", [gate_up, ctx.b.const([ffn, ffn])], f"{name}/Split", num_outputs=2, axis=-1)
     sig = ctx.b.op("Sigmoid", [gate], f"{name}/act/Sigmoid")
     act = ctx.b.op("Mul", [gate, sig], f"{name}/act/Mul")

@@ -18,6 +18,10 @@
 // path computes a row this way, so the bits do not depend on the path; what the segments buy is a split of a
 // long context across threads where a step has too few rows to keep both cores reading KV (batch-1 decode had
 // 3 KV heads for 2 threads and read the cache at ~10 GB/s of this machine's ~20).
+//
+// The cache holds float32, or IEEE half (engines built with --kv-cache fp16: the op is registered for both
+// element types). A decode step's attention streams the whole cache, so half storage reads half the bytes; keys
+// and values are widened to float32 as they are loaded and every sum stays in float32.
 
 #include "ops.h"
 
@@ -29,44 +33,82 @@
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
 constexpr int kLanes = 16;   // softmax reductions in 16 independent lanes
 
-// exp(x) for x <= 0 (softmax arguments after the max is subtracted): Cody-Waite range reduction and a degree-6
-// polynomial (Cephes expf), ~1 ulp; plain arithmetic on arrays so the compiler vectorises the loop.
-inline void exp_inplace(float* x, int n) {
-  for (int i = 0; i < n; ++i) {
-    float v = std::max(x[i], -87.0f);
-    float t = v * 1.44269504088896341f + 12582912.0f;      // round(v·log2 e) by the 1.5·2^23 trick
-    float k = t - 12582912.0f;
-    float r = v - k * 0.693359375f + k * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
-    float scale;
-    std::memcpy(&scale, &bits, sizeof scale);
-    x[i] = p * scale;
+using half_t = uint16_t;     // IEEE binary16 bits (--kv-cache fp16)
+
+// float32 <-> half, round to nearest even (what F16C and numpy do), so a cache written here equals numpy's
+// float16 of the same float32 values.
+inline float to_float(float x) { return x; }
+inline float to_float(half_t h) {
+#ifdef __F16C__
+  return _cvtsh_ss(h);
+#else
+  uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ffu, bits;
+  if (exp == 0x1f) bits = sign | 0x7f800000u | (man << 13);                    // inf, nan
+  else if (exp) bits = sign | ((exp + 112) << 23) | (man << 13);               // normal
+  else if (!man) bits = sign;                                                  // zero
+  else {                                                                       // subnormal: normalise
+    int e = -1;
+    do { man <<= 1; ++e; } while (!(man & 0x400u));
+    bits = sign | ((112 - e) << 23) | ((man & 0x3ffu) << 13);
   }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+#endif
 }
+inline half_t to_half(float f) {
+#ifdef __F16C__
+  return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#else
+  uint32_t x;
+  std::memcpy(&x, &f, sizeof x);
+  uint32_t sign = (x >> 16) & 0x8000u, a = x & 0x7fffffffu;
+  if (a >= 0x7f800000u) return static_cast<half_t>(sign | 0x7c00u | (a > 0x7f800000u ? 0x200u : 0));
+  if (a >= 0x477ff000u) return static_cast<half_t>(sign | 0x7c00u);           // rounds past 65504: inf
+  if (a < 0x38800000u) {                                                       // subnormal or zero
+    float m;
+    std::memcpy(&m, &a, sizeof m);
+    return static_cast<half_t>(sign | static_cast<uint32_t>(std::nearbyint(m * 16777216.0f)));
+  }
+  uint32_t r = a + 0x0fffu + ((a >> 13) & 1u);                                 // round to nearest even
+  return static_cast<half_t>(sign | ((r - 0x38000000u) >> 13));
+#endif
+}
+
+// One cache row of n values from float32.
+inline void store_row(const float* src, int64_t n, float* dst) { std::memcpy(dst, src, n * sizeof(float)); }
+inline void store_row(const float* src, int64_t n, half_t* dst) {
+  int64_t i = 0;
+#ifdef __F16C__
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+  for (; i < n; ++i) dst[i] = to_half(src[i]);
+}
+
+#ifdef __AVX2__
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const half_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+#endif
 
 // Scores of one query row against 8 consecutive keys: lane partial sums over d (one FMA chain per lane), then a
 // fixed pairwise tree per key, so a key's score is the same whichever block it falls in.
-template <int D>
-inline void dot8(const float* __restrict q, const float* __restrict k, float* __restrict out) {
+template <int D, typename T>
+inline void dot8(const float* __restrict q, const T* __restrict k, float* __restrict out) {
 #ifdef __AVX2__
   __m256 a[8];
   for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
   for (int d = 0; d < D; d += 8) {
     __m256 qv = _mm256_loadu_ps(q + d);
-    for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + i * D + d), a[i]);
+    for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(qv, load8(k + i * D + d), a[i]);
   }
   __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
   __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
@@ -76,26 +118,26 @@ inline void dot8(const float* __restrict q, const float* __restrict k, float* __
   for (int i = 0; i < 8; ++i) {
     float a[8] = {};
     for (int d = 0; d < D; d += 8)
-      for (int l = 0; l < 8; ++l) a[l] = std::fma(q[d + l], k[i * D + d + l], a[l]);
+      for (int l = 0; l < 8; ++l) a[l] = std::fma(q[d + l], to_float(k[i * D + d + l]), a[l]);
     out[i] = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
   }
 #endif
 }
 
 // acc[0:D] += Σ_k p[k] · v[k, 0:D], in key order, in registers.
-template <int D>
-inline void accumulate(const float* __restrict p, const float* __restrict v, int n, float* __restrict acc) {
+template <int D, typename T>
+inline void accumulate(const float* __restrict p, const T* __restrict v, int n, float* __restrict acc) {
 #ifdef __AVX2__
   __m256 a[D / 8];
   for (int i = 0; i < D / 8; ++i) a[i] = _mm256_loadu_ps(acc + i * 8);
   for (int k = 0; k < n; ++k) {
     __m256 pk = _mm256_set1_ps(p[k]);
-    for (int i = 0; i < D / 8; ++i) a[i] = _mm256_fmadd_ps(pk, _mm256_loadu_ps(v + k * D + i * 8), a[i]);
+    for (int i = 0; i < D / 8; ++i) a[i] = _mm256_fmadd_ps(pk, load8(v + k * D + i * 8), a[i]);
   }
   for (int i = 0; i < D / 8; ++i) _mm256_storeu_ps(acc + i * 8, a[i]);
 #else
   for (int k = 0; k < n; ++k)
-    for (int d = 0; d < D; ++d) acc[d] = std::fma(p[k], v[k * D + d], acc[d]);
+    for (int d = 0; d < D; ++d) acc[d] = std::fma(p[k], to_float(v[k * D + d]), acc[d]);
 #endif
 }
 
@@ -110,10 +152,11 @@ inline void rotate(const float* __restrict x, const float* __restrict cos, const
   }
 }
 
+template <typename T>
 struct Step {
   const float* qkv;
-  float* keys;         // present key cache [B, kv_heads, capacity, D]
-  float* values;
+  T* keys;             // present key cache [B, kv_heads, capacity, D]
+  T* values;
   const int32_t* seqlens_k;
   const float* cos;    // [max_pos, D/2]
   const float* sin;
@@ -129,14 +172,15 @@ struct Step {
   // the first key the query at `pos` attends to (0, or the start of its local window)
   int64_t first_key(int64_t pos) const { return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0; }
   const float* token(int64_t b, int64_t s) const { return qkv + (b * seq + s) * (heads + 2 * kv_heads) * head_dim; }
-  float* cache(float* base, int64_t b, int64_t kvh, int64_t pos) const {
+  T* cache(T* base, int64_t b, int64_t kvh, int64_t pos) const {
     return base + ((b * kv_heads + kvh) * capacity + pos) * head_dim;
   }
 };
 
 // Phase 1, one task per (b, s): rotate k and write k, v at the token's position (padding rows write nothing).
+template <typename T>
 void write_kv(void* user, size_t task) {
-  const Step& st = *static_cast<const Step*>(user);
+  const Step<T>& st = *static_cast<const Step<T>*>(user);
   int64_t b = task / st.seq, s = task % st.seq, pos = st.past(b) + s;
   if (pos >= st.total(b)) return;
   const float* tok = st.token(b, s);
@@ -145,8 +189,14 @@ void write_kv(void* user, size_t task) {
   for (int64_t h = 0; h < st.kv_heads; ++h) {
     const float* k = tok + (st.heads + h) * st.head_dim;
     const float* v = tok + (st.heads + st.kv_heads + h) * st.head_dim;
-    rotate(k, cos, sin, static_cast<int>(st.head_dim), 1.0f, st.cache(st.keys, b, h, pos));
-    std::memcpy(st.cache(st.values, b, h, pos), v, st.head_dim * sizeof(float));
+    if constexpr (std::is_same_v<T, float>) {
+      rotate(k, cos, sin, static_cast<int>(st.head_dim), 1.0f, st.cache(st.keys, b, h, pos));
+    } else {
+      float rotated[128];                       // head_dim <= 128 (the sizes run_attention dispatches)
+      rotate(k, cos, sin, static_cast<int>(st.head_dim), 1.0f, rotated);
+      store_row(rotated, st.head_dim, st.cache(st.keys, b, h, pos));
+    }
+    store_row(v, st.head_dim, st.cache(st.values, b, h, pos));
   }
 }
 
@@ -168,7 +218,7 @@ inline float softmax_unnormalised(float* scores, int n, float* sum) {
   float m = lane_max[0];
   for (int l = 1; l < kLanes; ++l) m = std::max(m, lane_max[l]);
   for (j = 0; j < n; ++j) scores[j] -= m;
-  exp_inplace(scores, n);
+  qs_exp_inplace(scores, n);
   float lane_sum[kLanes] = {};
   j = 0;
   for (; j + kLanes <= n; j += kLanes)
@@ -205,7 +255,7 @@ inline void combine(const float* max, const float* sum, const float* acc, int n,
   thread_local std::vector<float> w;
   w.resize(n);
   for (int k = 0; k < n; ++k) w[k] = max[k] - top;
-  exp_inplace(w.data(), n);
+  qs_exp_inplace(w.data(), n);
   float total = 0.0f, num[D] = {};
   for (int k = 0; k < n; ++k) {
     total += w[k] * sum[k];
@@ -220,8 +270,8 @@ inline void combine(const float* max, const float* sum, const float* acc, int n,
 // covers the rows' segments). The rows share each block of keys and values while it is in L1; each row's arithmetic (its
 // dots, each segment's softmax, and the sums of values in key order) is the same as if it were alone, so results
 // do not depend on the tiling.
-template <int D>
-void attend_tile(const Step& st, int64_t b, int64_t s0, int64_t count, int64_t h0, int64_t nh, int seg0, int seg1,
+template <int D, typename T>
+void attend_tile(const Step<T>& st, int64_t b, int64_t s0, int64_t count, int64_t h0, int64_t nh, int seg0, int seg1,
                  Partials& p, int64_t row0 = 0) {
   const int64_t kvh = h0 / (st.heads / st.kv_heads);
   const int rows = static_cast<int>(count * nh);
@@ -233,8 +283,8 @@ void attend_tile(const Step& st, int64_t b, int64_t s0, int64_t count, int64_t h
   qbuf.resize(static_cast<size_t>(rows) * D);
   lo.assign(rows, 0);
   len.assign(rows, 0);
-  const float* keys = st.cache(st.keys, b, kvh, 0);
-  const float* values = st.cache(st.values, b, kvh, 0);
+  const T* keys = st.cache(st.keys, b, kvh, 0);
+  const T* values = st.cache(st.values, b, kvh, 0);
   int max_len = 0;
   for (int r = 0; r < rows; ++r) {
     int64_t s = s0 + r / nh, h = h0 + r % nh, pos = st.past(b) + s;
@@ -250,12 +300,12 @@ void attend_tile(const Step& st, int64_t b, int64_t s0, int64_t count, int64_t h
   if (k_begin >= k_end) return;
   // scores: blocks of 8 keys; a block is taken by every row that covers it fully, and each row's last partial
   // block is scored against a zero-padded copy (a block never straddles a segment).
-  alignas(64) float tail[8 * D];
+  alignas(64) T tail[8 * D];
   for (int r = 0; r < rows; ++r) {
     int full = len[r] / 8 * 8;
     if (full < len[r] && full >= k_begin && full < k_end) {
       std::memset(tail, 0, sizeof tail);
-      std::memcpy(tail, keys + static_cast<int64_t>(lo[r] + full) * D, sizeof(float) * D * (len[r] - full));
+      std::memcpy(tail, keys + static_cast<int64_t>(lo[r] + full) * D, sizeof(T) * D * (len[r] - full));
       dot8<D>(&qbuf[r * D], tail, &scores[static_cast<size_t>(r) * stride + full]);
     }
   }
@@ -280,9 +330,9 @@ void attend_tile(const Step& st, int64_t b, int64_t s0, int64_t count, int64_t h
 }
 
 // Phase 2 (most steps), one task per (b, heads_per_task heads, tile of query tokens): whole rows.
-template <int D>
+template <int D, typename T>
 void attend(void* user, size_t task) {
-  const Step& st = *static_cast<const Step*>(user);
+  const Step<T>& st = *static_cast<const Step<T>*>(user);
   int64_t tiles = (st.seq + st.tile - 1) / st.tile, chunks = st.heads / st.heads_per_task;
   int64_t t = task % tiles, c = (task / tiles) % chunks, b = task / tiles / chunks;
   int64_t s0 = t * st.tile, count = std::min(st.tile, st.seq - s0), h0 = c * st.heads_per_task, nh = st.heads_per_task;
@@ -301,23 +351,23 @@ void attend(void* user, size_t task) {
 
 // Phase 2 of a decode step with few rows (Step::split): one task per (b, KV head, segment of keys), its partials
 // straight into the step's shared ones (row b·heads + h; tasks write disjoint entries); combined per row afterwards.
-template <int D>
+template <int D, typename T>
 void attend_segment(void* user, size_t task) {
-  const Step& st = *static_cast<const Step*>(user);
+  const Step<T>& st = *static_cast<const Step<T>*>(user);
   int64_t seg = task % st.segs, g = (task / st.segs) % st.kv_heads, b = task / st.segs / st.kv_heads;
   int64_t nh = st.heads / st.kv_heads;
   attend_tile<D>(st, b, 0, 1, g * nh, nh, static_cast<int>(seg), static_cast<int>(seg) + 1, *st.shared,
                  b * st.heads + g * nh);
 }
 
-template <int D>
-void run_attention(OrtKernelContext* context, Step& st) {
+template <int D, typename T>
+void run_attention(OrtKernelContext* context, Step<T>& st) {
   Ort::KernelContext ctx(context);
   if (!st.split) {
-    ctx.ParallelFor(attend<D>, static_cast<size_t>(st.batch * (st.heads / st.heads_per_task) * ((st.seq + st.tile - 1) / st.tile)), 0, &st);
+    ctx.ParallelFor(attend<D, T>, static_cast<size_t>(st.batch * (st.heads / st.heads_per_task) * ((st.seq + st.tile - 1) / st.tile)), 0, &st);
     return;
   }
-  ctx.ParallelFor(attend_segment<D>, static_cast<size_t>(st.batch * st.kv_heads * st.segs), 0, &st);
+  ctx.ParallelFor(attend_segment<D, T>, static_cast<size_t>(st.batch * st.kv_heads * st.segs), 0, &st);
   for (int64_t b = 0; b < st.batch; ++b)
     for (int64_t h = 0; h < st.heads; ++h) {
       size_t at = static_cast<size_t>(b * st.heads + h) * st.segs;
@@ -328,6 +378,7 @@ void run_attention(OrtKernelContext* context, Step& st) {
 
 std::vector<int64_t> shape_of(const Ort::ConstValue& v) { return v.GetTensorTypeAndShapeInfo().GetShape(); }
 
+template <typename T>
 struct CausalAttentionKernel {
   int64_t heads, kv_heads, window;
   float scale;
@@ -347,7 +398,7 @@ struct CausalAttentionKernel {
     auto cos = ctx.GetInput(5), sin = ctx.GetInput(6);
     auto qs = shape_of(qkv), ks = shape_of(past_k), cs = shape_of(cos);
     if (qs.size() != 3 || ks.size() != 4 || cs.size() != 2) throw std::invalid_argument("qs.CausalAttention: bad input ranks");
-    Step st{};
+    Step<T> st{};
     st.batch = qs[0], st.seq = qs[1], st.heads = heads, st.kv_heads = kv_heads, st.head_dim = ks[3];
     st.capacity = ks[2], st.max_pos = cs[0], st.window = window, st.scale = scale;
     if (qs[2] != (heads + 2 * kv_heads) * st.head_dim || ks[0] != st.batch || ks[1] != kv_heads || cs[1] * 2 != st.head_dim)
@@ -361,14 +412,14 @@ struct CausalAttentionKernel {
         throw std::out_of_range("qs.CausalAttention: a sequence is longer than the KV cache or rotary table");
     auto out = ctx.GetOutput(0, {st.batch, st.seq, heads * st.head_dim});
     auto present_k = ctx.GetOutput(1, ks), present_v = ctx.GetOutput(2, ks);
-    st.out = out.GetTensorMutableData<float>();
-    st.keys = present_k.GetTensorMutableData<float>();
-    st.values = present_v.GetTensorMutableData<float>();
-    size_t cache_bytes = static_cast<size_t>(ks[0] * ks[1] * ks[2] * ks[3]) * sizeof(float);
-    if (st.keys != past_k.GetTensorData<float>()) std::memcpy(st.keys, past_k.GetTensorData<float>(), cache_bytes);
-    if (st.values != past_v.GetTensorData<float>()) std::memcpy(st.values, past_v.GetTensorData<float>(), cache_bytes);
+    st.out = out.template GetTensorMutableData<float>();
+    st.keys = static_cast<T*>(present_k.GetTensorMutableRawData());
+    st.values = static_cast<T*>(present_v.GetTensorMutableRawData());
+    size_t cache_bytes = static_cast<size_t>(ks[0] * ks[1] * ks[2] * ks[3]) * sizeof(T);
+    if (st.keys != past_k.GetTensorRawData()) std::memcpy(st.keys, past_k.GetTensorRawData(), cache_bytes);
+    if (st.values != past_v.GetTensorRawData()) std::memcpy(st.values, past_v.GetTensorRawData(), cache_bytes);
 
-    ctx.ParallelFor(write_kv, static_cast<size_t>(st.batch * st.seq), 0, &st);
+    ctx.ParallelFor(write_kv<T>, static_cast<size_t>(st.batch * st.seq), 0, &st);
     // prefill: tiles of kTile tokens share key blocks (one token per task when a local window gives each its own)
     st.tile = st.seq > 1 && window <= 0 ? kTile : 1;
     // The heads of a KV group share its reads, unless that leaves too few tasks to keep every thread streaming:
@@ -381,35 +432,47 @@ struct CausalAttentionKernel {
     bool few = st.batch * kv_heads * tiles < kMinGroupedTasks;
     st.split = few && st.seq == 1 && st.segs > 1;
     st.heads_per_task = few && !st.split ? 1 : heads / kv_heads;
-    thread_local Partials shared;
+    thread_local Partials shared;   // (one per element type: a thread runs one step at a time either way)
     if (st.split) shared.reset(static_cast<int>(st.batch * heads), st.segs, static_cast<int>(st.head_dim));
     st.shared = &shared;
     switch (st.head_dim) {
-      case 64: run_attention<64>(context, st); break;
-      case 128: run_attention<128>(context, st); break;
-      case 16: run_attention<16>(context, st); break;
-      case 32: run_attention<32>(context, st); break;
-      case 96: run_attention<96>(context, st); break;
+      case 64: run_attention<64, T>(context, st); break;
+      case 128: run_attention<128, T>(context, st); break;
+      case 16: run_attention<16, T>(context, st); break;
+      case 32: run_attention<32, T>(context, st); break;
+      case 96: run_attention<96, T>(context, st); break;
       default: throw std::invalid_argument("qs.CausalAttention: head_dim must be 16, 32, 64, 96 or 128");
     }
   }
 };
 
-struct CausalAttentionOp : Ort::CustomOpBase<CausalAttentionOp, CausalAttentionKernel> {
-  void* CreateKernel(const OrtApi& api, const OrtKernelInfo* info) const { return new CausalAttentionKernel(api, info); }
+// The cache's ONNX element type: float, or float16 (--kv-cache fp16).
+template <typename T>
+constexpr ONNXTensorElementDataType kCacheType =
+    std::is_same_v<T, float> ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
+
+template <typename T>
+struct CausalAttentionOp : Ort::CustomOpBase<CausalAttentionOp<T>, CausalAttentionKernel<T>> {
+  void* CreateKernel(const OrtApi& api, const OrtKernelInfo* info) const { return new CausalAttentionKernel<T>(api, info); }
   const char* GetName() const { return "CausalAttention"; }
   const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
   size_t GetInputTypeCount() const { return 7; }
   ONNXTensorElementDataType GetInputType(size_t i) const {
-    return i == 3 || i == 4 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+    return i == 3 || i == 4 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32
+           : i == 1 || i == 2 ? kCacheType<T> : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
   }
   size_t GetOutputTypeCount() const { return 3; }
-  ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+  ONNXTensorElementDataType GetOutputType(size_t i) const { return i == 0 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT : kCacheType<T>; }
 };
 
 }  // namespace
 
 const OrtCustomOp* qs_causal_attention_op() {
-  static CausalAttentionOp op;
+  static CausalAttentionOp<float> op;
+  return &op;
+}
+
+const OrtCustomOp* qs_causal_attention_f16_op() {
+  static CausalAttentionOp<half_t> op;
   return &op;
 }

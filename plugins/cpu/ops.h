@@ -1,18 +1,45 @@
 // Quicksilver's ONNX Runtime ops for cpu engines (domain "qs"), registered by RegisterCustomOps (register.cpp).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 #define ORT_API_MANUAL_INIT
 #include <onnxruntime_cxx_api.h>
 #undef ORT_API_MANUAL_INIT
 
-const OrtCustomOp* qs_causal_attention_op();   // attention.cpp
+const OrtCustomOp* qs_causal_attention_op();   // attention.cpp (float32 cache)
+const OrtCustomOp* qs_causal_attention_f16_op();   // attention.cpp (float16 cache, same op name)
 const OrtCustomOp* qs_row_quantize_op();       // row_quantize.cpp
 const OrtCustomOp* qs_int8_matmul_op();        // int8_matmul.cpp
 const OrtCustomOp* qs_packed_gather_op();      // int8_matmul.cpp
 const OrtCustomOp* qs_int4_matmul_op();        // int4_matmul.cpp
 const OrtCustomOp* qs_int4_gather_op();        // int4_matmul.cpp
+const OrtCustomOp* qs_swiglu_op();             // swiglu.cpp
 
 // One row → uint8 (zero point 128) on its own scale max|x|/127; shared by RowQuantize, Int8MatMul and Int4MatMul.
 void qs_quantize_row(const float* __restrict x, int64_t k, uint8_t* __restrict q, float* __restrict scale);
+
+// exp(x) for x <= 0 (softmax arguments after the max is subtracted; SwiGLU's exp(-|x|)): Cody-Waite range
+// reduction and a degree-6 polynomial (Cephes expf), ~1 ulp; plain arithmetic on arrays so the compiler vectorises
+// the loop.
+inline void qs_exp_inplace(float* x, int n) {
+  for (int i = 0; i < n; ++i) {
+    float v = std::max(x[i], -87.0f);
+    float t = v * 1.44269504088896341f + 12582912.0f;      // round(v·log2 e) by the 1.5·2^23 trick
+    float k = t - 12582912.0f;
+    float r = v - k * 0.693359375f + k * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
+    float scale;
+    std::memcpy(&scale, &bits, sizeof scale);
+    x[i] = p * scale;
+  }
+}

@@ -11,11 +11,13 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(O
     static Ort::CustomOpDomain domain{"qs"};   // one per process: every session shares the op definitions
     static bool filled = [] {
       domain.Add(qs_causal_attention_op());
+      domain.Add(qs_causal_attention_f16_op());
       domain.Add(qs_row_quantize_op());
       domain.Add(qs_int8_matmul_op());
       domain.Add(qs_packed_gather_op());
       domain.Add(qs_int4_matmul_op());
       domain.Add(qs_int4_gather_op());
+      domain.Add(qs_swiglu_op());
       return true;
     }();
     (void)filled;

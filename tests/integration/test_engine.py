@@ -90,7 +90,7 @@ def assert_no_leaks(engine):
             assert all(pool.resident_tokens(s) == 0 for s in range(pool.num_slots) if s not in kept)
 
 
-@pytest.mark.parametrize("name,kv_cache", [("llama", "fp32"), ("qwen2", "fp32"), ("llama", "int8")])
+@pytest.mark.parametrize("name,kv_cache", [("llama", "fp32"), ("qwen2", "fp32"), ("llama", "int8"), ("llama", "fp16")])
 def test_batch_invariance(engine, name, kv_cache):
     """Alone vs batched on one engine: bit-identical without a prefix cache. With it, the batched run finds the
     alone runs' blocks and computes only each prompt's rest; at these test models' head_dim of 16,
@@ -109,7 +109,7 @@ def test_batch_invariance(engine, name, kv_cache):
     assert_no_leaks(eng)
 
 
-@pytest.mark.parametrize("kv_cache", ["fp32", "int8"])
+@pytest.mark.parametrize("kv_cache", ["fp32", "int8", "fp16"])
 def test_prefix_cache_hit_equals_miss(engine, kv_cache):
     shared = prompts(1, seed=3)[0] * 3            # ≥ 4 full blocks of 16
     items = [(shared + [7, 8, 9], GREEDY), (shared + [11, 12], GREEDY)]
@@ -270,14 +270,17 @@ def test_async_stream_and_cancel(engine):
     assert_no_leaks(eng)
 
 
-def test_int8_kv_cache_holds_four_times_the_tokens_in_the_same_budget(engine):
+def test_int8_and_fp16_kv_caches_hold_four_and_two_times_the_tokens_in_the_same_budget(engine):
     cache = CacheConfig(kv_budget_bytes=4 << 20, max_model_len=256)
-    engines = {kv: make(engine("llama", kv_cache=kv), max_num_seqs=256, token_budget=512, cache=cache) for kv in ("fp32", "int8")}
+    engines = {kv: make(engine("llama", kv_cache=kv), max_num_seqs=256, token_budget=512, cache=cache)
+               for kv in ("fp32", "int8", "fp16")}
     tokens = {kv: e.kv.budget_tokens for kv, e in engines.items()}
     assert tokens["int8"] >= 4 * tokens["fp32"] > 0, tokens
-    out = run_all(engines["int8"], [(p, GREEDY) for p in prompts(3, seed=9)])
-    assert all(len(r["token_ids"]) == GREEDY.max_tokens for r in out)
-    assert_no_leaks(engines["int8"])
+    assert tokens["fp16"] >= 2 * tokens["fp32"], tokens
+    for kv in ("int8", "fp16"):
+        out = run_all(engines[kv], [(p, GREEDY) for p in prompts(3, seed=9)])
+        assert all(len(r["token_ids"]) == GREEDY.max_tokens for r in out)
+        assert_no_leaks(engines[kv])
 
 
 def test_kv_memory_follows_the_tokens(engine):

@@ -10,6 +10,7 @@ import pytest
 from click.testing import CliRunner
 from safetensors.numpy import load_file, save_file
 
+from runtime import cpu_ops
 from runtime.artifact import load
 from compile.build import build
 from compile.cli import main
@@ -121,6 +122,7 @@ def test_awq_build_and_report(checkpoint, tmp_path):
     (["--precision", "int4", "--calib", "/nonexistent/calib.txt"], "calibration file not found"),
     (["--precision", "int8", "--calib", "{model}/config.json"], "int4 only"),
     (["--precision", "int8", "--eval", "/nonexistent/eval.txt"], "evaluation file not found"),
+    (["--precision", "int8", "--kv-cache", "fp16", "--kernels", "ort"], "GroupQueryAttention"),
 ])
 def test_bad_options(args, needle, checkpoint, tmp_path):
     out = tmp_path / "out"
@@ -159,3 +161,43 @@ def test_int8_kv_cache_equals_the_reference_reading_the_same_quantized_cache(che
     assert max(errors) < 1e-4, errors
     # The quantization is visible against the unquantized reference, so the comparison above can fail.
     assert np.abs(runner.prefill(runner.new_pool(1, 64), 0, prompt, 0, all_logits=True) - unquantized).max() > 10 * max(errors)
+
+
+@pytest.mark.skipif(not cpu_ops.available(), reason="this install was built without the qs ops")
+def test_fp16_kv_cache_equals_the_reference_reading_the_same_rounded_cache(checkpoint, tmp_path):
+    """--kv-cache fp16: qs.CausalAttention stores K (after rotary) and V as float16 and computes in float32; the
+    engine equals the float64 reference whose attention reads K/V rounded to float16, over a prompt and decode
+    steps, and the rounding is visible against the unrounded reference (so the comparison can fail)."""
+    model, out = checkpoint("qwen2"), tmp_path / "kv16"
+    manifest = build(CompileConfig(model, out, "fp32", kv_cache="fp16"), log=lambda _: None)
+    assert manifest["kv_cache"]["dtype"] == "float16" and manifest["precision"]["attention"] == "qs.CausalAttention"
+    acc = manifest["accuracy"]
+    assert abs(acc["perplexity_increase_pct"]) < 0.1 and acc["top1_agreement"] > 0.99
+    spec = read_spec(model)
+    rounded = ReferenceModel(spec, CheckpointReader(model), kv_half=True)
+    plain = ReferenceModel(spec, CheckpointReader(model))
+    runner = ModelRunner(out)
+    pool, prompt = runner.new_pool(1, 64), list(range(5, 45))
+    build(CompileConfig(model, tmp_path / "kv32", "fp32", report=False), log=lambda _: None)
+    assert pool.keys[0].dtype == np.float16
+    assert 2 * pool.token_bytes == ModelRunner(tmp_path / "kv32").new_pool(1, 64).token_bytes     # half the memory
+    got = runner.prefill(pool, 0, prompt, 0, all_logits=True)
+    want, unrounded = rounded.forward(prompt), plain.forward(prompt)
+    errors, against_plain = [np.abs(got - want).max()], [np.abs(got - unrounded).max()]
+    for step, token in enumerate([7, 300, 12, 99]):
+        got = runner.decode(pool, [(0, token, len(prompt) + step)], set())
+        errors.append(np.abs(got - rounded.forward([token])).max())
+        against_plain.append(np.abs(got - plain.forward([token])).max())
+    assert max(errors) < 1e-4, errors
+    assert max(against_plain) > 10 * max(errors), (errors, against_plain)
+
+
+@pytest.mark.skipif(not cpu_ops.available(), reason="this install was built without the qs ops")
+@pytest.mark.parametrize("precision,kernels,kv", [("int8", "auto", "float16"), ("int4", "auto", "float16"),
+                                                   ("fp32", "auto", "float32"), ("int8", "ort", "float32")])
+def test_kv_cache_auto(checkpoint, tmp_path, precision, kernels, kv):
+    """The default (--kv-cache auto): fp16 where our attention op runs a quantized engine; an fp32 engine stays the
+    exact reference, and ONNX Runtime's GroupQueryAttention (--kernels ort) keeps its fp32 cache."""
+    manifest = build(CompileConfig(checkpoint("llama"), tmp_path / "e", precision, report=False, kernels=kernels),
+                     log=lambda _: None)
+    assert manifest["kv_cache"]["dtype"] == kv

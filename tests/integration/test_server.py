@@ -694,7 +694,9 @@ def test_ttft_counts_from_the_transport_receiving_the_request(server):
     assert r.status_code == 200
     assert wait_until(lambda: server.metric("quicksilver_time_to_first_token_seconds_count") == count + 1)
     ttft = server.metric("quicksilver_time_to_first_token_seconds_sum") - total
-    assert 0.5 <= ttft <= waited, (ttft, waited)
+    # counted from the body's end it would be a few ms; the server stamps the headers when its loop reads them,
+    # which on a loaded 2-core machine can be a few ms after they were sent
+    assert 0.45 <= ttft <= waited, (ttft, waited)
 
 
 def test_draft_speculation_metrics(engine, server):

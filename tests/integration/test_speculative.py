@@ -28,10 +28,10 @@ def spec_engine(target, draft=None, method="draft", adaptive=False, gamma=4, **s
                                        draft=draft if method == "draft" else None, speculation=method))
 
 
-@pytest.mark.parametrize("draft_name,target_kv", [("qwen2", "fp32"), ("llama", "fp32"), ("qwen2", "int8")])
+@pytest.mark.parametrize("draft_name,target_kv", [("qwen2", "fp32"), ("llama", "fp32"), ("qwen2", "int8"), ("qwen2", "fp16")])
 def test_greedy_speculation_equals_plain(engine, draft_name, target_kv):
     """Draft = another model (low acceptance: many rejections) or the target itself (everything accepted); an
-    int8-KV target shares the prefix cache with an fp32-KV draft."""
+    int8-KV (fp16-KV) target shares the prefix cache with an fp32-KV draft."""
     target = engine("llama", kv_cache=target_kv)
     items = [(p, GREEDY) for p in prompts(6, seed=21)]
     plain = run_all(Engine(target, EngineConfig(SchedulerConfig(max_num_seqs=6), CACHE)), items)

@@ -5,7 +5,8 @@ Slow truth is a numpy transcription of what the op means (rotary at positions to
 static cache, causal softmax over the keys up to the query, optionally within a local window). The op must also
 agree with com.microsoft.GroupQueryAttention on the same inputs, and be invariant in a way GroupQueryAttention is
 not: a query row's output is bitwise the same whether it is decoded alone, beside other sequences, or computed
-inside a prompt chunk.
+inside a prompt chunk. Over an fp16 cache (--kv-cache fp16) the same, against the truth reading the cache rounded
+to float16 (values stored are numpy's float16 of the inputs, bit for bit).
 
 qs.RowQuantize (row_quantize.cpp): bit for bit what Abs → ReduceMax → ·1/127 → QuantizeLinear(zero point 128) give.
 
@@ -15,6 +16,8 @@ whatever the number of rows; and the integer product is checked against numpy's 
 
 qs.Int4MatMul and qs.Int4Gather (int4_matmul.cpp): against float64 truth on the dequantized weight
 (compile.quantize.int4.unpack_panels) and the row's int8 activations, and a row's bits alone = in any batch.
+
+qs.SwiGLU (swiglu.cpp): silu(gate) · up against float64 truth, and a row's bits alone = in any batch.
 """
 
 from __future__ import annotations
@@ -34,16 +37,17 @@ pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="this install wa
 CAPACITY = 640      # past several of the op's 128-key softmax segments
 
 
-def graph(op: str, heads: int, kv_heads: int, head_dim: int, window: int) -> bytes:
+def graph(op: str, heads: int, kv_heads: int, head_dim: int, window: int, cache: int = TensorProto.FLOAT) -> bytes:
     width = (heads + 2 * kv_heads) * head_dim
     inputs = [helper.make_tensor_value_info("qkv", TensorProto.FLOAT, ["B", "S", width]),
-              helper.make_tensor_value_info("past_key", TensorProto.FLOAT, ["B", kv_heads, CAPACITY, head_dim]),
-              helper.make_tensor_value_info("past_value", TensorProto.FLOAT, ["B", kv_heads, CAPACITY, head_dim]),
+              helper.make_tensor_value_info("past_key", cache, ["B", kv_heads, CAPACITY, head_dim]),
+              helper.make_tensor_value_info("past_value", cache, ["B", kv_heads, CAPACITY, head_dim]),
               helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, ["B"]),
               helper.make_tensor_value_info("total_sequence_length", TensorProto.INT32, []),
               helper.make_tensor_value_info("cos_cache", TensorProto.FLOAT, [CAPACITY, head_dim // 2]),
               helper.make_tensor_value_info("sin_cache", TensorProto.FLOAT, [CAPACITY, head_dim // 2])]
-    outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("out", "present_key", "present_value")]
+    outputs = [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)]
+    outputs += [helper.make_tensor_value_info(n, cache, None) for n in ("present_key", "present_value")]
     attrs = dict(num_heads=heads, kv_num_heads=kv_heads, scale=head_dim ** -0.5)
     names = [i.name for i in inputs]
     if op == "qs":
@@ -62,14 +66,15 @@ def graph(op: str, heads: int, kv_heads: int, head_dim: int, window: int) -> byt
 _sessions: dict[tuple, ort.InferenceSession] = {}
 
 
-def session(op: str, heads: int, kv_heads: int, head_dim: int, window: int = -1, threads: int = 2):
-    key = (op, heads, kv_heads, head_dim, window, threads)
+def session(op: str, heads: int, kv_heads: int, head_dim: int, window: int = -1, threads: int = 2,
+            cache: int = TensorProto.FLOAT):
+    key = (op, heads, kv_heads, head_dim, window, threads, cache)
     if key not in _sessions:
         so = ort.SessionOptions()
         so.intra_op_num_threads = threads
         so.log_severity_level = 3
         cpu_ops.register(so)
-        _sessions[key] = ort.InferenceSession(graph(op, heads, kv_heads, head_dim, window), so,
+        _sessions[key] = ort.InferenceSession(graph(op, heads, kv_heads, head_dim, window, cache), so,
                                               providers=["CPUExecutionProvider"])
     return _sessions[key]
 
@@ -80,17 +85,19 @@ def rotary(head_dim: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def run(op, qkv, keys, values, seqlens, heads, kv_heads, window=-1, threads=2):
-    """One call with the cache bound as past ≡ present (as the runner binds it); returns (out, keys, values)."""
+    """One call with the cache bound as past ≡ present (as the runner binds it); returns (out, keys, values). The
+    cache's dtype (float32 or float16) picks the op's cache type."""
     head_dim = keys.shape[-1]
     keys, values = keys.copy(), values.copy()
     cos, sin = rotary(head_dim)
-    sess = session(op, heads, kv_heads, head_dim, window, threads)
+    cache = TensorProto.FLOAT16 if keys.dtype == np.float16 else TensorProto.FLOAT
+    sess = session(op, heads, kv_heads, head_dim, window, threads, cache)
     io = sess.io_binding()
     io.bind_cpu_input("qkv", qkv)
     io.bind_output("out")                       # first: copy_outputs_to_cpu() lists outputs in binding order
     for name, cache in (("key", keys), ("value", values)):
-        io.bind_input(f"past_{name}", "cpu", 0, np.float32, cache.shape, cache.ctypes.data)
-        io.bind_output(f"present_{name}", "cpu", 0, np.float32, cache.shape, cache.ctypes.data)
+        io.bind_input(f"past_{name}", "cpu", 0, cache.dtype, cache.shape, cache.ctypes.data)
+        io.bind_output(f"present_{name}", "cpu", 0, cache.dtype, cache.shape, cache.ctypes.data)
     io.bind_cpu_input("seqlens_k", np.asarray(seqlens, np.int32))
     io.bind_cpu_input("total_sequence_length", np.array(int(max(seqlens)) + 1, np.int32))
     io.bind_cpu_input("cos_cache", cos)
@@ -100,7 +107,8 @@ def run(op, qkv, keys, values, seqlens, heads, kv_heads, window=-1, threads=2):
 
 
 def reference(qkv, keys, values, seqlens, heads, kv_heads, window=-1):
-    """What the op means, in float64."""
+    """What the op means, in float64; over a float16 cache, attention reads the new K/V rounded to float16."""
+    half = keys.dtype == np.float16
     batch, seq, _ = qkv.shape
     head_dim = keys.shape[-1]
     cos, sin = rotary(head_dim)
@@ -120,6 +128,9 @@ def reference(qkv, keys, values, seqlens, heads, kv_heads, window=-1):
             for h in range(kv_heads):
                 keys[b, h, past + s] = rot(tokens[b, s, heads + h], past + s)
                 values[b, h, past + s] = tokens[b, s, heads + kv_heads + h]
+                if half:
+                    keys[b, h, past + s] = keys[b, h, past + s].astype(np.float16)
+                    values[b, h, past + s] = values[b, h, past + s].astype(np.float16)
         for s in range(min(seq, total - past)):
             pos = past + s
             lo = max(0, pos - window + 1) if window > 0 else 0
@@ -132,19 +143,22 @@ def reference(qkv, keys, values, seqlens, heads, kv_heads, window=-1):
     return out, keys, values
 
 
-def inputs(rng, batch, seq, heads, kv_heads, head_dim):
+def inputs(rng, batch, seq, heads, kv_heads, head_dim, cache=np.float32):
     qkv = rng.standard_normal((batch, seq, (heads + 2 * kv_heads) * head_dim)).astype(np.float32)
-    keys = rng.standard_normal((batch, kv_heads, CAPACITY, head_dim)).astype(np.float32)
-    values = rng.standard_normal((batch, kv_heads, CAPACITY, head_dim)).astype(np.float32)
+    keys = rng.standard_normal((batch, kv_heads, CAPACITY, head_dim)).astype(cache)
+    values = rng.standard_normal((batch, kv_heads, CAPACITY, head_dim)).astype(cache)
     return qkv, keys, values
 
 
 def assert_matches_reference(got, want, seqlens):
     out, keys, values = got
     ref_out, ref_keys, ref_values = want
-    np.testing.assert_allclose(out, ref_out, atol=2e-5, rtol=1e-5)
+    half = keys.dtype == np.float16
+    # fp16: a key rotated in float32 may round to the neighbouring half of the float64 truth's (one ulp, 2^-10
+    # relative); the output then differs by about that much through the softmax
+    np.testing.assert_allclose(out, ref_out, atol=2e-3 if half else 2e-5, rtol=1e-3 if half else 1e-5)
     for b, n in enumerate(np.asarray(seqlens) + 1):     # the cache up to each row's length (the rest is untouched)
-        np.testing.assert_allclose(keys[b, :, :n], ref_keys[b, :, :n], atol=2e-5, rtol=1e-5)
+        np.testing.assert_allclose(keys[b, :, :n], ref_keys[b, :, :n], atol=2e-5, rtol=1e-3 if half else 1e-5)
         np.testing.assert_allclose(values[b, :, :n], ref_values[b, :, :n], atol=0, rtol=0)
 
 
@@ -174,11 +188,26 @@ def test_matches_reference_and_group_query_attention(batch, seq, seqlens, heads,
     np.testing.assert_array_equal(got[2], gqa[2])
 
 
+@pytest.mark.parametrize("batch,seq,seqlens,heads,kv_heads,head_dim,window", CASES)
+def test_fp16_cache_matches_reference(batch, seq, seqlens, heads, kv_heads, head_dim, window):
+    """--kv-cache fp16: the new values land as numpy's float16 of the inputs (bit for bit), the rotated keys within
+    a half's rounding, and the output is the truth's over the rounded cache; the float32 op over the same rounded
+    past agrees to float32 precision (only the storage differs)."""
+    qkv, keys, values = inputs(np.random.default_rng(batch * 100 + seq), batch, seq, heads, kv_heads, head_dim, np.float16)
+    got = run("qs", qkv, keys, values, seqlens, heads, kv_heads, window)
+    assert got[1].dtype == np.float16 and got[2].dtype == np.float16
+    assert_matches_reference(got, reference(qkv, keys, values, seqlens, heads, kv_heads, window), seqlens)
+    wide = run("qs", qkv, keys.astype(np.float32), values.astype(np.float32), seqlens, heads, kv_heads, window)
+    np.testing.assert_allclose(got[0], wide[0], atol=2e-3, rtol=1e-3)
+    np.testing.assert_array_equal(got[2], wide[2].astype(np.float16))
+    np.testing.assert_array_equal(got[1], wide[1].astype(np.float16))    # the op rounds its float32 rotation
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), batch=st.integers(1, 4), seq=st.integers(1, 24),
        shape=st.sampled_from([(4, 2, 16), (3, 1, 32), (6, 3, 64), (2, 2, 128)]), window=st.sampled_from([-1, 7]),
-       threads=st.sampled_from([1, 2]))
-def test_matches_reference_on_any_shape(data, batch, seq, shape, window, threads):
+       threads=st.sampled_from([1, 2]), cache=st.sampled_from([np.float32, np.float16]))
+def test_matches_reference_on_any_shape(data, batch, seq, shape, window, threads, cache):
     """Batches of several tokens per row are prompts with no past (GroupQueryAttention's only multi-row batch);
     one-token rows have any past."""
     heads, kv_heads, head_dim = shape
@@ -187,23 +216,24 @@ def test_matches_reference_on_any_shape(data, batch, seq, shape, window, threads
     else:
         seqlens = data.draw(st.lists(st.integers(seq - 1, CAPACITY - 1), min_size=batch, max_size=batch))
     qkv, keys, values = inputs(np.random.default_rng(data.draw(st.integers(0, 2**31))), batch, seq, heads, kv_heads,
-                               head_dim)
+                               head_dim, cache)
     got = run("qs", qkv, keys, values, seqlens, heads, kv_heads, window, threads)
     assert_matches_reference(got, reference(qkv, keys, values, seqlens, heads, kv_heads, window), seqlens)
 
 
+@pytest.mark.parametrize("cache", [np.float32, np.float16])
 @pytest.mark.parametrize("position", [29, 517])
 @pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (16, 4, 2), (128, 8, 8)])
-def test_a_row_is_bitwise_the_same_alone_batched_or_in_a_chunk(head_dim, heads, kv_heads, position):
+def test_a_row_is_bitwise_the_same_alone_batched_or_in_a_chunk(head_dim, heads, kv_heads, position, cache):
     """The token at `position` of a sequence: decoded alone (at 517, its keys split by segment across threads),
     decoded beside four other sequences (whose count changes how the op splits its work), and as the last of a
     10-token prompt chunk (every segment in one task): the same bits."""
     rng = np.random.default_rng(7)
-    qkv, keys, values = inputs(rng, 1, 10, heads, kv_heads, head_dim)
+    qkv, keys, values = inputs(rng, 1, 10, heads, kv_heads, head_dim, cache)
     chunk, chunk_keys, chunk_values = run("qs", qkv, keys, values, [position], heads, kv_heads)
     last = qkv[:, 9:10]       # decoded over the cache the chunk left (its own row rewritten with the same bits)
     alone, _, _ = run("qs", last, chunk_keys, chunk_values, [position], heads, kv_heads)
-    others_qkv, others_keys, others_values = inputs(rng, 5, 1, heads, kv_heads, head_dim)
+    others_qkv, others_keys, others_values = inputs(rng, 5, 1, heads, kv_heads, head_dim, cache)
     others_qkv[2], others_keys[2], others_values[2] = last[0], chunk_keys[0], chunk_values[0]
     batched, _, _ = run("qs", others_qkv, others_keys, others_values, [5, 600, position, 11, 90], heads, kv_heads)
     pair_qkv, pair_keys, pair_values = others_qkv[1:3], others_keys[1:3], others_values[1:3]
@@ -422,3 +452,37 @@ def test_int4_gather_reads_the_head_table_rows(vocab, hidden):
     assert np.array_equal(s.run(None, {"ids": tokens})[0], want)
     with pytest.raises(Exception, match="outside the vocabulary"):
         s.run(None, {"ids": np.array([[vocab]], np.int64)})
+
+
+def swiglu_session() -> ort.InferenceSession:
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", "S", "F2"])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    node = helper.make_node("SwiGLU", ["x"], ["y"], domain=cpu_ops.DOMAIN)
+    model = helper.make_model(helper.make_graph([node], "swiglu", [x], [y]),
+                              opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(cpu_ops.DOMAIN, 1)])
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 2
+    cpu_ops.register(so)
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 40), f=st.sampled_from([1, 7, 64, 300, 1536]), magnitude=st.sampled_from([0.1, 4.0, 60.0]),
+       seed=st.integers(0, 2**31))
+def test_swiglu_matches_float64_truth_and_is_row_invariant(rows, f, magnitude, seed):
+    """Gate and up halves of every size (blocks of the op's 256-element pass and their tails), magnitudes where the
+    sigmoid saturates; then each row alone gives the same bits as among all rows."""
+    x = (np.random.default_rng(seed).standard_normal((1, rows, 2 * f)) * magnitude).astype(np.float32)
+    x[0, 0, :2] = [0.0, -0.0]
+    sess = swiglu_session()
+    got = sess.run(None, {"x": x})[0]
+    g, u = x[..., :f].astype(np.float64), x[..., f:].astype(np.float64)
+    want = g / (1 + np.exp(-g)) * u
+    np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-30)
+    for r in (0, rows // 2, rows - 1):
+        assert np.array_equal(sess.run(None, {"x": x[:, r:r + 1]})[0][0, 0], got[0, r])
+
+
+def test_swiglu_refuses_an_odd_width():
+    with pytest.raises(Exception, match="must be even"):
+        swiglu_session().run(None, {"x": np.zeros((1, 1, 5), np.float32)})
