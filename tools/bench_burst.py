@@ -1,0 +1,92 @@
+"""A burst of prompts arriving at once, in process: what scheduling policy does to TTFT and to decode stalls.
+
+Every prompt of the burst is added before the first step (the worst case for a server: nothing decodes yet, every
+prompt wants prefill); the engine then steps until all are done. Each policy (token budget, prefill chunk, mixed
+step ratio) is its own engine over the same artifact, the policies alternating round by round. Per policy: median
+TTFT, ITL p99 and longest gap over all streams' tokens (pooled, as `bench_serve.py` pools them), the number of
+gaps over `--stall-ms`, and the burst's wall time; medians over rounds.
+
+Why: ITL p99 over a burst counts how many stalls there were more than how long they were (8 streams × 63 gaps:
+p99 misses up to 5 stalls entirely), so two policies can trade a percentile against the longest stall.
+
+    python tools/bench_burst.py engines/smollm2-int8 --policy 512,256,4 --policy 2048,2048,inf --json burst.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from runtime.config import CacheConfig, EngineConfig, SchedulerConfig
+from runtime.engine import Engine
+from runtime.request import SamplingParams
+
+TEXT = Path(__file__).resolve().parents[1] / "compile" / "data" / "heldout_code.txt"
+
+
+def policy(spec: str) -> tuple[int, int, float]:
+    budget, chunk, ratio = (spec.split(",") + ["4"])[:3]
+    return int(budget), int(chunk), float(ratio)
+
+
+def burst(engine: Engine, prompts: list[str], max_tokens: int, tag: str) -> dict:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    t0 = time.perf_counter()
+    for i, p in enumerate(prompts):
+        engine.add_request(p, params, request_id=f"{tag}-{i}")
+    times: dict[str, list[float]] = {}
+    while engine.has_work():
+        outs = engine.step()
+        now = time.perf_counter()
+        for o in outs:
+            times.setdefault(o.request_id, []).append(now)
+    gaps = np.concatenate([np.diff(t) for t in times.values()]) * 1e3
+    return {"ttft_ms": float(np.median([t[0] - t0 for t in times.values()]) * 1e3),
+            "itl_p99_ms": float(np.percentile(gaps, 99)), "itl_max_ms": float(gaps.max()),
+            "gaps": int(gaps.size), "wall_s": max(t[-1] for t in times.values()) - t0, "stall_gaps": gaps}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("engine")
+    ap.add_argument("--policy", action="append", type=policy, metavar="BUDGET,CHUNK[,RATIO]",
+                    help="token budget, prefill chunk, mixed step ratio (inf: fixed chunks) [default: the engine's "
+                         "defaults, 512,256,4]")
+    ap.add_argument("--streams", type=int, default=8)
+    ap.add_argument("--prompt-chars", type=int, default=1424, help="~340-445 tokens with the smollm2 tokenizer")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--stall-ms", type=float, default=100.0)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    policies = args.policy or [(512, 256, 4.0)]
+    text = TEXT.read_text()
+    engines = {p: Engine(args.engine, EngineConfig(SchedulerConfig(max(16, args.streams), p[0], p[1], 256, p[2]),
+                                                   CacheConfig(enable_prefix_cache=False))) for p in policies}
+    rows: dict[tuple, list[dict]] = {p: [] for p in policies}
+    for rnd in range(args.rounds):
+        prompts = [f"# round {rnd} stream {i}\n" + text[(i * 7 + rnd) * 997 % (len(text) - args.prompt_chars):]
+                   [:args.prompt_chars] for i in range(args.streams)]
+        for p, engine in engines.items():
+            r = burst(engine, prompts, args.max_tokens, f"{rnd}")
+            r["stalls"] = int((r.pop("stall_gaps") > args.stall_ms).sum())
+            rows[p].append(r)
+    summary = {}
+    print(f"{'budget,chunk,ratio':>20} {'TTFT ms':>9} {'ITL p99':>9} {'ITL max':>9} {'stalls':>7} {'wall s':>7}")
+    for p, rs in rows.items():
+        med = {k: float(np.median([r[k] for r in rs])) for k in ("ttft_ms", "itl_p99_ms", "itl_max_ms", "stalls", "wall_s")}
+        summary[",".join(map(str, p))] = {"median": med, "rounds": rs}
+        print(f"{','.join(map(str, p)):>20} {med['ttft_ms']:9.0f} {med['itl_p99_ms']:9.0f} {med['itl_max_ms']:9.0f} "
+              f"{med['stalls']:7.0f} {med['wall_s']:7.2f}")
+    print(f"(medians over {args.rounds} rounds; stalls: gaps over {args.stall_ms:.0f} ms of {rs[0]['gaps']})")
+    if args.json:
+        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "policies": summary},
+                                        indent=2))
+
+
+if __name__ == "__main__":
+    main()
