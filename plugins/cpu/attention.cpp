@@ -403,6 +403,8 @@ struct CausalAttentionKernel {
     st.capacity = ks[2], st.max_pos = cs[0], st.window = window, st.scale = scale;
     if (qs[2] != (heads + 2 * kv_heads) * st.head_dim || ks[0] != st.batch || ks[1] != kv_heads || cs[1] * 2 != st.head_dim)
       throw std::invalid_argument("qs.CausalAttention: qkv, cache and rotary shapes disagree");
+    if (st.head_dim != 16 && st.head_dim != 32 && st.head_dim != 64 && st.head_dim != 96 && st.head_dim != 128)
+      throw std::invalid_argument("qs.CausalAttention: head_dim must be 16, 32, 64, 96 or 128");
     st.qkv = qkv.GetTensorData<float>();
     st.seqlens_k = seqlens.GetTensorData<int32_t>();
     st.cos = cos.GetTensorData<float>();
@@ -441,7 +443,7 @@ struct CausalAttentionKernel {
       case 16: run_attention<16, T>(context, st); break;
       case 32: run_attention<32, T>(context, st); break;
       case 96: run_attention<96, T>(context, st); break;
-      default: throw std::invalid_argument("qs.CausalAttention: head_dim must be 16, 32, 64, 96 or 128");
+      default: break;   // refused above, before anything was written
     }
   }
 };

@@ -243,6 +243,13 @@ def test_a_row_is_bitwise_the_same_alone_batched_or_in_a_chunk(head_dim, heads, 
     assert np.array_equal(pair[1, 0], chunk[0, 9])
 
 
+@pytest.mark.parametrize("cache", [np.float32, np.float16])
+def test_an_unsupported_head_dim_is_refused(cache):
+    qkv, keys, values = inputs(np.random.default_rng(0), 1, 1, 2, 1, 48, cache)
+    with pytest.raises(Exception, match="head_dim must be 16, 32, 64, 96 or 128"):
+        run("qs", qkv, keys, values, [5], 2, 1)
+
+
 def test_a_sequence_past_the_cache_is_refused():
     qkv, keys, values = inputs(np.random.default_rng(0), 1, 1, 4, 2, 16)
     with pytest.raises(Exception, match="longer than the KV cache"):
