@@ -48,10 +48,10 @@ def main() -> None:
                    "but prefills 1.6-4× slower (ONNX Runtime has no GEMM path for a quantized cache); scales per "
                    "channel, calibrated on the --eval text.")
 @click.option("--kernels", type=click.Choice(KERNELS), default="auto", show_default=True,
-              help="cpu: qs uses our ops beside ONNX Runtime's (plugins/cpu: an attention op that reads an fp32 KV "
-                   "cache 3-4x faster than GroupQueryAttention in decode steps, and whole int8 linears, and int4 "
-                   "ones where the ops were built with AVX-512); ort: ONNX Runtime's ops alone; auto: qs when this "
-                   "install was built with them.")
+              help="cpu: qs uses our ops beside ONNX Runtime's (plugins/cpu: an attention op that reads an fp32 or "
+                   "fp16 KV cache 3-4x faster than GroupQueryAttention in decode steps, whole int8 linears, int4 "
+                   "ones where the ops were built with AVX-512, and the MLP's SwiGLU); ort: ONNX Runtime's ops "
+                   "alone; auto: qs when this install was built with them.")
 @click.option("--batch-invariant/--no-batch-invariant", default=True, show_default=True,
               help="cpu int8/int4: every row of a step is computed as if it were alone, so a request's greedy "
                    "output does not depend on server load. Off: int8 uses DynamicQuantizeMatMul (one activation "
