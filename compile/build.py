@@ -16,7 +16,7 @@ from tqdm import tqdm
 from . import __version__
 from .archs import REGISTRY
 from runtime.artifact import check_destination, staging_dir, write_manifest
-from .config import CompileConfig, QuantConfig
+from .config import KV_CACHE_NUMPY, CompileConfig, QuantConfig
 from .quantize import report
 from .quantize.awq import awq_reader
 from .graph.builder import OPSET, GraphBuilder
@@ -42,8 +42,7 @@ def _kv_record(spec: ModelSpec, cfg: CompileConfig, max_len: int) -> dict:
                 "cache_out": "key_cache_out.{layer}, value_cache_out.{layer}",
                 "note": "the cache outputs alias the inputs (updated in place); block_size is the runtime's default, "
                         "any works"}
-    dtype = {"fp32": "float32", "fp16": "float16", "int8": "int8"}[cfg.kv_cache]
-    record = {"layout": "BNSH", "dtype": dtype, **common,
+    record = {"layout": "BNSH", "dtype": KV_CACHE_NUMPY[cfg.kv_cache], **common,
               "past": "past_key_values.{layer}.{key|value}", "present": "present.{layer}.{key|value}",
               "note": "present must be bound to the same buffer as past; K is stored after rotary"}
     if cfg.kv_cache == "int8":
@@ -113,6 +112,11 @@ def _check_head_dim(spec: ModelSpec, cfg: CompileConfig) -> None:
 QS_HEAD_DIMS = (16, 32, 64, 96, 128)     # what qs.CausalAttention is compiled for (plugins/cpu/attention.cpp)
 
 
+def _qs_attention_fits(spec: ModelSpec, cfg: CompileConfig) -> bool:
+    """Whether qs.CausalAttention can run this graph: our cpu kernels, at a head size ours is compiled for."""
+    return cfg.own_kernels and spec.head_dim in QS_HEAD_DIMS
+
+
 def _resolve_kv_cache(spec: ModelSpec, cfg: CompileConfig) -> str:
     """--kv-cache auto: fp16 where qs.CausalAttention runs a quantized or fp16 cpu engine (a decode step streams
     the whole cache: half the bytes is ~5 % of a batch-1 smollm2 int8 step and ~18 % at batch 8, with half the
@@ -120,14 +124,13 @@ def _resolve_kv_cache(spec: ModelSpec, cfg: CompileConfig) -> str:
     cpu cache, and the GPU targets' paged cache is fp16 by construction."""
     if cfg.kv_cache != "auto":
         return cfg.kv_cache
-    ours = cfg.target == "cpu" and cfg.own_kernels and spec.head_dim in QS_HEAD_DIMS
-    return "fp16" if ours and cfg.precision != "fp32" else "fp32"
+    return "fp16" if _qs_attention_fits(spec, cfg) and cfg.precision != "fp32" else "fp32"
 
 
 def _attention_op(spec: ModelSpec, cfg: CompileConfig) -> str:
     """"qs" (qs.CausalAttention) with our kernels over an fp32 or fp16 KV cache at a head size ours is compiled
     for; else "ort" (GroupQueryAttention), which an fp16 cache cannot use."""
-    ours = cfg.own_kernels and cfg.kv_cache in ("fp32", "fp16") and spec.head_dim in QS_HEAD_DIMS
+    ours = _qs_attention_fits(spec, cfg) and cfg.kv_cache in ("fp32", "fp16")
     if cfg.kv_cache == "fp16" and not ours:
         why = ("this install was built without our cpu ops" if not cfg.own_kernels
                else f"head_dim {spec.head_dim} is not one it is compiled for ({', '.join(map(str, QS_HEAD_DIMS))})")

@@ -44,9 +44,10 @@ def main() -> None:
               help="Embedding table + LM head precision: 'quantized' follows --precision; 'int8'/'fp32' keep them higher.")
 @click.option("--kv-cache", type=click.Choice(KV_CACHE_DTYPES), default="auto", show_default=True,
               help="cpu: KV cache storage. fp16 (our attention op) halves the bytes a decode step reads and the "
-                   "memory per token; auto picks it for quantized and fp16 engines with our ops, fp32 otherwise. int8 holds 4× the tokens in the same memory at about the same decode speed, "
-                   "but prefills 1.6-4× slower (ONNX Runtime has no GEMM path for a quantized cache); scales per "
-                   "channel, calibrated on the --eval text.")
+                   "memory per token; auto picks it for quantized and fp16 engines with our ops, fp32 otherwise. "
+                   "int8 holds 4× the tokens in the same memory at about the same decode speed, but prefills "
+                   "1.6-4× slower (ONNX Runtime has no GEMM path for a quantized cache); scales per channel, "
+                   "calibrated on the --eval text.")
 @click.option("--kernels", type=click.Choice(KERNELS), default="auto", show_default=True,
               help="cpu: qs uses our ops beside ONNX Runtime's (plugins/cpu: an attention op that reads an fp32 or "
                    "fp16 KV cache 3-4x faster than GroupQueryAttention in decode steps, whole int8 linears, int4 "

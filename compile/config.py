@@ -17,6 +17,7 @@ KERNELS = ("auto", "qs", "ort")   # cpu: our ops (plugins/cpu) beside ONNX Runti
 # (GroupQueryAttention's quantized cache: 4× the tokens per byte); auto: fp16 where our attention op runs a
 # quantized or fp16 engine, else fp32 (an fp32 engine stays the exact reference)
 KV_CACHE_DTYPES = ("auto", "fp32", "fp16", "int8")
+KV_CACHE_NUMPY = {"fp32": "float32", "fp16": "float16", "int8": "int8"}   # each cpu cache's element type
 
 
 @dataclass(frozen=True)

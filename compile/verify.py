@@ -56,7 +56,8 @@ def verify(engine_dir: Path, model_dir: Path, prompt: list[int], decode_steps: i
     # An int8 (fp16) KV cache is part of the engine's arithmetic: the reference reads the same rounded K/V.
     scales = (kv_int8.engine_scales(engine_dir / runner.manifest["graph"]["file"], spec.num_layers)
               if runner.kv_layout.dtype == "int8" else None)
-    ref = ReferenceModel(spec, CheckpointReader(model_dir), kv_scales=scales, kv_half=runner.kv_layout.dtype == "float16")
+    ref = ReferenceModel(spec, CheckpointReader(model_dir), kv_scales=scales,
+                         kv_half=runner.kv_layout.dtype == "float16")
     pool = runner.new_pool(1, capacity=len(prompt) + decode_steps + 1)
     n = len(prompt)
     got = runner.prefill(pool, 0, prompt, 0, all_logits=True)

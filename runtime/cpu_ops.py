@@ -4,8 +4,9 @@ ONNX Runtime loads that module's file as a custom-op library: `register(so)` add
 qs.CausalAttention (the decode-friendly replacement of com.microsoft.GroupQueryAttention), qs.Int8MatMul and
 qs.Int4MatMul (whole batch-invariant int8 / block-wise int4 linears on weights packed for them), qs.PackedGather
 and qs.Int4Gather (embedding rows from those packed tables), qs.SwiGLU (the MLP's activation in one op), and
-qs.RowQuantize (which engines built before qs.Int8MatMul use). The ops are built when ONNX Runtime's API headers were found at install time (CMakeLists.txt);
-`available()` says whether this install has them, and the compiler emits them only then (`compile build --kernels`).
+qs.RowQuantize (which engines built before qs.Int8MatMul use). The ops are built when ONNX Runtime's API headers
+were found at install time (CMakeLists.txt); `available()` says whether this install has them, and the compiler
+emits them only then (`compile build --kernels`).
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ def policy(spec: str) -> tuple[int, int, float]:
     return int(budget), int(chunk), float(ratio)
 
 
-def burst(engine: Engine, prompts: list[str], max_tokens: int, tag: str) -> dict:
+def burst(engine: Engine, prompts: list[str], max_tokens: int, stall_ms: float, tag: str) -> dict:
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
@@ -47,7 +47,8 @@ def burst(engine: Engine, prompts: list[str], max_tokens: int, tag: str) -> dict
     gaps = np.concatenate([np.diff(t) for t in times.values()]) * 1e3
     return {"ttft_ms": float(np.median([t[0] - t0 for t in times.values()]) * 1e3),
             "itl_p99_ms": float(np.percentile(gaps, 99)), "itl_max_ms": float(gaps.max()),
-            "gaps": int(gaps.size), "wall_s": max(t[-1] for t in times.values()) - t0, "stall_gaps": gaps}
+            "gaps": int(gaps.size), "stalls": int((gaps > stall_ms).sum()),
+            "wall_s": max(t[-1] for t in times.values()) - t0}
 
 
 def main() -> None:
@@ -72,9 +73,7 @@ def main() -> None:
         prompts = [f"# round {rnd} stream {i}\n" + text[(i * 7 + rnd) * 997 % (len(text) - args.prompt_chars):]
                    [:args.prompt_chars] for i in range(args.streams)]
         for p, engine in engines.items():
-            r = burst(engine, prompts, args.max_tokens, f"{rnd}")
-            r["stalls"] = int((r.pop("stall_gaps") > args.stall_ms).sum())
-            rows[p].append(r)
+            rows[p].append(burst(engine, prompts, args.max_tokens, args.stall_ms, f"{rnd}"))
     summary = {}
     print(f"{'budget,chunk,ratio':>20} {'TTFT ms':>9} {'ITL p99':>9} {'ITL max':>9} {'stalls':>7} {'wall s':>7}")
     for p, rs in rows.items():
@@ -82,7 +81,8 @@ def main() -> None:
         summary[",".join(map(str, p))] = {"median": med, "rounds": rs}
         print(f"{','.join(map(str, p)):>20} {med['ttft_ms']:9.0f} {med['itl_p99_ms']:9.0f} {med['itl_max_ms']:9.0f} "
               f"{med['stalls']:7.0f} {med['wall_s']:7.2f}")
-    print(f"(medians over {args.rounds} rounds; stalls: gaps over {args.stall_ms:.0f} ms of {rs[0]['gaps']})")
+    print(f"(medians over {args.rounds} rounds; stalls: gaps over {args.stall_ms:.0f} ms of "
+          f"{rows[policies[0]][0]['gaps']})")
     if args.json:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "policies": summary},
                                         indent=2))

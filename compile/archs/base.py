@@ -6,7 +6,7 @@ Graph interface (the contract with the runtime, recorded in the manifest):
     seqlens_k              int32   [batch]              tokens in each row's KV after this step, minus 1
     total_sequence_length  int32   []                   max over rows of (seqlens_k + 1)
     logits_indices         int64   [num_logits]         rows of the flattened batch×sequence to project
-    past_key_values.{i}.key/value  float32 [batch, kv_heads, kv_capacity, head_dim]   (int8: --kv-cache int8)
+    past_key_values.{i}.key/value  float32 [batch, kv_heads, kv_capacity, head_dim]   (float16 / int8: --kv-cache)
     → logits               float32 [num_logits, vocab]
     → present.{i}.key/value         same shape; bound to the same buffer as past (updated in place)
 
@@ -29,8 +29,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import numpy as np
-from onnx import TensorProto
+from onnx import TensorProto, helper
 
+from ..config import KV_CACHE_NUMPY
 from ..graph import layers
 from ..graph.builder import GraphBuilder
 from ..hf_source import CheckpointReader, ModelSpec
@@ -80,7 +81,7 @@ class LlamaArch:
             steps = [("input_ids", I64, ["batch", "sequence"]), ("seqlens_k", I32, ["batch"]),
                      ("total_sequence_length", I32, [])]
             caches = ("past_key", "past_value"), ("present_key", "present_value")
-            kv_type = {"fp32": TensorProto.FLOAT, "fp16": TensorProto.FLOAT16, "int8": TensorProto.INT8}[kv_dtype]
+            kv_type = helper.np_dtype_to_tensor_dtype(np.dtype(KV_CACHE_NUMPY[kv_dtype]))
             kv_shape = ["batch", s.num_kv_heads, "kv_capacity", s.head_dim]
         else:
             steps = [("input_ids", I64, ["num_tokens"]), ("cumulative_sequence_length", I32, ["batch_plus_1"]),

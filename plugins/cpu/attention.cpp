@@ -189,13 +189,9 @@ void write_kv(void* user, size_t task) {
   for (int64_t h = 0; h < st.kv_heads; ++h) {
     const float* k = tok + (st.heads + h) * st.head_dim;
     const float* v = tok + (st.heads + st.kv_heads + h) * st.head_dim;
-    if constexpr (std::is_same_v<T, float>) {
-      rotate(k, cos, sin, static_cast<int>(st.head_dim), 1.0f, st.cache(st.keys, b, h, pos));
-    } else {
-      float rotated[128];                       // head_dim <= 128 (the sizes run_attention dispatches)
-      rotate(k, cos, sin, static_cast<int>(st.head_dim), 1.0f, rotated);
-      store_row(rotated, st.head_dim, st.cache(st.keys, b, h, pos));
-    }
+    float rotated[128];                         // head_dim <= 128: attention_for refused the rest
+    rotate(k, cos, sin, static_cast<int>(st.head_dim), 1.0f, rotated);
+    store_row(rotated, st.head_dim, st.cache(st.keys, b, h, pos));
     store_row(v, st.head_dim, st.cache(st.values, b, h, pos));
   }
 }
@@ -376,6 +372,19 @@ void run_attention(OrtKernelContext* context, Step<T>& st) {
     }
 }
 
+// The attention of a head size this op is compiled for; refuses any other before the step writes anything.
+template <typename T>
+void (*attention_for(int64_t head_dim))(OrtKernelContext*, Step<T>&) {
+  switch (head_dim) {
+    case 64: return run_attention<64, T>;
+    case 128: return run_attention<128, T>;
+    case 16: return run_attention<16, T>;
+    case 32: return run_attention<32, T>;
+    case 96: return run_attention<96, T>;
+    default: throw std::invalid_argument("qs.CausalAttention: head_dim must be 16, 32, 64, 96 or 128");
+  }
+}
+
 std::vector<int64_t> shape_of(const Ort::ConstValue& v) { return v.GetTensorTypeAndShapeInfo().GetShape(); }
 
 template <typename T>
@@ -403,8 +412,7 @@ struct CausalAttentionKernel {
     st.capacity = ks[2], st.max_pos = cs[0], st.window = window, st.scale = scale;
     if (qs[2] != (heads + 2 * kv_heads) * st.head_dim || ks[0] != st.batch || ks[1] != kv_heads || cs[1] * 2 != st.head_dim)
       throw std::invalid_argument("qs.CausalAttention: qkv, cache and rotary shapes disagree");
-    if (st.head_dim != 16 && st.head_dim != 32 && st.head_dim != 64 && st.head_dim != 96 && st.head_dim != 128)
-      throw std::invalid_argument("qs.CausalAttention: head_dim must be 16, 32, 64, 96 or 128");
+    auto run = attention_for<T>(st.head_dim);
     st.qkv = qkv.GetTensorData<float>();
     st.seqlens_k = seqlens.GetTensorData<int32_t>();
     st.cos = cos.GetTensorData<float>();
@@ -437,14 +445,7 @@ struct CausalAttentionKernel {
     thread_local Partials shared;   // (one per element type: a thread runs one step at a time either way)
     if (st.split) shared.reset(static_cast<int>(st.batch * heads), st.segs, static_cast<int>(st.head_dim));
     st.shared = &shared;
-    switch (st.head_dim) {
-      case 64: run_attention<64, T>(context, st); break;
-      case 128: run_attention<128, T>(context, st); break;
-      case 16: run_attention<16, T>(context, st); break;
-      case 32: run_attention<32, T>(context, st); break;
-      case 96: run_attention<96, T>(context, st); break;
-      default: break;   // refused above, before anything was written
-    }
+    run(context, st);
   }
 };
 

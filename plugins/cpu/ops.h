@@ -21,6 +21,27 @@ const OrtCustomOp* qs_swiglu_op();             // swiglu.cpp
 // One row → uint8 (zero point 128) on its own scale max|x|/127; shared by RowQuantize, Int8MatMul and Int4MatMul.
 void qs_quantize_row(const float* __restrict x, int64_t k, uint8_t* __restrict q, float* __restrict scale);
 
+// fn(row) for rows [0, rows), in tasks of `per_task` rows on ONNX Runtime's pool (inline when one task suffices:
+// a decode step's few rows are not worth a dispatch). Rows are independent; each is computed the same way
+// whichever task takes it.
+template <typename F>
+void qs_for_rows(Ort::KernelContext& ctx, int64_t rows, int64_t per_task, const F& fn) {
+  struct Job {
+    const F* fn;
+    int64_t rows, per_task;
+  } job{&fn, rows, per_task};
+  auto task = [](void* user, size_t t) {
+    const Job& j = *static_cast<const Job*>(user);
+    int64_t end = std::min<int64_t>(j.rows, (static_cast<int64_t>(t) + 1) * j.per_task);
+    for (int64_t row = static_cast<int64_t>(t) * j.per_task; row < end; ++row) (*j.fn)(row);
+  };
+  size_t tasks = static_cast<size_t>((rows + per_task - 1) / per_task);
+  if (tasks == 1)
+    task(&job, 0);
+  else if (tasks > 1)
+    ctx.ParallelFor(task, tasks, 0, &job);
+}
+
 // exp(x) for x <= 0 (softmax arguments after the max is subtracted; SwiGLU's exp(-|x|)): Cody-Waite range
 // reduction and a degree-6 polynomial (Cephes expf), ~1 ulp; plain arithmetic on arrays so the compiler vectorises
 // the loop.

@@ -19,13 +19,6 @@ namespace {
 constexpr int kLanes = 16;
 constexpr int64_t kRowsPerTask = 16;
 
-struct Rows {
-  const float* x;
-  uint8_t* q;
-  float* scale;
-  int64_t rows, k;
-};
-
 }  // namespace
 
 void qs_quantize_row(const float* __restrict x, int64_t k, uint8_t* __restrict q, float* __restrict scale) {
@@ -50,13 +43,6 @@ void qs_quantize_row(const float* __restrict x, int64_t k, uint8_t* __restrict q
 
 namespace {
 
-void quantize_task(void* user, size_t task) {
-  const Rows& r = *static_cast<const Rows*>(user);
-  int64_t end = std::min<int64_t>(r.rows, (static_cast<int64_t>(task) + 1) * kRowsPerTask);
-  for (int64_t row = static_cast<int64_t>(task) * kRowsPerTask; row < end; ++row)
-    qs_quantize_row(r.x + row * r.k, r.k, r.q + row * r.k, r.scale + row);
-}
-
 struct RowQuantizeKernel {
   RowQuantizeKernel(const OrtApi&, const OrtKernelInfo*) {}
 
@@ -67,19 +53,15 @@ struct RowQuantizeKernel {
     if (shape.empty()) throw std::invalid_argument("qs.RowQuantize: x must have at least one dimension");
     std::vector<int64_t> scale_shape = shape;
     scale_shape.back() = 1;
-    Rows r{};
-    r.k = shape.back();
-    r.rows = 1;
-    for (size_t d = 0; d + 1 < shape.size(); ++d) r.rows *= shape[d];
-    r.x = x.GetTensorData<float>();
-    r.q = ctx.GetOutput(0, shape).GetTensorMutableData<uint8_t>();
-    r.scale = ctx.GetOutput(1, scale_shape).GetTensorMutableData<float>();
-    if (r.rows == 0 || r.k == 0) return;
-    size_t tasks = static_cast<size_t>((r.rows + kRowsPerTask - 1) / kRowsPerTask);
-    if (tasks == 1)
-      quantize_task(&r, 0);
-    else
-      ctx.ParallelFor(quantize_task, tasks, 0, &r);
+    const int64_t k = shape.back();
+    int64_t rows = 1;
+    for (size_t d = 0; d + 1 < shape.size(); ++d) rows *= shape[d];
+    const float* in = x.GetTensorData<float>();
+    uint8_t* q = ctx.GetOutput(0, shape).GetTensorMutableData<uint8_t>();
+    float* scale = ctx.GetOutput(1, scale_shape).GetTensorMutableData<float>();
+    if (k == 0) return;
+    qs_for_rows(ctx, rows, kRowsPerTask,
+                [&](int64_t row) { qs_quantize_row(in + row * k, k, q + row * k, scale + row); });
   }
 };
 

@@ -34,19 +34,6 @@ void swiglu_row(const float* __restrict x, int64_t f, float* __restrict out) {
   }
 }
 
-struct Rows {
-  const float* x;
-  float* out;
-  int64_t rows, f;
-};
-
-void swiglu_task(void* user, size_t task) {
-  const Rows& r = *static_cast<const Rows*>(user);
-  int64_t end = std::min<int64_t>(r.rows, (static_cast<int64_t>(task) + 1) * kRowsPerTask);
-  for (int64_t row = static_cast<int64_t>(task) * kRowsPerTask; row < end; ++row)
-    swiglu_row(r.x + row * 2 * r.f, r.f, r.out + row * r.f);
-}
-
 struct SwiGLUKernel {
   SwiGLUKernel(const OrtApi&, const OrtKernelInfo*) {}
 
@@ -55,19 +42,14 @@ struct SwiGLUKernel {
     auto x = ctx.GetInput(0);
     std::vector<int64_t> shape = x.GetTensorTypeAndShapeInfo().GetShape();
     if (shape.empty() || shape.back() % 2) throw std::invalid_argument("qs.SwiGLU: the last dimension must be even (gate | up)");
-    Rows r{};
-    r.f = shape.back() / 2;
-    r.rows = 1;
-    for (size_t d = 0; d + 1 < shape.size(); ++d) r.rows *= shape[d];
-    shape.back() = r.f;
-    r.x = x.GetTensorData<float>();
-    r.out = ctx.GetOutput(0, shape).GetTensorMutableData<float>();
-    if (r.rows == 0 || r.f == 0) return;
-    size_t tasks = static_cast<size_t>((r.rows + kRowsPerTask - 1) / kRowsPerTask);
-    if (tasks == 1)
-      swiglu_task(&r, 0);
-    else
-      ctx.ParallelFor(swiglu_task, tasks, 0, &r);
+    const int64_t f = shape.back() / 2;
+    int64_t rows = 1;
+    for (size_t d = 0; d + 1 < shape.size(); ++d) rows *= shape[d];
+    shape.back() = f;
+    const float* in = x.GetTensorData<float>();
+    float* out = ctx.GetOutput(0, shape).GetTensorMutableData<float>();
+    if (f == 0) return;
+    qs_for_rows(ctx, rows, kRowsPerTask, [&](int64_t row) { swiglu_row(in + row * 2 * f, f, out + row * f); });
   }
 };
 

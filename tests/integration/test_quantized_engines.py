@@ -133,6 +133,18 @@ def test_bad_options(args, needle, checkpoint, tmp_path):
     assert not out.exists()
 
 
+def logit_errors(runner: ModelRunner, pool, prompt: list[int], tokens: list[int], *refs: ReferenceModel) -> list[list[float]]:
+    """Per reference: max |engine − reference| logits of the prompt's prefill, then of each decode step feeding
+    `tokens` (every reference steps along, so each sees the same sequence)."""
+    got = runner.prefill(pool, 0, prompt, 0, all_logits=True)
+    errors = [[float(np.abs(got - ref.forward(prompt)).max())] for ref in refs]
+    for step, token in enumerate(tokens):
+        got = runner.decode(pool, [(0, token, len(prompt) + step)], set())
+        for e, ref in zip(errors, refs):
+            e.append(float(np.abs(got - ref.forward([token])).max()))
+    return errors
+
+
 def test_int8_kv_cache_equals_the_reference_reading_the_same_quantized_cache(checkpoint, tmp_path):
     """--kv-cache int8: GroupQueryAttention stores K (after rotary) and V as round(x / scale), clipped, with one
     calibrated scale per (KV head, channel); the engine equals the float64 reference whose attention reads the
@@ -150,17 +162,11 @@ def test_int8_kv_cache_equals_the_reference_reading_the_same_quantized_cache(che
     runner = ModelRunner(out)
     pool, prompt = runner.new_pool(1, 64), list(range(5, 45))
     assert pool.keys[0].dtype == np.int8
-    got = runner.prefill(pool, 0, prompt, 0, all_logits=True)
-    want, unquantized = quantized.forward(prompt), plain.forward(prompt)
-    errors = [np.abs(got - want).max()]
-    for step, token in enumerate([7, 300, 12, 99]):
-        got = runner.decode(pool, [(0, token, len(prompt) + step)], set())
-        want = quantized.forward([token])
-        plain.forward([token])
-        errors.append(np.abs(got - want).max())
+    errors, against_plain = logit_errors(runner, pool, prompt, [7, 300, 12, 99], quantized, plain)
     assert max(errors) < 1e-4, errors
-    # The quantization is visible against the unquantized reference, so the comparison above can fail.
-    assert np.abs(runner.prefill(runner.new_pool(1, 64), 0, prompt, 0, all_logits=True) - unquantized).max() > 10 * max(errors)
+    # The quantization is visible against the unquantized reference (the prompt's prefill), so the comparison
+    # above can fail.
+    assert against_plain[0] > 10 * max(errors)
 
 
 @pytest.mark.skipif(not cpu_ops.available(), reason="this install was built without the qs ops")
@@ -181,13 +187,7 @@ def test_fp16_kv_cache_equals_the_reference_reading_the_same_rounded_cache(check
     build(CompileConfig(model, tmp_path / "kv32", "fp32", report=False), log=lambda _: None)
     assert pool.keys[0].dtype == np.float16
     assert 2 * pool.token_bytes == ModelRunner(tmp_path / "kv32").new_pool(1, 64).token_bytes     # half the memory
-    got = runner.prefill(pool, 0, prompt, 0, all_logits=True)
-    want, unrounded = rounded.forward(prompt), plain.forward(prompt)
-    errors, against_plain = [np.abs(got - want).max()], [np.abs(got - unrounded).max()]
-    for step, token in enumerate([7, 300, 12, 99]):
-        got = runner.decode(pool, [(0, token, len(prompt) + step)], set())
-        errors.append(np.abs(got - rounded.forward([token])).max())
-        against_plain.append(np.abs(got - plain.forward([token])).max())
+    errors, against_plain = logit_errors(runner, pool, prompt, [7, 300, 12, 99], rounded, plain)
     assert max(errors) < 1e-4, errors
     assert max(against_plain) > 10 * max(errors), (errors, against_plain)
 
