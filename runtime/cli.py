@@ -200,10 +200,15 @@ def _models(values: tuple[str, ...]) -> dict[str, Path]:
               help="HTTP port (0: any free port; -1: no HTTP).")
 @click.option("--max-num-seqs", type=int, default=16, show_default=True, help="Most sequences running at once (each reserves address space for a whole context; memory follows its tokens).")
 @click.option("--max-waiting", type=int, default=64, show_default=True, help="Queued requests before shedding (429).")
-@click.option("--token-budget", type=int, default=512, show_default=True, help="Tokens computed per engine step.")
+@click.option("--token-budget", type=int, default=4096, show_default=True,
+              help="Most tokens computed per engine step (a burst of prompts is computed in one step up to this).")
 @click.option("--prefill-chunk", type=int, default=256, show_default=True,
-              help="Most prompt tokens per sequence per step (smaller: shorter decode stalls while prompts "
-                   "prefill, slower prefill).")
+              help="Most prompt tokens a sequence gets per step while as many streams decode.")
+@click.option("--mixed-step-ratio", type=click.FloatRange(1.0), default=2.0,
+              show_default=True,
+              help="A step with prompt slices beside decodes costs at most this many decode-only steps (lower: "
+                   "shorter stalls of running streams, slower first tokens for prompts arriving among them; inf: "
+                   "fixed slices of --prefill-chunk).")
 @click.option("--max-model-len", type=int, default=None, help="Context per sequence [default: the engine's].")
 @click.option("--kv-budget-mib", type=int, default=None, help="KV memory resident at most: running sequences' tokens + the prefix cache (30 %) [default: 25% of RAM, ≤ 8 GiB].")
 @click.option("--no-prefix-cache", is_flag=True, help="Disable automatic prefix caching.")
@@ -261,7 +266,8 @@ def _models(values: tuple[str, ...]) -> dict[str, Path]:
 @click.option("--semantic-cache-size", type=click.IntRange(1), default=10_000, show_default=True,
               help="Most answers kept (least recently used go first).")
 def serve(engine: Path | None, draft: Path | None, speculation: str, host: str, grpc_port: int, http_port: int,
-          max_num_seqs: int, max_waiting: int, token_budget: int, prefill_chunk: int, max_model_len: int | None,
+          max_num_seqs: int, max_waiting: int, token_budget: int, prefill_chunk: int, mixed_step_ratio: float,
+          max_model_len: int | None,
           kv_budget_mib: int | None, no_prefix_cache: bool, threads: int | None, spin: bool, api_key: str | None,
           tls_cert: Path | None, tls_key: Path | None, served_model_name: str | None, request_timeout: float,
           max_body_bytes: int, max_tokens_limit: int | None, grace: float, priority_floor: int,
@@ -286,7 +292,7 @@ def serve(engine: Path | None, draft: Path | None, speculation: str, host: str, 
     try:
         engine_path = engine or engine_dir("target")
         draft_path, method = _speculation(draft, speculation)
-        econf = EngineConfig(SchedulerConfig(max_num_seqs, token_budget, prefill_chunk, max_waiting),
+        econf = EngineConfig(SchedulerConfig(max_num_seqs, token_budget, prefill_chunk, max_waiting, mixed_step_ratio),
                              CacheConfig(max_model_len=max_model_len, enable_prefix_cache=not no_prefix_cache,
                                          kv_budget_bytes=kv_budget_mib << 20 if kv_budget_mib else None),
                              threads=threads, spin=spin, draft=draft_path, speculation=method)

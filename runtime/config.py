@@ -22,14 +22,13 @@ def available_memory_bytes() -> int:
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 16            # running sequences (one KV slot each)
-    token_budget: int = 512           # tokens computed per step (decodes + prefill chunks)
-    prefill_chunk: int = 256          # most tokens one sequence prefills per step: bounds stalls of decodes
-                                      # (256, not 128: a burst of 8 prompts got 1.71x llama-server's aggregate,
-                                      # not 1.35x, TTFT 0.43x not 0.72x, ITL p99 342 not 220 ms; tools/results/
-                                      # serve_smollm2_prefill_chunk_256_vs_128.json)
+    token_budget: int = 4096          # tokens computed per step (decodes + guesses + prompt chunks): a burst of
+                                      # prompts is computed in one step up to this
+    prefill_chunk: int = 256          # most tokens one prompt gets per step beside decodes, and the length up
+                                      # to which a prompt counts as short (long ones sit out while it prefills)
     max_waiting: int = 256            # queued requests beyond which submit refuses (backpressure)
-    mixed_step_ratio: float = 4.0     # a step carrying a long prompt's chunk beside decodes may cost this many
-                                      # decode-only steps (its chunk shrinks to fit, ≥ 16 tokens); inf: fixed chunks
+    mixed_step_ratio: float = 2.0     # a step carrying prompt slices beside decodes may cost this many decode-only
+                                      # steps (the slices shrink to fit, ≥ 16 tokens); inf: fixed slices
 
     def __post_init__(self):
         if self.max_num_seqs < 1 or self.token_budget < self.max_num_seqs + 1:

@@ -23,6 +23,7 @@ class SchedulePlan:
     chunks: list[tuple[Request, int]] = field(default_factory=list)
     gammas: dict[str, int] = field(default_factory=dict)     # request id → guesses to verify this step
     preempted: list[Request] = field(default_factory=list)
+    sliced: bool = False          # prompt chunks beside decodes were cut to the step-time bound (the scheduler adapts it)
 
     def __bool__(self) -> bool:
         return bool(self.decodes or self.chunks)

@@ -6,18 +6,27 @@ prefix), after each step (`update`) and at preemption (back to 0).
 
 There are no prefill or decode phases, only requests catching up: each step, every running request with
 one pending token joins the decode batch, requests with more pending tokens (new prompts, recompute after
-preemption) get a chunk of at most `prefill_chunk` tokens, and the step never exceeds `token_budget`.
-Decodes run every step, so a long prompt stalls them by at most one chunk. Prefills go shortest-remaining
-first, and in a step where a short prompt (at most one chunk) is prefilling, long prompts sit out: a short
-request arriving behind a 4k-token prompt waits for at most the step in progress, then gets its first
-token from a step without the long prompt's chunk. Sitting out ages a long prompt: after `MAX_SAT_OUT`
-consecutive steps one aged prompt gets a `MIN_CHUNK` beside the short ones (after them, from what budget they
-leave), so a steady stream of short requests slows it down but cannot starve it.
+preemption) get prompt chunks, and the step never exceeds `token_budget`. How much prompt a step carries
+beside the decodes is a choice between two latencies. Either way the decoding streams wait for the prompts'
+compute (a slice lengthens each step they take); a whole prompt makes that one stall and gives the prompt its
+first token soonest, slices make it many small ones and stretch the prompt's TTFT (at a step cost of r decode
+steps, by r / (r − 1)). So:
 
-A long prompt's chunk is also sized by time: while others are decoding, a step that carries a long chunk
-should cost at most `mixed_step_ratio` plain decode steps (attention makes the same chunk slower as the prompt's context
-grows), so after each such step the chunk is scaled by target / measured time (at most doubling) — keeping
-the TPOT of running requests bounded while a 4k prompt prefills beside them.
+- a burst — the waiting prompts are at least half as many as the decoding streams (or nobody decodes):
+  prompts are computed whole, up to the token budget. The streams decoding stall once, and streams of one
+  burst start in the same step or one apart, so they stay in step (a burst in slices started its streams a
+  few at a time and each later slice stalled all that had started: 34 gaps over 100 ms in a burst of 8
+  prompts where whole prompts left none, tools/bench_burst.py).
+- a prompt arriving among many decoding streams gets slices that keep a step at most `mixed_step_ratio`
+  decode-only steps (measured; attention makes a slice slower as a prompt's context grows, so after each step
+  that the bound cut, the slice is scaled by target / measured time, at most doubling), at most
+  `prefill_chunk` tokens a prompt: one request's TTFT does not stall many streams.
+
+Prefills go shortest-remaining first, and in a step where a short prompt (at most one `prefill_chunk`) is
+prefilling, long prompts sit out: a short request arriving behind a 4k-token prompt waits for at most the step
+in progress, then gets its first token from a step without the long prompt's chunk. Sitting out ages a long
+prompt: after `MAX_SAT_OUT` consecutive steps one aged prompt gets a `MIN_CHUNK` beside the short ones (after
+them, from what budget they leave), so a steady stream of short requests slows it down but cannot starve it.
 
 Speculative guesses count against the same budget: after the decodes, the speculation planner may spend what is
 left on guesses (priced by the backend's measured step costs), and prompt chunks get the rest — but not while a
@@ -58,18 +67,20 @@ class Scheduler:
         self.config, self.kv, self.plan_speculation = config, kv, plan_speculation
         self.waiting: list[tuple[int, int, Request]] = []     # heap of (priority, seq_no, request)
         self.running: list[Request] = []
-        self.long_chunk = config.prefill_chunk                # adapted by observe()
+        # prompt tokens beside decodes, adapted by observe(): it starts small (a first slice of a whole chunk
+        # stalled 7 streams 210 ms at the API) and at most doubles a step while steps stay under the target
+        self.mixed_tokens = self.MIN_CHUNK
         self._decode_step_s: float | None = None              # moving average of decode-only steps
 
     def observe(self, plan: SchedulePlan, seconds: float) -> None:
-        """Feed back a step's measured time: tracks decode-only steps and adapts the long-prompt chunk."""
+        """Feed back a step's measured time: tracks decode-only steps and adapts the prompt slice beside decodes."""
         if plan.decodes and not plan.chunks:
             old = self._decode_step_s
             self._decode_step_s = seconds if old is None else 0.8 * old + 0.2 * seconds
-        elif plan.decodes and self._decode_step_s and any(n == self.long_chunk for _, n in plan.chunks):
-            # Proportional: the chunk's cost is close to linear in its length at a given context.
+        elif plan.sliced and self._decode_step_s:
+            # Proportional: a slice's cost is close to linear in its length at a given context.
             scale = min(2.0, self.config.mixed_step_ratio * self._decode_step_s / seconds)
-            self.long_chunk = max(self.MIN_CHUNK, min(self.config.prefill_chunk, int(self.long_chunk * scale)))
+            self.mixed_tokens = max(self.MIN_CHUNK, min(self.config.prefill_chunk, int(self.mixed_tokens * scale)))
 
     @property
     def num_waiting(self) -> int:
@@ -175,8 +186,12 @@ class Scheduler:
         # long prompts sit this step out (but one aged one gets MIN_CHUNK tokens), so a short request's TTFT
         # includes at most a sliver of a long prompt.
         prefills = sorted((r for r in self.running if r.num_pending > 1), key=lambda r: (r.priority, r.num_pending))
-        if not plan.decodes and len(prefills) == 1:
-            chunk = budget            # alone: nobody to stall, so no reason to cut the prompt into chunks
+        whole = 2 * len(prefills) >= len(plan.decodes)     # a burst (see above): the decoding streams stall once
+        if whole:
+            limit = budget
+        else:
+            limit = chunk if self.config.mixed_step_ratio == float("inf") else min(chunk, self.mixed_tokens)
+            budget = min(budget, limit)
         short_waiting = any(r.num_pending <= chunk for r in prefills)
         aged_served = False
         for req in prefills:
@@ -184,20 +199,19 @@ class Scheduler:
                 break
             if req.status is not RequestStatus.RUNNING:     # gave way to an earlier request's KV this step
                 continue
-            limit = chunk
+            cap = limit
             if short_waiting and req.num_pending > chunk:
                 if aged_served or req.steps_sat_out < self.MAX_SAT_OUT:
                     req.steps_sat_out += 1
                     continue
-                aged_served, limit = True, self.MIN_CHUNK
+                aged_served, cap = True, self.MIN_CHUNK
             req.steps_sat_out = 0
-            if req.num_pending > chunk and plan.decodes:     # a long prompt beside decodes: the time-bounded chunk
-                limit = min(limit, self.long_chunk)
-            n = prompt_chunk(req.num_pending, min(limit, budget))
+            n = prompt_chunk(req.num_pending, min(cap, budget))
             if n and self._reserve(req, req.num_computed + n, plan):
                 plan.chunks.append((req, n))
                 req.prefill_chunks += 1
                 budget -= n
+        plan.sliced = bool(plan.decodes) and not whole and any(n < r.num_pending for r, n in plan.chunks)
         return plan
 
 

@@ -9,7 +9,7 @@ gaps over `--stall-ms`, and the burst's wall time; medians over rounds.
 Why: ITL p99 over a burst counts how many stalls there were more than how long they were (8 streams × 63 gaps:
 p99 misses up to 5 stalls entirely), so two policies can trade a percentile against the longest stall.
 
-    python tools/bench_burst.py engines/smollm2-int8 --policy 512,256,4 --policy 2048,2048,inf --json burst.json
+    python tools/bench_burst.py engines/smollm2-int8 --policy 4096,256,2 --policy 512,256,2 --json burst.json
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def main() -> None:
     ap.add_argument("engine")
     ap.add_argument("--policy", action="append", type=policy, metavar="BUDGET,CHUNK[,RATIO]",
                     help="token budget, prefill chunk, mixed step ratio (inf: fixed chunks) [default: the engine's "
-                         "defaults, 512,256,4]")
+                         "defaults, 4096,256,2]")
     ap.add_argument("--streams", type=int, default=8)
     ap.add_argument("--prompt-chars", type=int, default=1424, help="~340-445 tokens with the smollm2 tokenizer")
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -64,7 +64,7 @@ def main() -> None:
     ap.add_argument("--stall-ms", type=float, default=100.0)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
-    policies = args.policy or [(512, 256, 4.0)]
+    policies = args.policy or [(4096, 256, 2.0)]
     text = TEXT.read_text()
     engines = {p: Engine(args.engine, EngineConfig(SchedulerConfig(max(16, args.streams), p[0], p[1], 256, p[2]),
                                                    CacheConfig(enable_prefix_cache=False))) for p in policies}

@@ -72,6 +72,34 @@ def test_manager_copies_blocks_out_of_and_into_slots_for_every_model():
     assert kv.blocks.num_in_use == 0 and kv.num_free_slots == 2
 
 
+def test_flush_spreads_a_burst_of_completed_blocks_over_steps():
+    """A step that completed many blocks (a burst of prompts computed whole) copies at most FLUSH_BYTES of them
+    into the prefix cache per flush; the rest follow at the next flushes, every byte equal to the slot's rows."""
+    target = KVLayout(num_layers=2, kv_heads=2, head_dim=4)
+    kv = KVCacheManager([target], num_slots=2, slot_capacity=64, num_blocks=32, block_size=4)
+    kv._flush_blocks = 3                                 # (FLUSH_BYTES over the bytes of a block)
+    reqs = [Request(list(range(100 * i, 100 * i + 21)), SamplingParams(max_tokens=1), request_id=f"r{i}")
+            for i in range(2)]
+    rng = np.random.default_rng(0)
+    for req in reqs:
+        kv.allocate(req)
+        for arr in kv.slots.keys + kv.slots.values:
+            arr[req.slot] = rng.standard_normal(arr[req.slot].shape)
+        req.num_computed = 21                            # five full blocks each
+        kv.computed(req)
+    cached = []
+    for _ in range(4):
+        kv.flush()
+        cached.append(kv.blocks.num_in_use)
+    assert cached == [3, 6, 9, 10]                       # three blocks a flush, then the last one
+    for req in reqs:
+        for j, layer in enumerate(range(target.num_layers)):
+            for blocks, slots in ((kv.blocks.keys, kv.slots.keys), (kv.blocks.values, kv.slots.values)):
+                for i, blk in enumerate(kv._held[req.request_id]):
+                    np.testing.assert_array_equal(blocks[j][blk], slots[layer][req.slot, :, 4 * i:4 * i + 4])
+    assert len(kv._held["r0"]) == len(kv._held["r1"]) == 5
+
+
 def test_blocks_are_cached_before_the_draft_computes_them_and_get_its_kv_when_it_does():
     """A draft that skipped a prompt (speculation off at that batch size) must not keep the target's blocks out of
     the cache; a hit tells the draft which leading blocks hold its KV, and a draft that catches up later adds its

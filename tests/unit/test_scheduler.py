@@ -1,4 +1,4 @@
-"""Scheduler decisions on a bookkeeping-only KV manager (no model): the time-bounded long-prompt chunk."""
+"""Scheduler decisions on a bookkeeping-only KV manager (no model): whole prompts or time-bounded slices."""
 
 import pytest
 
@@ -9,44 +9,90 @@ from runtime.request import Request, SamplingParams
 from runtime.scheduler import Scheduler, prompt_chunk
 
 
+def _decoding(sched, n):
+    """`n` requests that have prefilled and now decode."""
+    for i in range(n):
+        req = Request(list(range(8)), SamplingParams(max_tokens=64), request_id=f"dec{i}")
+        sched.add(req)
+        sched.schedule()
+        req.num_computed = req.num_tokens - 1
+    return sched
+
+
 def _setup(ratio=4.0):
-    sched = Scheduler(SchedulerConfig(max_num_seqs=4, prefill_chunk=128, mixed_step_ratio=ratio),
-                      PagedKVManager(num_blocks=512, block_size=16, num_slots=4, max_model_len=4096))
-    short = Request(list(range(8)), SamplingParams(max_tokens=64), request_id="short")
-    sched.add(short)
-    sched.schedule()                                   # short prefills alone
-    short.num_computed = short.num_tokens - 1          # ... and is now decoding
+    """A long prompt arriving while three streams decode (fewer than half as many prompts: slices)."""
+    sched = _decoding(Scheduler(SchedulerConfig(max_num_seqs=8, prefill_chunk=128, mixed_step_ratio=ratio),
+                                PagedKVManager(num_blocks=512, block_size=16, num_slots=8, max_model_len=4096)), 3)
     long = Request(list(range(2000)), SamplingParams(max_tokens=4), request_id="long")
     sched.add(long)
     return sched, long
 
 
-def test_long_chunk_shrinks_to_the_step_time_target_and_grows_back():
+def test_the_slice_beside_decodes_shrinks_to_the_step_time_target_and_grows_back():
     sched, long = _setup()
     sched.observe(SchedulePlan(decodes=[None]), 0.010)          # decode-only steps take 10 ms
-    plan = sched.schedule()
-    assert plan.chunks == [(long, 128)] and len(plan.decodes) == 1
-    sched.observe(plan, 0.160)                                  # 4 × 10 ms target: 160 ms is 4× over
+    plan = sched.schedule()                                     # one decoding, one prompt: not outnumbered
+    assert plan.chunks == [(long, Scheduler.MIN_CHUNK)] and len(plan.decodes) == 3 and plan.sliced
+    sched.observe(plan, 0.005)                                  # far under the 4 × 10 ms target: at most doubles
+    assert sched.schedule().chunks == [(long, 2 * Scheduler.MIN_CHUNK)]
+    sched.mixed_tokens = 128
+    sched.observe(SchedulePlan(decodes=[None], chunks=[(long, 128)], sliced=True), 0.160)   # 4× over
     assert sched.schedule().chunks == [(long, 32)]
-    sched.observe(SchedulePlan(decodes=[None], chunks=[(long, 32)]), 0.005)   # far under: at most doubles
-    assert sched.long_chunk == 64
+    sched.observe(SchedulePlan(decodes=[None], chunks=[(long, 32)], sliced=True), 0.005)
+    assert sched.mixed_tokens == 64
     for _ in range(4):
-        sched.observe(SchedulePlan(decodes=[None], chunks=[(long, sched.long_chunk)]), 0.001)
-    assert sched.long_chunk == 128                              # never above prefill_chunk
+        sched.observe(SchedulePlan(decodes=[None], chunks=[(long, sched.mixed_tokens)], sliced=True), 0.001)
+    assert sched.mixed_tokens == 128                            # never above prefill_chunk
+    sched.observe(SchedulePlan(decodes=[None], chunks=[(long, 16)]), 10.0)      # a prompt's last slice: not cut
+    assert sched.mixed_tokens == 128
     for _ in range(8):
-        sched.observe(SchedulePlan(decodes=[None], chunks=[(long, sched.long_chunk)]), 10.0)
-    assert sched.long_chunk == Scheduler.MIN_CHUNK
+        sched.observe(SchedulePlan(decodes=[None], chunks=[(long, sched.mixed_tokens)], sliced=True), 10.0)
+    assert sched.mixed_tokens == Scheduler.MIN_CHUNK
 
 
-def test_fixed_chunks_when_the_ratio_is_infinite_or_nobody_decodes():
+def test_slices_beside_decodes_share_one_bound():
+    """Two prompts beside five decoding streams: together they get one step's slice, not one each."""
+    sched = _decoding(Scheduler(SchedulerConfig(max_num_seqs=8, prefill_chunk=128),
+                                PagedKVManager(num_blocks=512, block_size=16, num_slots=8, max_model_len=4096)), 5)
+    sched.observe(SchedulePlan(decodes=[None] * 5), 0.010)
+    a, b = (Request(list(range(300 + i)), SamplingParams(max_tokens=4), request_id=f"p{i}") for i in range(2))
+    sched.add(a), sched.add(b)
+    sched.mixed_tokens = 128
+    plan = sched.schedule()
+    assert len(plan.decodes) == 5 and plan.chunks == [(a, 128)] and plan.sliced
+    sched.observe(plan, 0.040)                                  # 2 × 10 ms target: twice over
+    assert sched.schedule().chunks == [(a, 64)]
+
+
+def test_prompts_that_outnumber_the_decoding_streams_are_computed_whole():
+    """A burst: three prompts beside one decoding stream go in one step, whole (it stalls once), within the
+    token budget; one prompt beside four decoding streams gets a slice; with nobody decoding, a lone prompt
+    takes the whole budget."""
+    kv = PagedKVManager(num_blocks=512, block_size=16, num_slots=8, max_model_len=4096)
+    sched = _decoding(Scheduler(SchedulerConfig(max_num_seqs=8, token_budget=1000, prefill_chunk=128), kv), 1)
+    burst = [Request(list(range(300 + i)), SamplingParams(max_tokens=4), request_id=f"b{i}") for i in range(4)]
+    for req in burst[:3]:
+        sched.add(req)
+    plan = sched.schedule()
+    assert len(plan.decodes) == 1 and plan.chunks == [(burst[0], 300), (burst[1], 301), (burst[2], 302)]
+    assert not plan.sliced
+    for req in burst[:3]:
+        req.num_computed = req.num_tokens - 1                   # their first tokens: now they decode
+    sched.add(burst[3])                                         # one prompt beside four decoding streams: a slice
+    assert sched.schedule().chunks == [(burst[3], Scheduler.MIN_CHUNK)]
+    sched, long = _setup()
+    for req in [r for r in sched.running if r.request_id.startswith("dec")]:
+        sched.remove(req)
+    assert sched.schedule().chunks == [(long, 2000)]            # (the default budget is 4096)
+
+
+def test_fixed_slices_when_the_ratio_is_infinite():
     sched, long = _setup(ratio=float("inf"))
     sched.observe(SchedulePlan(decodes=[None]), 0.010)
     plan = sched.schedule()
+    assert plan.chunks == [(long, 128)]
     sched.observe(plan, 5.0)
     assert sched.schedule().chunks == [(long, 128)]
-    sched, long = _setup()
-    sched.running.remove(next(r for r in sched.running if r.request_id == "short"))
-    assert sched.schedule().chunks == [(long, 512)]             # alone: the whole token budget
 
 
 def test_a_steady_stream_of_short_prompts_cannot_starve_a_long_one():
@@ -111,8 +157,8 @@ def test_no_guesses_are_planned_while_a_prompt_waits_for_its_first_token():
     sched, long = _setup()
     sched.plan_speculation = planner
     sched.observe(SchedulePlan(decodes=[None]), 0.010)
-    plan = sched.schedule()                                     # "long" prefills beside "short"'s decode
+    plan = sched.schedule()                                     # "long" prefills beside three decodes
     assert plan.chunks and plan.decodes and not plan.gammas and asked == []
     sched.running.remove(long)                                  # nobody prefilling: the planner is asked
     plan = sched.schedule()
-    assert plan.gammas == {"short": 3} and asked == [["short"]]
+    assert plan.gammas == {"dec0": 3, "dec1": 3, "dec2": 3} and asked == [["dec0", "dec1", "dec2"]]
