@@ -1,6 +1,7 @@
 """Scheduler decisions on a bookkeeping-only KV manager (no model): whole prompts or time-bounded slices."""
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from runtime.config import SchedulerConfig
 from runtime.kv.paged import PagedKVManager
@@ -84,6 +85,43 @@ def test_prompts_that_outnumber_the_decoding_streams_are_computed_whole():
     for req in [r for r in sched.running if r.request_id.startswith("dec")]:
         sched.remove(req)
     assert sched.schedule().chunks == [(long, 2000)]            # (the default budget is 4096)
+
+
+@settings(max_examples=150, deadline=None)
+@given(decoding=st.integers(0, 6), lengths=st.lists(st.integers(2, 700), max_size=6),
+       budget=st.sampled_from([64, 300, 1000, 4096]))
+def test_a_plan_takes_whole_prompts_in_a_burst_and_one_bounded_slice_otherwise(decoding, lengths, budget):
+    """Any mix of decoding streams and new prompts: the step stays within the token budget, every decode runs, no
+    chunk is one token or leaves one behind; prompts at least half as many as the decodes are taken whole,
+    shortest first, until the budget runs out (short ones first if any: long prompts sit out a step); fewer
+    share one slice of at most `mixed_tokens`."""
+    chunk = min(128, budget)
+    kv = PagedKVManager(num_blocks=4096, block_size=16, num_slots=16, max_model_len=4096)
+    sched = _decoding(Scheduler(SchedulerConfig(max_num_seqs=16, token_budget=budget, prefill_chunk=chunk), kv),
+                      decoding)
+    prompts = [Request(list(range(n)), SamplingParams(max_tokens=4), request_id=f"p{i}") for i, n in enumerate(lengths)]
+    for req in prompts:
+        sched.add(req)
+    plan = sched.schedule()
+    assert len(plan.decodes) == decoding and plan.num_tokens <= budget
+    for req, n in plan.chunks:
+        assert n >= 2 and (n == req.num_pending or req.num_pending - n >= 2)
+    taken = [n for _, n in plan.chunks]
+    if 2 * len(prompts) >= decoding:
+        short = sorted(n for n in lengths if n <= chunk)
+        eligible = short or sorted(lengths)       # long prompts sit out while a short one prefills
+        left, expect = budget - decoding, []
+        for n in eligible:
+            if left < 2:
+                break
+            take = n if n <= left else (left if n - left >= 2 else left - 1)
+            if take < 2:
+                break
+            expect.append(take)
+            left -= take
+        assert taken == expect and not plan.sliced
+    else:
+        assert sum(taken) <= sched.mixed_tokens
 
 
 def test_fixed_slices_when_the_ratio_is_infinite():
