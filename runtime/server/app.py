@@ -28,13 +28,6 @@ from .tenants import TenantLimits
 log = logging.getLogger("quicksilver.server")
 
 
-# Idle keep-alive connections stay open this long (uvicorn's default is 5 s): HTTP clients keep pooled connections
-# for up to 5 s idle (httpx, so the openai client), and a request sent on a connection the server closes at that
-# moment fails with a read error (one in ~2,000 requests of a replicas benchmark at 3 requests/s). Longer than the
-# clients' pools, as nginx's 75 s is, the server is never the side that closes first.
-KEEP_ALIVE_S = 75
-
-
 class _Uvicorn(uvicorn.Server):
     """uvicorn without its own signal handling: `serve` owns SIGTERM/SIGINT and the shutdown order."""
 
@@ -112,8 +105,7 @@ class Server:
                                         for b in self.bridges}, self.semantic_cache)
             tls = dict(ssl_certfile=str(c.tls_cert), ssl_keyfile=str(c.tls_key)) if c.tls_cert else {}
             self.http = _Uvicorn(uvicorn.Config(api.app, host=c.host, port=c.http_port, log_level="warning",
-                                                lifespan="off", access_log=False, timeout_graceful_shutdown=1,
-                                                timeout_keep_alive=KEEP_ALIVE_S, **tls))
+                                                lifespan="off", access_log=False, timeout_graceful_shutdown=1, **tls))
             self._http_task = asyncio.create_task(self.http.serve(sockets=[http_sock]))
             while not self.http.started:
                 if self._http_task.done():

@@ -829,28 +829,6 @@ def test_draining_refuses_new_requests(engine):
         s.loop.call_soon_threadsafe(s.loop.stop)
 
 
-def test_an_idle_keep_alive_connection_outlives_client_pools(server):
-    """A connection idle for longer than clients keep pooled connections (httpx, so the openai client: 5 s) is
-    still open: were the server to close it then, a request sent on it at that moment would fail (uvicorn's
-    default keep-alive is 5 s; a replicas benchmark lost a request to exactly that)."""
-    import socket
-
-    def get(sock) -> bytes:
-        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
-        data = b""
-        while b"\r\n\r\n" not in data or not data.endswith(b"}"):
-            chunk = sock.recv(4096)
-            assert chunk, f"the server closed the connection: {data!r}"
-            data += chunk
-        return data
-
-    host, port = server.http_url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port))) as sock:
-        assert get(sock).startswith(b"HTTP/1.1 200")
-        time.sleep(6.0)
-        assert get(sock).startswith(b"HTTP/1.1 200")
-
-
 def test_http_connections_send_small_writes_at_once():
     """Accepted HTTP connections have TCP_NODELAY (inherited from the listening socket): without it a streamed
     chunk written right after the response headers waited for the client's delayed ACK, ~40 ms, on every request
