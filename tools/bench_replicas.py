@@ -71,7 +71,13 @@ async def user(client, messages: list[str], think_s: float, max_tokens: int, rng
 async def run_workload(url: str, args, seed: int) -> dict:
     from openai import AsyncOpenAI
 
-    client = AsyncOpenAI(base_url=url, api_key="none", max_retries=0, timeout=600)
+    import httpx
+    from openai import DefaultAsyncHttpxClient
+
+    # Pooled connections are dropped after 1 s idle, before the server's keep-alive (uvicorn: 5 s) closes them: a
+    # request sent on a connection the server is closing fails with a read error (a run lost one that way).
+    http = DefaultAsyncHttpxClient(limits=httpx.Limits(max_connections=1000, keepalive_expiry=1.0))
+    client = AsyncOpenAI(base_url=url, api_key="none", max_retries=0, timeout=600, http_client=http)
     messages = workload(args.users, args.turns, args.system_chars, args.context_chars, seed)
     think = args.users / args.rate            # each user's mean think time: the whole fleet arrives at `rate`/s
     out: list[dict] = []
