@@ -267,24 +267,21 @@ class KVCacheManager:
         for rid, req in list(self._pending.items()):
             if left <= 0:
                 break
-            if req.slot is None:
+            copied = self.cache_computed(req, left) if req.slot is not None else 0
+            if copied < left:                       # stopped short of the limit: nothing of it is left to copy
                 del self._pending[rid]
-                continue
-            done, copied = self.cache_computed(req, left)
             left -= copied
-            if done:
-                del self._pending[rid]
 
-    def cache_computed(self, req: Request, limit: int | None = None) -> tuple[bool, int]:
+    def cache_computed(self, req: Request, limit: int | None = None) -> int:
         """Copy newly completed full blocks of `req` into the prefix cache: the target's KV of every block it has
         computed, the draft's of every block the draft has computed too (also into blocks cached without it).
-        At most `limit` block copies; returns (all completed blocks are cached, blocks copied)."""
+        At most `limit` block copies; returns how many were made."""
         rid, bs = req.request_id, self.block_size
         held, held_draft = self._held[rid], self._held_draft[rid]
         done = req.num_computed // bs
         done_draft = done if len(self.pools) == 1 else min(req.num_computed, req.num_computed_draft) // bs
         if done <= len(held) and min(done_draft, len(held)) <= held_draft:
-            return True, 0                          # no newly completed block (most steps): nothing to hash
+            return 0                                # no newly completed block (most steps): nothing to hash
         keys = self._keys_for(req)
         most = float("inf") if limit is None else limit
         copies: list[tuple[int, int]] = []          # (block position in the sequence, cache block): target KV
@@ -295,7 +292,6 @@ class KVCacheManager:
                 break
             if not self.blocks.has_draft[held[i]]:
                 draft_copies.append((i, held[i]))
-        full = False
         for i in range(len(held), min(done, len(keys))):
             if len(copies) + len(draft_copies) >= most:
                 break
@@ -307,8 +303,7 @@ class KVCacheManager:
             else:
                 block = self.blocks.allocate(keys[i], parent, tokens)
                 if block is None:
-                    full = True                     # every block is referenced: stop caching, nothing breaks
-                    break
+                    break                           # every block is referenced: stop caching, nothing breaks
                 copies.append((i, block))
             if with_draft and i < done_draft and not self.blocks.has_draft[block]:
                 draft_copies.append((i, block))
@@ -319,9 +314,7 @@ class KVCacheManager:
         for _, block in draft_copies:
             self.blocks.has_draft[block] = True
         self._held_draft[rid] = self._draft_prefix(held, held_draft)
-        done_all = full or (len(held) >= min(done, len(keys))
-                            and self._held_draft[rid] >= min(done_draft, len(held)))
-        return done_all, len(copies) + len(draft_copies)
+        return len(copies) + len(draft_copies)
 
     def free(self, req: Request, cache: bool = True) -> None:
         """Release `req`'s slot and block references (idempotent); with `cache`, its computed full blocks go to the
