@@ -124,9 +124,66 @@ inline void dot8(const float* __restrict q, const T* __restrict k, float* __rest
 #endif
 }
 
-// acc[0:D] += Σ_k p[k] · v[k, 0:D], in key order, in registers.
+#ifdef __AVX512F__
+// The same scores as dot8, two keys to a 512-bit register: a block of 8 keys packed once per tile (pack8), then
+// one or two rows at a time against it (two rows: twice the FMA chains in flight). Lane l of key i still sums
+// q[d]·k[d] over d ≡ l (mod 8) in d order, and the lanes of a key are added by the same pairwise tree, so a
+// score has the same bits on either path.
+template <int D, typename T>
+inline void pack8(const T* __restrict k, float* __restrict dst) {
+  for (int j = 0; j < 4; ++j)
+    for (int c = 0; c < D / 8; ++c)
+      _mm512_store_ps(dst + (j * (D / 8) + c) * 16,
+                      _mm512_insertf32x8(_mm512_castps256_ps512(load8(k + (2 * j) * D + 8 * c)),
+                                         load8(k + (2 * j + 1) * D + 8 * c), 1));
+}
+
+// vhaddps within each 128-bit lane: [a0+a1, a2+a3, b0+b1, b2+b3]
+inline __m512 hadd512(__m512 a, __m512 b) {
+  return _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x88), _mm512_shuffle_ps(a, b, 0xDD));
+}
+
+// acc j holds keys 2j (low 256 bits) and 2j + 1 (high): per key ((l0+l1)+(l2+l3)) + ((l4+l5)+(l6+l7)), as dot8
+inline void store_scores(const __m512* a, float* out) {
+  __m512 u = hadd512(hadd512(a[0], a[1]), hadd512(a[2], a[3]));
+  __m512 v = _mm512_add_ps(u, _mm512_shuffle_f32x4(u, u, 0xB1));
+  __m512 order = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 0, 0, 0, 0, 0, 0, 0, 0), v);
+  _mm256_storeu_ps(out, _mm512_castps512_ps256(order));
+}
+
+template <int D, int R>
+inline void dot8_packed(const float* const* q, const float* __restrict packed, float* const* out) {
+  __m512 a[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) a[r][j] = _mm512_setzero_ps();
+  for (int c = 0; c < D / 8; ++c) {
+    __m512 qq[R];
+    for (int r = 0; r < R; ++r) qq[r] = _mm512_broadcast_f32x8(_mm256_loadu_ps(q[r] + 8 * c));
+    for (int j = 0; j < 4; ++j) {
+      __m512 kk = _mm512_load_ps(packed + (j * (D / 8) + c) * 16);
+      for (int r = 0; r < R; ++r) a[r][j] = _mm512_fmadd_ps(qq[r], kk, a[r][j]);
+    }
+  }
+  for (int r = 0; r < R; ++r) store_scores(a[r], out[r]);
+}
+#endif
+
+// acc[0:D] += Σ_k p[k] · v[k, 0:D], in key order, in registers (each lane d is one FMA chain over the keys,
+// whatever the vector width).
 template <int D, typename T>
 inline void accumulate(const float* __restrict p, const T* __restrict v, int n, float* __restrict acc) {
+#ifdef __AVX512F__
+  if constexpr (std::is_same_v<T, float> && D % 16 == 0) {
+    __m512 a[D / 16];
+    for (int i = 0; i < D / 16; ++i) a[i] = _mm512_loadu_ps(acc + i * 16);
+    for (int k = 0; k < n; ++k) {
+      __m512 pk = _mm512_set1_ps(p[k]);
+      for (int i = 0; i < D / 16; ++i) a[i] = _mm512_fmadd_ps(pk, _mm512_loadu_ps(v + k * D + i * 16), a[i]);
+    }
+    for (int i = 0; i < D / 16; ++i) _mm512_storeu_ps(acc + i * 16, a[i]);
+    return;
+  }
+#endif
 #ifdef __AVX2__
   __m256 a[D / 8];
   for (int i = 0; i < D / 8; ++i) a[i] = _mm256_loadu_ps(acc + i * 8);
@@ -139,6 +196,47 @@ inline void accumulate(const float* __restrict p, const T* __restrict v, int n, 
   for (int k = 0; k < n; ++k)
     for (int d = 0; d < D; ++d) acc[d] = std::fma(p[k], to_float(v[k * D + d]), acc[d]);
 #endif
+}
+
+// Two rows' accumulations over the same n values (rows of one tile): the same chains as two calls, twice as many
+// in flight (one row's D/16 chains leave the FMA units waiting on their latency).
+template <int D, typename T>
+inline void accumulate2(const float* __restrict p0, const float* __restrict p1, const T* __restrict v, int n,
+                        float* __restrict acc0, float* __restrict acc1) {
+#ifdef __AVX512F__
+  if constexpr (std::is_same_v<T, float> && D % 16 == 0) {
+    __m512 a[D / 16], b[D / 16];
+    for (int i = 0; i < D / 16; ++i) a[i] = _mm512_loadu_ps(acc0 + i * 16), b[i] = _mm512_loadu_ps(acc1 + i * 16);
+    for (int k = 0; k < n; ++k) {
+      __m512 pa = _mm512_set1_ps(p0[k]), pb = _mm512_set1_ps(p1[k]);
+      for (int i = 0; i < D / 16; ++i) {
+        __m512 vk = _mm512_loadu_ps(v + k * D + i * 16);
+        a[i] = _mm512_fmadd_ps(pa, vk, a[i]);
+        b[i] = _mm512_fmadd_ps(pb, vk, b[i]);
+      }
+    }
+    for (int i = 0; i < D / 16; ++i) _mm512_storeu_ps(acc0 + i * 16, a[i]), _mm512_storeu_ps(acc1 + i * 16, b[i]);
+    return;
+  }
+#endif
+  accumulate<D>(p0, v, n, acc0);
+  accumulate<D>(p1, v, n, acc1);
+}
+
+// n rows of D cache elements as float32 (half widened exactly, so arithmetic on the copy equals arithmetic on the
+// elements converted one by one).
+template <typename T>
+inline void widen(const T* __restrict src, int64_t n, float* __restrict dst) {
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(dst, src, n * sizeof(float));
+  } else {
+    int64_t i = 0;
+#ifdef __AVX512F__
+    for (; i + 16 <= n; i += 16)
+      _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
+#endif
+    for (; i < n; ++i) dst[i] = to_float(src[i]);
+  }
 }
 
 // GQA's rotary (rotary_interleaved = 0): x[i], x[i + D/2] rotated by the angle of (pos, i).
@@ -305,10 +403,47 @@ void attend_tile(const Step<T>& st, int64_t b, int64_t s0, int64_t count, int64_
       dot8<D>(&qbuf[r * D], tail, &scores[static_cast<size_t>(r) * stride + full]);
     }
   }
-  for (int k = k_begin; k < k_end; k += 8)
+  // Half keys are widened once per block for all the tile's rows (converting them row by row bound the loop).
+  // Rows that attend share their first key (see above): `first` is it.
+  int first = 0;
+  for (int r = 0; r < rows; ++r)
+    if (len[r]) first = lo[r];
+  alignas(64) float wide[kValueBlock * D];
+  for (int k = k_begin; k < k_end; k += 8) {
+#ifdef __AVX512F__
+    bool packed = false;
+    int pending = -1;                 // a row waiting for a partner
+    for (int r = 0; r < rows; ++r) {
+      if (k + 8 > len[r] / 8 * 8) continue;
+      if (!packed) pack8<D>(keys + static_cast<int64_t>(first + k) * D, wide), packed = true;
+      if (pending < 0) {
+        pending = r;
+        continue;
+      }
+      const float* q[2] = {&qbuf[pending * D], &qbuf[r * D]};
+      float* out[2] = {&scores[static_cast<size_t>(pending) * stride + k], &scores[static_cast<size_t>(r) * stride + k]};
+      dot8_packed<D, 2>(q, wide, out);
+      pending = -1;
+    }
+    if (pending >= 0) {
+      const float* q[1] = {&qbuf[pending * D]};
+      float* out[1] = {&scores[static_cast<size_t>(pending) * stride + k]};
+      dot8_packed<D, 1>(q, wide, out);
+    }
+#else
+    const float* block = nullptr;
     for (int r = 0; r < rows; ++r)
-      if (k + 8 <= len[r] / 8 * 8)
-        dot8<D>(&qbuf[r * D], keys + static_cast<int64_t>(lo[r] + k) * D, &scores[static_cast<size_t>(r) * stride + k]);
+      if (k + 8 <= len[r] / 8 * 8) {
+        if constexpr (std::is_same_v<T, float>) {
+          block = keys + static_cast<int64_t>(first + k) * D;
+        } else if (!block) {
+          widen(keys + static_cast<int64_t>(first + k) * D, 8 * D, wide);
+          block = wide;
+        }
+        dot8<D>(&qbuf[r * D], block, &scores[static_cast<size_t>(r) * stride + k]);
+      }
+#endif
+  }
   for (int r = 0; r < rows; ++r)
     for (int seg = seg0; seg < std::min(seg1, segments_of(len[r])); ++seg) {
       int from = seg * kSegment, n = std::min(kSegment, len[r] - from);
@@ -316,13 +451,30 @@ void attend_tile(const Step<T>& st, int64_t b, int64_t s0, int64_t count, int64_
       p.max[at] = softmax_unnormalised(&scores[static_cast<size_t>(r) * stride + from], n, &p.sum[at]);
     }
   // values: blocks of kValueBlock keys, each row adds its share in key order to its segment's sum
-  for (int k = k_begin; k < k_end; k += kValueBlock)
+  // (widened once per block as the keys are; two rows at a time share each value load)
+  for (int k = k_begin; k < k_end; k += kValueBlock) {
+    const int span = std::min(kValueBlock, max_len - k);
+    const float* block = wide;
+    if constexpr (std::is_same_v<T, float>)
+      block = values + static_cast<int64_t>(first + k) * D;
+    else
+      widen(values + static_cast<int64_t>(first + k) * D, static_cast<int64_t>(span) * D, wide);
+    auto score = [&](int r) { return &scores[static_cast<size_t>(r) * stride + k]; };
+    auto acc = [&](int r) { return &p.acc[(static_cast<size_t>(row0 + r) * p.segs + k / kSegment) * D]; };
+    int pending = -1;                 // a row waiting for a partner with the same count
     for (int r = 0; r < rows; ++r) {
-      int to = std::min(k + kValueBlock, len[r]);
-      if (k < to)
-        accumulate<D>(&scores[static_cast<size_t>(r) * stride + k], values + static_cast<int64_t>(lo[r] + k) * D, to - k,
-                      &p.acc[(static_cast<size_t>(row0 + r) * p.segs + k / kSegment) * D]);
+      int n = std::min(k + kValueBlock, len[r]) - k;
+      if (n <= 0) continue;
+      if (pending >= 0 && std::min(k + kValueBlock, len[pending]) - k == n) {
+        accumulate2<D>(score(pending), score(r), block, n, acc(pending), acc(r));
+        pending = -1;
+      } else {
+        if (pending >= 0) accumulate<D>(score(pending), block, std::min(k + kValueBlock, len[pending]) - k, acc(pending));
+        pending = r;
+      }
     }
+    if (pending >= 0) accumulate<D>(score(pending), block, std::min(k + kValueBlock, len[pending]) - k, acc(pending));
+  }
 }
 
 // Phase 2 (most steps), one task per (b, heads_per_task heads, tile of query tokens): whole rows.
