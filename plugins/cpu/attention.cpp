@@ -297,6 +297,7 @@ void write_kv(void* user, size_t task) {
 constexpr int kTile = 8;        // query tokens per prefill task (× the heads sharing a KV head)
 constexpr int kValueBlock = 32; // keys whose values stay in L1 while every row of a tile takes them
 constexpr int kSegment = 128;   // keys per softmax segment (a multiple of kValueBlock)
+constexpr int kMinSharedRows = 4;    // rows of a task that make copying a block of keys or values as float32 pay
 constexpr int kMinGroupedTasks = 8;  // fewer (b, KV head, tile) tasks than this: one task per head, or split keys
 
 inline int segments_of(int len) { return (len + kSegment - 1) / kSegment; }
@@ -409,8 +410,17 @@ void attend_tile(const Step<T>& st, int64_t b, int64_t s0, int64_t count, int64_
   for (int r = 0; r < rows; ++r)
     if (len[r]) first = lo[r];
   alignas(64) float wide[kValueBlock * D];
+  // A decode task's few rows (the heads of one KV group) read each block once or twice: copying it first only
+  // adds to the reads, so they take it as it is (the same arithmetic either way).
+  const bool share = rows >= kMinSharedRows;
   for (int k = k_begin; k < k_end; k += 8) {
 #ifdef __AVX512F__
+    if (!share) {
+      for (int r = 0; r < rows; ++r)
+        if (k + 8 <= len[r] / 8 * 8)
+          dot8<D>(&qbuf[r * D], keys + static_cast<int64_t>(first + k) * D, &scores[static_cast<size_t>(r) * stride + k]);
+      continue;
+    }
     bool packed = false;
     int pending = -1;                 // a row waiting for a partner
     for (int r = 0; r < rows; ++r) {
@@ -454,6 +464,15 @@ void attend_tile(const Step<T>& st, int64_t b, int64_t s0, int64_t count, int64_
   // (widened once per block as the keys are; two rows at a time share each value load)
   for (int k = k_begin; k < k_end; k += kValueBlock) {
     const int span = std::min(kValueBlock, max_len - k);
+    if (!share && !std::is_same_v<T, float>) {
+      for (int r = 0; r < rows; ++r) {
+        int n = std::min(k + kValueBlock, len[r]) - k;
+        if (n > 0)
+          accumulate<D>(&scores[static_cast<size_t>(r) * stride + k], values + static_cast<int64_t>(first + k) * D, n,
+                        &p.acc[(static_cast<size_t>(row0 + r) * p.segs + k / kSegment) * D]);
+      }
+      continue;
+    }
     const float* block = wide;
     if constexpr (std::is_same_v<T, float>)
       block = values + static_cast<int64_t>(first + k) * D;
