@@ -226,14 +226,18 @@ inline void accumulate2(const float* __restrict p0, const float* __restrict p1, 
 // n rows of D cache elements as float32 (half widened exactly, so arithmetic on the copy equals arithmetic on the
 // elements converted one by one).
 template <typename T>
-inline void widen(const T* __restrict src, int64_t n, float* __restrict dst) {
+inline void widen(const T* __restrict src, int n, float* __restrict dst) {
   if constexpr (std::is_same_v<T, float>) {
     std::memcpy(dst, src, n * sizeof(float));
   } else {
-    int64_t i = 0;
+    int i = 0;
 #ifdef __AVX512F__
     for (; i + 16 <= n; i += 16)
       _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
+#endif
+#ifdef __F16C__
+    for (; i + 8 <= n; i += 8)
+      _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
 #endif
     for (; i < n; ++i) dst[i] = to_float(src[i]);
   }
@@ -477,7 +481,7 @@ void attend_tile(const Step<T>& st, int64_t b, int64_t s0, int64_t count, int64_
     if constexpr (std::is_same_v<T, float>)
       block = values + static_cast<int64_t>(first + k) * D;
     else
-      widen(values + static_cast<int64_t>(first + k) * D, static_cast<int64_t>(span) * D, wide);
+      widen(values + static_cast<int64_t>(first + k) * D, span * D, wide);
     auto score = [&](int r) { return &scores[static_cast<size_t>(r) * stride + k]; };
     auto acc = [&](int r) { return &p.acc[(static_cast<size_t>(row0 + r) * p.segs + k / kSegment) * D]; };
     int pending = -1;                 // a row waiting for a partner with the same count

@@ -1,0 +1,109 @@
+"""Two builds of our cpu kernels (the `runtime._native` op library) on one engine, interleaved in one process.
+
+For kernel work: keep a copy of the library before a change (`cp .venv/.../runtime/_native*.so /tmp/old.so`),
+rebuild (`pip install -e .`), then compare. Both builds load the same engine with the same threads; rounds
+alternate between them so the machine's drift hits both alike. Per round: a prompt of `--context` tokens from
+empty (prefill), a `--chunk`-token prompt chunk after it (a prefix-cache hit's or a chat turn's uncached tail),
+and decode steps at batch 1 and `--batch` at that context. Prints medians with the spread of the per-round
+new/old ratios, says whether the two builds' logits are bitwise equal, and writes JSON with `--json`.
+
+    python tools/bench_native.py engines/target --old /tmp/old.so --threads 1 --context 1400 --chunk 48
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from runtime import cpu_ops, model_runner  # noqa: E402
+
+
+def runner(engine: Path, library: str, threads: int) -> model_runner.ModelRunner:
+    """A ModelRunner whose session registers `library` as its op library, with `threads` intra-op threads."""
+    make_options, find_library = model_runner.session_options, cpu_ops.library
+
+    def options(*args, **kwargs):
+        so = make_options(*args, **kwargs)
+        so.intra_op_num_threads = threads
+        return so
+
+    model_runner.session_options, cpu_ops.library = options, (lambda: library)
+    try:
+        return model_runner.ModelRunner(engine)
+    finally:
+        model_runner.session_options, cpu_ops.library = make_options, find_library
+
+
+def measure(r: model_runner.ModelRunner, pool, ids: list[int], context: int, batch: int, steps: int) -> dict:
+    t = time.perf_counter()
+    prefill_logits = np.array(r.prefill(pool, 0, ids[:context], 0))
+    out = {"prefill_ms": (time.perf_counter() - t) * 1e3}
+    for slot in range(1, batch + 1):                  # the decode rows: slots 1..batch at `context`
+        r.prefill(pool, slot, ids[:context], 0)
+    times = []
+    for _ in range(3):
+        t = time.perf_counter()
+        chunk_logits = np.array(r.prefill(pool, 0, ids[context:], context))
+        times.append(time.perf_counter() - t)
+    out["chunk_ms"] = float(np.median(times)) * 1e3
+    for b in sorted({1, batch}):
+        times = []
+        for step in range(steps):
+            rows = [(slot, 7, context + step) for slot in range(1, b + 1)]
+            t = time.perf_counter()
+            r.decode(pool, rows, set())
+            times.append(time.perf_counter() - t)
+        out[f"decode_b{b}_ms"] = float(np.median(times)) * 1e3
+    out["_logits"] = (prefill_logits, chunk_logits)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("engine", type=Path)
+    ap.add_argument("--old", required=True, help="the other build of the op library (a copy of runtime/_native*.so)")
+    ap.add_argument("--new", default=None, help="default: this install's library")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--context", type=int, default=1400, help="prompt tokens prefilled from empty")
+    ap.add_argument("--chunk", type=int, default=48, help="tokens of the chunk computed after them")
+    ap.add_argument("--batch", type=int, default=4, help="decode batch besides batch 1")
+    ap.add_argument("--steps", type=int, default=10, help="decode steps a round, per batch size")
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    builds = {"old": args.old, "new": args.new or cpu_ops.library()}
+    runners = {name: runner(args.engine, lib, args.threads) for name, lib in builds.items()}
+    capacity = args.context + args.chunk + args.steps + 8
+    pools = {name: r.new_pool(args.batch + 1, capacity) for name, r in runners.items()}
+    ids = [int(t) for t in np.random.default_rng(0).integers(5, 8000, args.context + args.chunk)]
+    rounds: dict[str, list[dict]] = {name: [] for name in builds}
+    equal = True
+    for rnd in range(args.rounds):
+        order = list(builds) if rnd % 2 == 0 else list(builds)[::-1]
+        got = {name: measure(runners[name], pools[name], ids, args.context, args.batch, args.steps) for name in order}
+        equal &= all(np.array_equal(a, b) for a, b in zip(got["old"].pop("_logits"), got["new"].pop("_logits")))
+        for name in builds:
+            rounds[name].append(got[name])
+    summary = {}
+    print(f"{args.engine}, {args.threads} thread(s), context {args.context}, chunk {args.chunk}, {args.rounds} rounds")
+    for key in rounds["old"][0]:
+        old, new = np.array([r[key] for r in rounds["old"]]), np.array([r[key] for r in rounds["new"]])
+        ratio = new / old
+        summary[key] = {"old": float(np.median(old)), "new": float(np.median(new)), "ratio": float(np.median(ratio)),
+                        "ratio_range": [float(ratio.min()), float(ratio.max())]}
+        print(f"{key:16s} old {np.median(old):8.2f}  new {np.median(new):8.2f}  new/old {np.median(ratio):.3f} "
+              f"[{ratio.min():.3f}-{ratio.max():.3f}]")
+    print("logits bitwise equal (prefill and chunk, every round):", equal)
+    if args.json:
+        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rounds": rounds,
+                                         "summary": summary, "bitwise_equal": bool(equal)}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
