@@ -303,7 +303,8 @@ def test_block_pool_populates_blocks_as_they_are_first_handed_out():
     layers = [(4, 64, "float32"), (4, 64, "float32"), (2, 64, "int8")]          # e.g. a target and a draft
     pool = BlockPool(layers, num_blocks=200, block_size=16)
     assert not hasattr(pool, "prefault") and sum(resident_count(m) for m in pool._maps) == 0
-    n = BlockPool.POPULATE_BLOCKS
+    n = pool.populate_blocks
+    assert 1 < n < pool.num_blocks // 2        # POPULATE_BYTES of these blocks: several chunks in the pool
 
     def resident_blocks():
         counts = set()
