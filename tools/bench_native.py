@@ -25,19 +25,13 @@ from runtime import cpu_ops, model_runner  # noqa: E402
 
 
 def runner(engine: Path, library: str, threads: int) -> model_runner.ModelRunner:
-    """A ModelRunner whose session registers `library` as its op library, with `threads` intra-op threads."""
-    make_options, find_library = model_runner.session_options, cpu_ops.library
-
-    def options(*args, **kwargs):
-        so = make_options(*args, **kwargs)
-        so.intra_op_num_threads = threads
-        return so
-
-    model_runner.session_options, cpu_ops.library = options, (lambda: library)
+    """A ModelRunner whose session registers `library` as its op library."""
+    find_library = cpu_ops.library
+    cpu_ops.library = lambda: library
     try:
-        return model_runner.ModelRunner(engine)
+        return model_runner.ModelRunner(engine, threads=threads)
     finally:
-        model_runner.session_options, cpu_ops.library = make_options, find_library
+        cpu_ops.library = find_library
 
 
 def measure(r: model_runner.ModelRunner, pool, ids: list[int], context: int, batch: int, steps: int) -> dict:

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_serve import TEXT, free_port, start  # noqa: E402
+from bench_serve import TEXT, free_port, openai_client, start  # noqa: E402
 
 POLICIES = ("prefix", "round-robin")
 
@@ -69,15 +69,7 @@ async def user(client, messages: list[str], think_s: float, max_tokens: int, rng
 
 
 async def run_workload(url: str, args, seed: int) -> dict:
-    from openai import AsyncOpenAI
-
-    import httpx
-    from openai import DefaultAsyncHttpxClient
-
-    # Pooled connections are dropped after 1 s idle, before the server's keep-alive (uvicorn: 5 s) closes them: a
-    # request sent on a connection the server is closing fails with a read error (a run lost one that way).
-    http = DefaultAsyncHttpxClient(limits=httpx.Limits(max_connections=1000, keepalive_expiry=1.0))
-    client = AsyncOpenAI(base_url=url, api_key="none", max_retries=0, timeout=600, http_client=http)
+    client = openai_client(url)
     messages = workload(args.users, args.turns, args.system_chars, args.context_chars, seed)
     think = args.users / args.rate            # each user's mean think time: the whole fleet arrives at `rate`/s
     out: list[dict] = []

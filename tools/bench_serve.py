@@ -118,18 +118,20 @@ async def prefix_case(client, model: str, prompt: str, max_tokens: int, tag: str
     return {"cold_ttft_ms": cold.ttft * 1e3, "warm_ttft_ms": warm.ttft * 1e3, "warm_cached_tokens": warm.cached}
 
 
-async def measure(name: str, url: str, args, rnd: int) -> dict:
-    from openai import AsyncOpenAI
-
+def openai_client(url: str):
+    """The `openai` client as a benchmark uses it: no retries, long timeout, pooled connections dropped after 1 s
+    idle — servers close an idle keep-alive connection after 5 s (llama-server's cpp-httplib, uvicorn), and a
+    request sent on one the server has just closed fails ("Server disconnected", a read error)."""
     import httpx
-    from openai import DefaultAsyncHttpxClient
+    from openai import AsyncOpenAI, DefaultAsyncHttpxClient
 
-    # Pooled connections are dropped after 1 s idle: llama-server (cpp-httplib) closes a keep-alive connection
-    # after 5 s idle, and a request sent on one it has just closed fails ("Server disconnected") — after a burst
-    # of 8 streams some of their connections sit idle that long before the prefix case reuses them.
     http = DefaultAsyncHttpxClient(limits=httpx.Limits(max_connections=1000, keepalive_expiry=1.0))
-    client = AsyncOpenAI(base_url=url, api_key=os.environ.get("OPENAI_API_KEY", "none"), max_retries=0, timeout=600,
-                         http_client=http)
+    return AsyncOpenAI(base_url=url, api_key=os.environ.get("OPENAI_API_KEY", "none"), max_retries=0, timeout=600,
+                       http_client=http)
+
+
+async def measure(name: str, url: str, args, rnd: int) -> dict:
+    client = openai_client(url)
     model = (await client.models.list()).data[0].id
     text = TEXT.read_text()
     n_chars = int(args.prompt_tokens * CHARS_PER_TOKEN)

@@ -168,79 +168,83 @@ inline void dot8_packed(const float* const* q, const float* __restrict packed, f
 }
 #endif
 
-// acc[0:D] += Σ_k p[k] · v[k, 0:D], in key order, in registers (each lane d is one FMA chain over the keys,
-// whatever the vector width).
-template <int D, typename T>
-inline void accumulate(const float* __restrict p, const T* __restrict v, int n, float* __restrict acc) {
+// acc_r[0:D] += Σ_k p_r[k] · v[k, 0:D] for R rows over the same n values, in key order, in registers: each lane d
+// of a row is one FMA chain over the keys whatever the vector width, so a row's sums do not depend on R or on the
+// path. Two rows keep twice the chains in flight (one row's D/16 leave the FMA units waiting on their latency).
+template <int D, int R, typename T>
+inline void accumulate(const float* const* p, const T* __restrict v, int n, float* const* acc) {
 #ifdef __AVX512F__
   if constexpr (std::is_same_v<T, float> && D % 16 == 0) {
-    __m512 a[D / 16];
-    for (int i = 0; i < D / 16; ++i) a[i] = _mm512_loadu_ps(acc + i * 16);
+    __m512 a[R][D / 16];
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < D / 16; ++i) a[r][i] = _mm512_loadu_ps(acc[r] + i * 16);
     for (int k = 0; k < n; ++k) {
-      __m512 pk = _mm512_set1_ps(p[k]);
-      for (int i = 0; i < D / 16; ++i) a[i] = _mm512_fmadd_ps(pk, _mm512_loadu_ps(v + k * D + i * 16), a[i]);
-    }
-    for (int i = 0; i < D / 16; ++i) _mm512_storeu_ps(acc + i * 16, a[i]);
-    return;
-  }
-#endif
-#ifdef __AVX2__
-  __m256 a[D / 8];
-  for (int i = 0; i < D / 8; ++i) a[i] = _mm256_loadu_ps(acc + i * 8);
-  for (int k = 0; k < n; ++k) {
-    __m256 pk = _mm256_set1_ps(p[k]);
-    for (int i = 0; i < D / 8; ++i) a[i] = _mm256_fmadd_ps(pk, load8(v + k * D + i * 8), a[i]);
-  }
-  for (int i = 0; i < D / 8; ++i) _mm256_storeu_ps(acc + i * 8, a[i]);
-#else
-  for (int k = 0; k < n; ++k)
-    for (int d = 0; d < D; ++d) acc[d] = std::fma(p[k], to_float(v[k * D + d]), acc[d]);
-#endif
-}
-
-// Two rows' accumulations over the same n values (rows of one tile): the same chains as two calls, twice as many
-// in flight (one row's D/16 chains leave the FMA units waiting on their latency).
-template <int D, typename T>
-inline void accumulate2(const float* __restrict p0, const float* __restrict p1, const T* __restrict v, int n,
-                        float* __restrict acc0, float* __restrict acc1) {
-#ifdef __AVX512F__
-  if constexpr (std::is_same_v<T, float> && D % 16 == 0) {
-    __m512 a[D / 16], b[D / 16];
-    for (int i = 0; i < D / 16; ++i) a[i] = _mm512_loadu_ps(acc0 + i * 16), b[i] = _mm512_loadu_ps(acc1 + i * 16);
-    for (int k = 0; k < n; ++k) {
-      __m512 pa = _mm512_set1_ps(p0[k]), pb = _mm512_set1_ps(p1[k]);
+      __m512 pk[R];
+      for (int r = 0; r < R; ++r) pk[r] = _mm512_set1_ps(p[r][k]);
       for (int i = 0; i < D / 16; ++i) {
         __m512 vk = _mm512_loadu_ps(v + k * D + i * 16);
-        a[i] = _mm512_fmadd_ps(pa, vk, a[i]);
-        b[i] = _mm512_fmadd_ps(pb, vk, b[i]);
+        for (int r = 0; r < R; ++r) a[r][i] = _mm512_fmadd_ps(pk[r], vk, a[r][i]);
       }
     }
-    for (int i = 0; i < D / 16; ++i) _mm512_storeu_ps(acc0 + i * 16, a[i]), _mm512_storeu_ps(acc1 + i * 16, b[i]);
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < D / 16; ++i) _mm512_storeu_ps(acc[r] + i * 16, a[r][i]);
     return;
   }
 #endif
-  accumulate<D>(p0, v, n, acc0);
-  accumulate<D>(p1, v, n, acc1);
+  for (int r = 0; r < R; ++r) {
+#ifdef __AVX2__
+    __m256 a[D / 8];
+    for (int i = 0; i < D / 8; ++i) a[i] = _mm256_loadu_ps(acc[r] + i * 8);
+    for (int k = 0; k < n; ++k) {
+      __m256 pk = _mm256_set1_ps(p[r][k]);
+      for (int i = 0; i < D / 8; ++i) a[i] = _mm256_fmadd_ps(pk, load8(v + k * D + i * 8), a[i]);
+    }
+    for (int i = 0; i < D / 8; ++i) _mm256_storeu_ps(acc[r] + i * 8, a[i]);
+#else
+    for (int k = 0; k < n; ++k)
+      for (int d = 0; d < D; ++d) acc[r][d] = std::fma(p[r][k], to_float(v[k * D + d]), acc[r][d]);
+#endif
+  }
 }
 
-// n rows of D cache elements as float32 (half widened exactly, so arithmetic on the copy equals arithmetic on the
-// elements converted one by one).
+// n cache elements as float32: float ones as they are, half ones widened into `buf` (exactly, so arithmetic on
+// the copy equals arithmetic on the elements converted one by one).
 template <typename T>
-inline void widen(const T* __restrict src, int n, float* __restrict dst) {
+inline const float* as_float(const T* __restrict src, int n, float* __restrict buf) {
   if constexpr (std::is_same_v<T, float>) {
-    std::memcpy(dst, src, n * sizeof(float));
+    return src;
   } else {
     int i = 0;
 #ifdef __AVX512F__
     for (; i + 16 <= n; i += 16)
-      _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
+      _mm512_storeu_ps(buf + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
 #endif
 #ifdef __F16C__
     for (; i + 8 <= n; i += 8)
-      _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+      _mm256_storeu_ps(buf + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
 #endif
-    for (; i < n; ++i) dst[i] = to_float(src[i]);
+    for (; i < n; ++i) buf[i] = to_float(src[i]);
+    return buf;
   }
+}
+
+// one(r) or two(r0, r1) for each row r < rows that `takes`, two consecutive ones together where `pair` allows.
+template <class Takes, class Pair, class One, class Two>
+inline void in_pairs(int rows, Takes takes, Pair pair, One one, Two two) {
+  int pending = -1;
+  for (int r = 0; r < rows; ++r) {
+    if (!takes(r)) continue;
+    if (pending < 0) {
+      pending = r;
+    } else if (pair(pending, r)) {
+      two(pending, r);
+      pending = -1;
+    } else {
+      one(pending);
+      pending = r;
+    }
+  }
+  if (pending >= 0) one(pending);
 }
 
 // GQA's rotary (rotary_interleaved = 0): x[i], x[i + D/2] rotated by the angle of (pos, i).
@@ -408,54 +412,42 @@ void attend_tile(const Step<T>& st, int64_t b, int64_t s0, int64_t count, int64_
       dot8<D>(&qbuf[r * D], tail, &scores[static_cast<size_t>(r) * stride + full]);
     }
   }
-  // Half keys are widened once per block for all the tile's rows (converting them row by row bound the loop).
-  // Rows that attend share their first key (see above): `first` is it.
+  // Half keys and values are widened once per block for all the tile's rows (converting them row by row bound the
+  // loops), unless the rows are few: a decode task's (the heads of one KV group) read each block once or twice,
+  // so a copy only adds to the reads and they take the cache as it is (the same arithmetic either way). Rows that
+  // attend share their first key (see above): `first` is it.
   int first = 0;
   for (int r = 0; r < rows; ++r)
     if (len[r]) first = lo[r];
-  alignas(64) float wide[kValueBlock * D];
-  // A decode task's few rows (the heads of one KV group) read each block once or twice: copying it first only
-  // adds to the reads, so they take it as it is (the same arithmetic either way).
   const bool share = rows >= kMinSharedRows;
+  alignas(64) float wide[kValueBlock * D];
   for (int k = k_begin; k < k_end; k += 8) {
-#ifdef __AVX512F__
+    const T* block = keys + static_cast<int64_t>(first + k) * D;
+    auto covers = [&](int r) { return k + 8 <= len[r] / 8 * 8; };
+    auto out = [&](int r) { return &scores[static_cast<size_t>(r) * stride + k]; };
     if (!share) {
       for (int r = 0; r < rows; ++r)
-        if (k + 8 <= len[r] / 8 * 8)
-          dot8<D>(&qbuf[r * D], keys + static_cast<int64_t>(first + k) * D, &scores[static_cast<size_t>(r) * stride + k]);
+        if (covers(r)) dot8<D>(&qbuf[r * D], block, out(r));
       continue;
     }
-    bool packed = false;
-    int pending = -1;                 // a row waiting for a partner
-    for (int r = 0; r < rows; ++r) {
-      if (k + 8 > len[r] / 8 * 8) continue;
-      if (!packed) pack8<D>(keys + static_cast<int64_t>(first + k) * D, wide), packed = true;
-      if (pending < 0) {
-        pending = r;
-        continue;
-      }
-      const float* q[2] = {&qbuf[pending * D], &qbuf[r * D]};
-      float* out[2] = {&scores[static_cast<size_t>(pending) * stride + k], &scores[static_cast<size_t>(r) * stride + k]};
-      dot8_packed<D, 2>(q, wide, out);
-      pending = -1;
-    }
-    if (pending >= 0) {
-      const float* q[1] = {&qbuf[pending * D]};
-      float* out[1] = {&scores[static_cast<size_t>(pending) * stride + k]};
-      dot8_packed<D, 1>(q, wide, out);
-    }
+    if (k + 8 > max_len / 8 * 8) continue;      // no row covers the block (its keys may run past the cache)
+#ifdef __AVX512F__
+    pack8<D>(block, wide);
+    in_pairs(rows, covers, [](int, int) { return true; },
+             [&](int r) {
+               const float* q[1] = {&qbuf[r * D]};
+               float* o[1] = {out(r)};
+               dot8_packed<D, 1>(q, wide, o);
+             },
+             [&](int r0, int r1) {
+               const float* q[2] = {&qbuf[r0 * D], &qbuf[r1 * D]};
+               float* o[2] = {out(r0), out(r1)};
+               dot8_packed<D, 2>(q, wide, o);
+             });
 #else
-    const float* block = nullptr;
+    const float* widened = as_float(block, 8 * D, wide);
     for (int r = 0; r < rows; ++r)
-      if (k + 8 <= len[r] / 8 * 8) {
-        if constexpr (std::is_same_v<T, float>) {
-          block = keys + static_cast<int64_t>(first + k) * D;
-        } else if (!block) {
-          widen(keys + static_cast<int64_t>(first + k) * D, 8 * D, wide);
-          block = wide;
-        }
-        dot8<D>(&qbuf[r * D], block, &scores[static_cast<size_t>(r) * stride + k]);
-      }
+      if (covers(r)) dot8<D>(&qbuf[r * D], widened, out(r));
 #endif
   }
   for (int r = 0; r < rows; ++r)
@@ -464,39 +456,31 @@ void attend_tile(const Step<T>& st, int64_t b, int64_t s0, int64_t count, int64_
       size_t at = static_cast<size_t>(row0 + r) * p.segs + seg;
       p.max[at] = softmax_unnormalised(&scores[static_cast<size_t>(r) * stride + from], n, &p.sum[at]);
     }
-  // values: blocks of kValueBlock keys, each row adds its share in key order to its segment's sum
-  // (widened once per block as the keys are; two rows at a time share each value load)
+  // values: blocks of kValueBlock keys, each row adds its share in key order to its segment's sum (rows of equal
+  // shares two at a time, sharing each value load)
   for (int k = k_begin; k < k_end; k += kValueBlock) {
-    const int span = std::min(kValueBlock, max_len - k);
-    if (!share && !std::is_same_v<T, float>) {
-      for (int r = 0; r < rows; ++r) {
-        int n = std::min(k + kValueBlock, len[r]) - k;
-        if (n > 0)
-          accumulate<D>(&scores[static_cast<size_t>(r) * stride + k], values + static_cast<int64_t>(first + k) * D, n,
-                        &p.acc[(static_cast<size_t>(row0 + r) * p.segs + k / kSegment) * D]);
-      }
+    auto count = [&](int r) { return std::min(k + kValueBlock, len[r]) - k; };
+    auto score = [&](int r) { return &scores[static_cast<size_t>(r) * stride + k]; };
+    auto sum = [&](int r) { return &p.acc[(static_cast<size_t>(row0 + r) * p.segs + k / kSegment) * D]; };
+    const T* block = values + static_cast<int64_t>(first + k) * D;
+    auto one = [&](const auto* v, int r) {
+      const float* s[1] = {score(r)};
+      float* a[1] = {sum(r)};
+      accumulate<D, 1>(s, v, count(r), a);
+    };
+    if (!share) {
+      for (int r = 0; r < rows; ++r)
+        if (count(r) > 0) one(block, r);
       continue;
     }
-    const float* block = wide;
-    if constexpr (std::is_same_v<T, float>)
-      block = values + static_cast<int64_t>(first + k) * D;
-    else
-      widen(values + static_cast<int64_t>(first + k) * D, span * D, wide);
-    auto score = [&](int r) { return &scores[static_cast<size_t>(r) * stride + k]; };
-    auto acc = [&](int r) { return &p.acc[(static_cast<size_t>(row0 + r) * p.segs + k / kSegment) * D]; };
-    int pending = -1;                 // a row waiting for a partner with the same count
-    for (int r = 0; r < rows; ++r) {
-      int n = std::min(k + kValueBlock, len[r]) - k;
-      if (n <= 0) continue;
-      if (pending >= 0 && std::min(k + kValueBlock, len[pending]) - k == n) {
-        accumulate2<D>(score(pending), score(r), block, n, acc(pending), acc(r));
-        pending = -1;
-      } else {
-        if (pending >= 0) accumulate<D>(score(pending), block, std::min(k + kValueBlock, len[pending]) - k, acc(pending));
-        pending = r;
-      }
-    }
-    if (pending >= 0) accumulate<D>(score(pending), block, std::min(k + kValueBlock, len[pending]) - k, acc(pending));
+    const float* widened = as_float(block, std::min(kValueBlock, max_len - k) * D, wide);
+    in_pairs(rows, [&](int r) { return count(r) > 0; }, [&](int r0, int r1) { return count(r0) == count(r1); },
+             [&](int r) { one(widened, r); },
+             [&](int r0, int r1) {
+               const float* s[2] = {score(r0), score(r1)};
+               float* a[2] = {sum(r0), sum(r1)};
+               accumulate<D, 2>(s, widened, count(r0), a);
+             });
   }
 }
 
