@@ -90,10 +90,14 @@ def test_readme_first_command_defaults(tmp_path):
     for _ in range(2):   # first run builds engines/target, second reuses it
         assert "speculation" not in generate().stderr
     assert (root / "engines" / "target" / "manifest.json").is_file() and not (root / "engines" / "draft").exists()
-    # (a penalty would turn speculation off; 64 tokens: adaptive speculation decides from measured step costs, and
-    # where it declines at first it still tries after 32 plans — 16 tokens left that to the machine's noise)
+    # `--speculation draft` builds the bundled draft and decodes with it beside the target: greedy (a penalty would
+    # turn speculation off), the text is the plain run's, token for token. Whether a step guesses is adaptive
+    # speculation's choice from measured step costs (on this machine it often declines, README: Performance), so
+    # a count of guesses is not asserted: with 16 and then 64 tokens it was the machine's noise in clean-clone CI.
+    plain = generate("--repetition-penalty", "1", max_tokens=64)
     spec = generate("--speculation", "draft", "--repetition-penalty", "1", max_tokens=64)
-    assert "speculation" in spec.stderr and (root / "engines" / "draft" / "manifest.json").is_file()
+    assert (root / "engines" / "draft" / "manifest.json").is_file() and "building the bundled draft" in spec.stderr
+    assert spec.stdout == plain.stdout
 
 
 def test_seeded_sampling_is_reproducible_with_the_bundled_pair(bundled):
