@@ -48,6 +48,21 @@ def test_the_longest_held_prefix_wins_and_a_shared_one_goes_to_its_least_loaded_
     assert policy.choose(other, {"a": 0, "b": 0, "c": 1}, 8)[0] == [["a", "c"], ["b"]]
 
 
+def test_users_behind_one_system_prompt_spread_over_equally_loaded_replicas():
+    policy = PrefixAffinity()
+    system = list(range(1000, 1000 + 160))              # 10 blocks every user's prompt starts with
+    policy.record(prefix_keys(system, 16), "a")         # both replicas hold the system prompt
+    policy.record(prefix_keys(system, 16), "b")
+    firsts = {"a": 0, "b": 0}
+    for user in range(200):
+        keys = prefix_keys(system + [user % 97, user // 97] * 24, 16)
+        ranks, why = policy.choose(keys, {"a": 0, "b": 0}, saturated_at=8)
+        assert why == "prefix match (10 blocks)" and sorted(ranks[0]) == ["a", "b"]
+        firsts[ranks[0][0]] += 1
+        assert policy.choose(keys, {"a": 0, "b": 0}, 8)[0][0][0] == ranks[0][0]     # the same prompt, the same one
+    assert 70 <= firsts["a"] <= 130, firsts             # binomial(200, 1/2): outside this once in ~10^4
+
+
 def test_the_owner_map_is_bounded_and_forgets_the_least_recent():
     policy = PrefixAffinity(capacity=10)
     for i in range(8):
