@@ -349,8 +349,10 @@ class KVCacheManager:
                 continue
             n, idx = len(use) * self.block_size, np.asarray(use)
             for src, dst in ((self.blocks.keys[j], pool.keys[layer]), (self.blocks.values[j], pool.values[layer])):
-                gathered = src[idx]                                          # [nb, kvh, bs, hd]
-                dst[slot, :, :n, :] = gathered.transpose(1, 0, 2, 3).reshape(gathered.shape[1], n, -1)
+                rows = dst[slot, :, :n, :]                                   # [kvh, n, hd]
+                # the slot's rows as blocks (a view): the gathered blocks land in one strided copy (a reshape of the
+                # transposed gather was one more pass over the whole prefix)
+                rows.reshape(rows.shape[0], len(use), self.block_size, -1)[...] = src[idx].transpose(1, 0, 2, 3)
 
     def _copy_out(self, slot: int, copies: list[tuple[int, int]], layers: list, layer_offset: int = 0) -> None:
         """Rows of `slot` → cache blocks, for (block position, cache block) pairs, in the given (pool, layer)s
