@@ -17,8 +17,6 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-import numpy as np
-
 from .memory import ReservedArray
 
 
@@ -29,7 +27,7 @@ class BlockPool:
         self.keys = [m.array for m in self._maps[:len(layer_shapes)]]      # [blocks, kvh, bs, hd]
         self.values = [m.array for m in self._maps[len(layer_shapes):]]    # [blocks, kvh, bs, hd]
         self._populated = 0                # blocks [0, _populated) are resident
-        block_bytes = 2 * sum(h * block_size * d * np.dtype(t).itemsize for h, d, t in layer_shapes)
+        block_bytes = sum(m.array.strides[0] for m in self._maps)        # one block in every layer, K and V
         self.populate_blocks = max(1, self.POPULATE_BYTES // max(1, block_bytes))
         self.num_blocks, self.block_size = num_blocks, block_size
         self.ref = [0] * num_blocks
