@@ -212,6 +212,10 @@ def _models(values: tuple[str, ...]) -> dict[str, Path]:
 @click.option("--max-model-len", type=int, default=None, help="Context per sequence [default: the engine's].")
 @click.option("--kv-budget-mib", type=int, default=None, help="KV memory resident at most: running sequences' tokens + the prefix cache (30 %) [default: 25% of RAM, ≤ 8 GiB].")
 @click.option("--no-prefix-cache", is_flag=True, help="Disable automatic prefix caching.")
+@click.option("--retained-slots", type=click.IntRange(0), default=32, show_default=True,
+              help="Finished sequences whose KV stays in place, beyond --max-num-seqs, so that a follow-up extending "
+                   "one (a chat's next turn) computes only its new tokens; their memory is given back first when "
+                   "running sequences or the prefix cache want it.")
 @click.option("--threads", type=click.IntRange(1), default=None, show_default="min(2, cores)",
               help="ONNX Runtime intra-op threads.")
 @click.option("--spin/--no-spin", default=True, show_default=True,
@@ -268,7 +272,8 @@ def _models(values: tuple[str, ...]) -> dict[str, Path]:
 def serve(engine: Path | None, draft: Path | None, speculation: str, host: str, grpc_port: int, http_port: int,
           max_num_seqs: int, max_waiting: int, token_budget: int, prefill_chunk: int, mixed_step_ratio: float,
           max_model_len: int | None,
-          kv_budget_mib: int | None, no_prefix_cache: bool, threads: int | None, spin: bool, api_key: str | None,
+          kv_budget_mib: int | None, no_prefix_cache: bool, retained_slots: int, threads: int | None, spin: bool,
+          api_key: str | None,
           tls_cert: Path | None, tls_key: Path | None, served_model_name: str | None, request_timeout: float,
           max_body_bytes: int, max_tokens_limit: int | None, grace: float, priority_floor: int,
           priority_keys: tuple[str, ...], tenants_file: Path | None, otlp_endpoint: str | None,
@@ -294,7 +299,8 @@ def serve(engine: Path | None, draft: Path | None, speculation: str, host: str, 
         draft_path, method = _speculation(draft, speculation)
         econf = EngineConfig(SchedulerConfig(max_num_seqs, token_budget, prefill_chunk, max_waiting, mixed_step_ratio),
                              CacheConfig(max_model_len=max_model_len, enable_prefix_cache=not no_prefix_cache,
-                                         kv_budget_bytes=kv_budget_mib << 20 if kv_budget_mib else None),
+                                         kv_budget_bytes=kv_budget_mib << 20 if kv_budget_mib else None,
+                                         retained_slots=retained_slots),
                              threads=threads, spin=spin, draft=draft_path, speculation=method)
         sconf = ServerConfig(host, grpc_port, http_port, api_key, tls_cert, tls_key, served_model_name, request_timeout,
                              max_body_bytes, None, max_tokens_limit, grace, priority_floor,

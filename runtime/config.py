@@ -51,8 +51,9 @@ class CacheConfig:
                                       # (cuda engines: 85 % of free device memory less the weights, via libqs_cuda)
     prefix_cache_fraction: float = 0.3  # of the budget, for cached blocks
     enable_prefix_cache: bool = True
-    retained_slots: int = 4           # finished sequences whose slots keep their KV for a follow-up that extends
-                                      # them (next chat turn): no copy, no recomputed partial block; given back first
+    retained_slots: int = 32          # finished sequences whose slots keep their KV for a follow-up that extends
+                                      # them (next chat turn): no copy, no recomputed partial block. Slots beyond
+                                      # max_num_seqs; their memory is given back first whenever it is wanted
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -191,15 +191,13 @@ class ModelRunner:
         self.session.run_with_iobinding(io)
         return self._logits[:n]
 
-    def decode(self, pool: SlotPool, rows: list[tuple[int, int, int]], busy: set[int],
-               scratch: dict[int, int] | None = None) -> np.ndarray:
+    def decode(self, pool: SlotPool, rows: list[tuple[int, int, int]], fenced: set[int]) -> np.ndarray:
         """One new token for each of several sequences, batched by contiguous slot range.
 
         Args:
             rows: (slot, token id, position) per sequence; the position is the token's index in its sequence.
-            busy: slots of other live sequences, which a batch must not span (a spanned free slot only gets a
-                dummy row, whose KV write lands in memory nobody reads).
-            scratch: free slots holding retained KV → the row their dummy may write (past what they hold).
+            fenced: slots a batch must not span (KVCacheManager.fenced_slots); a spanned slot gets a dummy row at
+                position 0, whose KV write lands in memory nobody reads.
         Returns:
             logits [len(rows), vocab] in the order of `rows` (a fresh array).
         """
@@ -208,7 +206,7 @@ class ModelRunner:
         groups: list[list[int]] = []
         for i in order:
             slot = rows[i][0]
-            if groups and not any(s in busy for s in range(rows[groups[-1][-1]][0] + 1, slot)):
+            if groups and not any(s in fenced for s in range(rows[groups[-1][-1]][0] + 1, slot)):
                 groups[-1].append(i)
             else:
                 groups.append([i])
@@ -216,9 +214,6 @@ class ModelRunner:
             lo = rows[group[0]][0]
             width = rows[group[-1]][0] - lo + 1
             ids, seqlens = np.zeros((width, 1), np.int64), np.zeros(width, np.int32)
-            for slot, row in (scratch or {}).items():
-                if lo < slot < lo + width:
-                    seqlens[slot - lo] = row
             for i in group:
                 slot, token, pos = rows[i]
                 ids[slot - lo, 0], seqlens[slot - lo] = token, pos

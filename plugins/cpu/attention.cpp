@@ -302,7 +302,7 @@ void write_kv(void* user, size_t task) {
   }
 }
 
-constexpr int kTile = 8;        // query tokens per prefill task (× the heads sharing a KV head)
+constexpr int kTile = 16;       // query tokens per prefill task (× the heads sharing a KV head)
 constexpr int kValueBlock = 32; // keys whose values stay in L1 while every row of a tile takes them
 constexpr int kSegment = 128;   // keys per softmax segment (a multiple of kValueBlock)
 constexpr int kMinSharedRows = 4;    // rows of a task that make copying a block of keys or values as float32 pay

@@ -47,13 +47,16 @@ class CpuBackend:
             check_same_tokenizer(self.runner, self.draft)
         self.max_model_len = context_length(config, self.runner, self.draft)
         self.kv = self._make_kv(config)
+        self.max_num_seqs = config.scheduler.max_num_seqs
         self.cost = CostModel()
         self.proposer = make_proposer(config, lambda: DraftModelProposer(self.draft, self.kv, sampler))
         self._max_gamma = config.spec.max_gamma
 
     def _make_kv(self, config: EngineConfig) -> KVCacheManager:
-        """Slots for max_num_seqs sequences of the full context are only address space; the budget bounds the
-        tokens resident in them (and the prefix cache's blocks, a fixed share of it)."""
+        """Slots for max_num_seqs running sequences and `retained_slots` finished ones of the full context are only
+        address space; the budget bounds the tokens resident in them (and the prefix cache's blocks, a fixed share
+        of it). Retained slots are a cache on top of the running ones, so keeping a chat's KV between its turns
+        never takes a running sequence's place."""
         c = config.cache
         layouts = [self.runner.kv_layout] + ([self.draft.kv_layout] if self.draft is not None else [])
         token_bytes = sum(m.token_bytes for m in layouts)
@@ -63,9 +66,9 @@ class CpuBackend:
             raise ValueError(f"KV budget {budget / 2**20:.0f} MiB cannot hold one sequence of {self.max_model_len} "
                              "tokens; raise the budget or lower max_model_len")
         num_blocks = int(budget * c.prefix_cache_fraction // (token_bytes * c.block_size)) if c.enable_prefix_cache else 0
-        return KVCacheManager(layouts, config.scheduler.max_num_seqs, self.max_model_len, num_blocks, c.block_size,
-                              budget_tokens=slot_tokens,
-                              retained_slots=c.retained_slots if c.enable_prefix_cache else 0)
+        retained = c.retained_slots if c.enable_prefix_cache else 0
+        return KVCacheManager(layouts, config.scheduler.max_num_seqs + retained, self.max_model_len, num_blocks,
+                              c.block_size, budget_tokens=slot_tokens, retained_slots=retained)
 
     def run(self, inp: ModelInput) -> RunnerOutput:
         pool, logits = self.kv.slots, [None] * len(inp.seqs)
@@ -73,7 +76,7 @@ class CpuBackend:
         if decodes:
             t0 = time.perf_counter()
             rows = [(inp.seqs[i].req.slot, inp.seqs[i].tokens[0], inp.seqs[i].start) for i in decodes]
-            out = self.runner.decode(pool, rows, self.kv.busy_slots() - {r[0] for r in rows}, self.kv.scratch_rows())
+            out = self.runner.decode(pool, rows, self.kv.fenced_slots({r[0] for r in rows}))
             self.cost.record("dec", len(decodes), time.perf_counter() - t0)
             for i, row in zip(decodes, out):
                 logits[i] = row[None]
@@ -107,7 +110,7 @@ class CpuBackend:
         With speculation, also measure the step costs its decisions are based on. Runs in slots that are given
         back afterwards, so warm-up leaves no KV memory resident."""
         models = [(self.runner, self.kv.slots)] + ([(self.draft, self.kv.pools[1])] if self.draft else [])
-        sizes = [b for b in (1, 2, 4, 8, 16, 32) if b <= self.kv.num_slots] if self.proposer else [1]
+        sizes = [b for b in (1, 2, 4, 8, 16, 32) if b <= self.max_num_seqs] if self.proposer else [1]
         with self.kv.scratch_slots(max(sizes), 16 + self._max_gamma + 1):
             for runner, pool in models:
                 for n in (8, 1):

@@ -108,13 +108,15 @@ class KVCacheManager:
         cache, given back on demand, as the prefix cache's blocks are)."""
         return (self.resident_tokens - self.retained_tokens) / self.budget_tokens
 
-    def busy_slots(self) -> set[int]:
-        """Slots held by running sequences (a batched call must not write into them for another sequence)."""
-        return self._busy
+    def fenced_slots(self, own: set[int]) -> set[int]:
+        """Slots a batched call over the slots `own` must not span: other running sequences' (a spanned slot gets a
+        dummy row, whose KV write would land in their rows) and retained ones (the dummy would overwrite a row they
+        keep, or, written past them, attend over all of it: with many retained chats a decode of two streams
+        spanned dozens of those)."""
+        return (self._busy - own) | self._retained.keys()
 
-    def scratch_rows(self) -> dict[int, int]:
-        """Free slots whose leading rows hold retained KV → the first row a batched call spanning them may scribble
-        on (a spanned free slot gets a dummy row; elsewhere it goes to row 0)."""
+    def retained_rows(self) -> dict[int, int]:
+        """Retained slots → the tokens their KV holds."""
         return {slot: len(ids) for slot, (ids, _) in self._retained.items()}
 
     @property

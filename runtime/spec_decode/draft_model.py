@@ -55,8 +55,7 @@ class DraftModelProposer:
         return logits[0]
 
     def propose(self, reqs: list[Request], gammas: list[int]) -> list[Proposal]:
-        busy = self.kv.busy_slots() - {r.slot for r in reqs}     # batches of guesses must not span these
-        scratch = self.kv.scratch_rows()
+        fenced = self.kv.fenced_slots({r.slot for r in reqs})    # batches of guesses must not span these
         tokens: list[list[int]] = [[] for _ in reqs]
         probs: list[list[np.ndarray]] = [[] for _ in reqs]
         # First guess: sequences behind by several tokens catch up in a chunk, the rest in one batch.
@@ -68,7 +67,7 @@ class DraftModelProposer:
                 probs[i].append(q)
         if single:
             rows = [(reqs[i].slot, reqs[i].last_token, reqs[i].num_tokens - 1) for i in single]
-            for i, row in zip(single, self.runner.decode(self.pool, rows, busy, scratch)):
+            for i, row in zip(single, self.runner.decode(self.pool, rows, fenced)):
                 reqs[i].num_computed_draft = reqs[i].num_tokens
                 t, q = choose(row, reqs[i], self.sampler, reqs[i].num_tokens)
                 tokens[i].append(t)
@@ -79,7 +78,7 @@ class DraftModelProposer:
             if not active:
                 break
             rows = [(reqs[i].slot, tokens[i][-1], reqs[i].num_tokens + k - 1) for i in active]
-            for i, row in zip(active, self.runner.decode(self.pool, rows, busy, scratch)):
+            for i, row in zip(active, self.runner.decode(self.pool, rows, fenced)):
                 reqs[i].num_computed_draft += 1
                 t, q = choose(row, reqs[i], self.sampler, reqs[i].num_tokens + k)
                 tokens[i].append(t)

@@ -83,7 +83,7 @@ def assert_no_leaks(engine):
     assert engine.kv.num_free_slots == engine.kv.num_slots
     assert engine.kv.blocks.num_in_use == 0 and all(r == 0 for r in engine.kv.blocks.ref)
     if hasattr(engine.kv, "pools"):
-        kept = engine.kv.scratch_rows()
+        kept = engine.kv.retained_rows()
         assert len(kept) <= engine.kv.max_retained
         assert engine.kv.resident_tokens == sum(engine.kv.pools[0].resident_tokens(s) for s in kept)
         for pool in engine.kv.pools:
@@ -127,8 +127,8 @@ def test_prefix_cache_hit_equals_miss(engine, kv_cache):
 
 def test_retained_slot_serves_a_follow_up_exactly(engine):
     """A finished sequence's slot keeps its KV: a prompt sharing its first tokens (not a whole number of blocks)
-    starts after them in that slot, while the decodes of its neighbours, batched across the free slot, leave its
-    rows alone; every output is the cold engine's, bit for bit."""
+    starts after them in that slot, while the decodes of its neighbours on either side (fenced off from it) leave
+    its rows alone; every output is the cold engine's, bit for bit."""
     base = prompts(1, seed=21)[0]
     shared = base + base[:7] + [5, 6, 7]
     assert len(shared) % 16
@@ -142,6 +142,26 @@ def test_retained_slot_serves_a_follow_up_exactly(engine):
         assert_same_greedy(h, run_all(cold, [item])[0])
     assert hot[3]["usage"].cached_tokens == len(shared)          # the retained slot, past the last full block
     assert hot[1]["usage"].cached_tokens == 0
+    assert_no_leaks(warm)
+
+
+def test_retained_slots_are_kept_beside_running_sequences(engine):
+    """Retained slots come on top of max_num_seqs: three conversations' first turns, then a batch of unrelated
+    prompts filling every running place, and each conversation's next turn still finds its whole history in its
+    slot (every computed token, not just whole blocks), with the cold engine's output bit for bit."""
+    turn = SamplingParams(max_tokens=9, logprobs=2, ignore_eos=True)
+    firsts = [(p, turn) for p in prompts(3, seed=31)]
+    warm = make(engine("llama"), max_num_seqs=2, cache=CacheConfig(kv_budget_bytes=32 << 20, retained_slots=5))
+    assert warm.kv.num_slots == 2 + 5
+    answers = [run_all(warm, [item])[0] for item in firsts]
+    run_all(warm, [(p, turn) for p in prompts(2, seed=32)])
+    assert len(warm.kv.retained_rows()) == 5
+    follow = [(p + a["token_ids"] + [7, 8, 9], GREEDY) for (p, _), a in zip(firsts, answers)]
+    hot = [run_all(warm, [item])[0] for item in follow]
+    cold = make(engine("llama"), cache=CacheConfig(kv_budget_bytes=32 << 20, enable_prefix_cache=False))
+    for (p, _), a, item, h in zip(firsts, answers, follow, hot):
+        assert h["usage"].cached_tokens == len(p) + len(a["token_ids"]) - 1    # the last answer token was not fed
+        assert_same_greedy(h, run_all(cold, [item])[0])
     assert_no_leaks(warm)
 
 

@@ -175,23 +175,23 @@ def test_retained_slots_keep_their_kv_for_a_follow_up_and_give_way_first():
     rows = filled(kv, first, rng)
     first.num_computed = 11
     kv.free(first)
-    assert kv.scratch_rows() == {0: 11} and kv.retained_tokens == 64 == kv.resident_tokens
+    assert kv.retained_rows() == {0: 11} and kv.retained_tokens == 64 == kv.resident_tokens
     other = Request([1, 2, 3], SamplingParams(max_tokens=1), request_id="other")
     assert kv.allocate(other) == 0 and other.slot == 1            # an empty slot, the retained one untouched
     follow = Request(list(range(10, 20)) + [99, 98, 97], SamplingParams(max_tokens=1), request_id="follow")
     assert kv.allocate(follow) == 10 and follow.slot == 0          # 10 shared tokens, not a whole number of blocks
     assert [arr[0].copy() for pool in kv.pools for arr in pool.keys + pool.values][0].tolist() == rows[0].tolist()
-    assert kv.scratch_rows() == {} and kv.resident_tokens == 128
+    assert kv.retained_rows() == {} and kv.resident_tokens == 128
     follow.num_computed, other.num_computed = 13, 3
     kv.free(other)
     kv.free(follow)                                               # one retained at most: `other` goes back
-    assert kv.scratch_rows() == {0: 13} and kv.resident_tokens == 64
+    assert kv.retained_rows() == {0: 13} and kv.resident_tokens == 64
     assert kv.pools[0].resident_tokens(1) == 0
     big = Request(list(range(500, 700)), SamplingParams(max_tokens=1), request_id="big")     # needs 256 > 192 free
-    assert kv.allocate(big) is None and kv.scratch_rows() == {0: 13}   # no room even without it: nothing given back
+    assert kv.allocate(big) is None and kv.retained_rows() == {0: 13}   # no room even without it: nothing given back
     wide = Request(list(range(500, 620)), SamplingParams(max_tokens=1), request_id="wide")   # 128: fits free budget
-    assert kv.allocate(wide) == 0 and wide.slot == 1 and kv.scratch_rows() == {0: 13}
-    assert kv.reserve(wide, 190) and kv.scratch_rows() == {}      # growth takes the retained slot's memory
+    assert kv.allocate(wide) == 0 and wide.slot == 1 and kv.retained_rows() == {0: 13}
+    assert kv.reserve(wide, 190) and kv.retained_rows() == {}      # growth takes the retained slot's memory
     assert kv.resident_tokens == 192 and kv.pools[0].resident_tokens(0) == 0
     kv.free(wide, cache=False)                                    # after an error: never retained
-    assert kv.scratch_rows() == {} and kv.resident_tokens == 0
+    assert kv.retained_rows() == {} and kv.resident_tokens == 0
