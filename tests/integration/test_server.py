@@ -364,15 +364,17 @@ def test_deadlines(engine):
             except grpc.RpcError as e:
                 return e.code()
 
-        with Client(s.grpc_target) as c, concurrent.futures.ThreadPoolExecutor(3) as pool:
-            long = pool.submit(lambda: list(c.generate(PROMPT, max_tokens=480, ignore_eos=True)))
+        with Client(s.grpc_target) as c, concurrent.futures.ThreadPoolExecutor(5) as pool:
+            # three long ones queued first, one at a time (a single one took ~100 ms on a fast machine: a request
+            # behind it could finish inside its 0.1 s)
+            longs = [pool.submit(lambda: list(c.generate(PROMPT, max_tokens=480, ignore_eos=True))) for _ in range(3)]
             time.sleep(0.03)
             code = pool.submit(expired_grpc)
             http = pool.submit(lambda: httpx.post(f"{s.http_url}/v1/completions",
                                                   json={"prompt": PROMPT, "max_tokens": 50, "timeout": 0.1}))
             assert code.result() == grpc.StatusCode.DEADLINE_EXCEEDED
             assert http.result().status_code == 504
-            long.result()
+            assert [len(f.result()) for f in longs] == [480] * 3
         assert wait_until(lambda: s.metric("quicksilver_requests_running") == 0 and not s.server.engine.requests)
         assert s.metric("quicksilver_request_errors_total", code="deadline_exceeded") >= 1
     finally:
