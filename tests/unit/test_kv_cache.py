@@ -150,12 +150,32 @@ def test_a_retained_slot_gives_the_draft_what_it_had_computed():
     turn = Request(list(range(10, 23)) + [5, 6, 7], SamplingParams(max_tokens=1), request_id="turn")
     assert kv.allocate(turn) == 13 and turn.slot == 0 and turn.num_computed_draft == 6
     kv.free(turn, cache=False)
-    short = Request(list(range(10, 14)) + [1, 2], SamplingParams(max_tokens=1), request_id="short")
+    short = Request(list(range(10, 18)) + [1, 2], SamplingParams(max_tokens=1), request_id="short")
     first.num_computed = first.num_computed_draft = 0
     assert kv.allocate(first) == 0
     first.num_computed, first.num_computed_draft = 13, 13
     kv.free(first)
-    assert kv.allocate(short) == 4 and short.num_computed_draft == 4   # the common prefix bounds both
+    assert kv.allocate(short) == 8 and short.num_computed_draft == 8   # the common prefix bounds both
+
+
+def test_a_retained_slot_is_taken_only_by_a_prompt_that_continues_it():
+    """A prompt sharing less than half of what a retained slot keeps (a new user behind a shared system prompt)
+    gets an empty slot and leaves the retained conversation in place for its own next turn."""
+    kv = KVCacheManager([KVLayout(num_layers=1, kv_heads=1, head_dim=2)], num_slots=3, slot_capacity=64,
+                        num_blocks=0, block_size=4, retained_slots=2)
+    chat = Request(list(range(10, 30)), SamplingParams(max_tokens=1), request_id="chat")      # 20 tokens
+    assert kv.allocate(chat) == 0 and chat.slot == 0
+    chat.num_computed = 20
+    kv.free(chat)
+    stranger = Request(list(range(10, 19)) + [1, 2, 3], SamplingParams(max_tokens=1), request_id="stranger")
+    assert kv.allocate(stranger) == 0 and stranger.slot == 1            # shares 9 of 20: not a continuation
+    assert kv.retained_rows() == {0: 20}
+    turn = Request(list(range(10, 30)) + [4, 5], SamplingParams(max_tokens=1), request_id="turn")
+    assert kv.allocate(turn) == 20 and turn.slot == 0
+    turn.num_computed = 22
+    kv.free(turn)
+    half = Request(list(range(10, 21)) + [6, 7], SamplingParams(max_tokens=1), request_id="half")
+    assert kv.allocate(half) == 11 and half.slot == 0                   # 11 of 22: half, a continuation
 
 
 def filled(kv, req, rng):
