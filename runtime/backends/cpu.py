@@ -47,7 +47,7 @@ class CpuBackend:
             check_same_tokenizer(self.runner, self.draft)
         self.max_model_len = context_length(config, self.runner, self.draft)
         self.kv = self._make_kv(config)
-        self.max_num_seqs = config.scheduler.max_num_seqs
+        self._max_num_seqs = config.scheduler.max_num_seqs
         self.cost = CostModel()
         self.proposer = make_proposer(config, lambda: DraftModelProposer(self.draft, self.kv, sampler))
         self._max_gamma = config.spec.max_gamma
@@ -110,7 +110,7 @@ class CpuBackend:
         With speculation, also measure the step costs its decisions are based on. Runs in slots that are given
         back afterwards, so warm-up leaves no KV memory resident."""
         models = [(self.runner, self.kv.slots)] + ([(self.draft, self.kv.pools[1])] if self.draft else [])
-        sizes = [b for b in (1, 2, 4, 8, 16, 32) if b <= self.max_num_seqs] if self.proposer else [1]
+        sizes = [b for b in (1, 2, 4, 8, 16, 32) if b <= self._max_num_seqs] if self.proposer else [1]
         with self.kv.scratch_slots(max(sizes), 16 + self._max_gamma + 1):
             for runner, pool in models:
                 for n in (8, 1):

@@ -13,9 +13,10 @@ target has computed it, with the draft's KV added when (if ever) the draft compu
 draft the leading blocks that hold its KV (`req.num_computed_draft`); the draft catches up on the rest itself.
 
 A finished sequence's slot may stay resident with its KV ("retained", as llama.cpp's server slots keep theirs): a
-follow-up whose prompt extends it (a chat's next turn, the same document with a new question) takes that slot
-and starts after the longest common prefix, copying nothing and recomputing no partial block. Retained slots
-are free slots: the least recently used is given back first whenever a slot or memory is wanted. No other
+follow-up whose prompt continues it (shares at least half of it: a chat's next turn, the same document with a new
+question) takes that slot and starts after the longest common prefix, copying nothing and recomputing no partial
+block. Retained slots are free slots, fenced off from batched decodes: the least recently used is given back
+first whenever a slot or memory is wanted. No other
 module frees or copies KV.
 """
 
@@ -182,6 +183,8 @@ class KVCacheManager:
             return best, best_len, best_draft
         ids = np.asarray(ids[:limit])
         for slot, (kept, kept_draft) in self._retained.items():
+            if len(ids) < self.CONTINUES * len(kept):
+                continue                    # too short to continue it: no comparison (32 slots, every admission)
             n = min(len(kept), len(ids))
             differ = np.flatnonzero(kept[:n] != ids[:n])
             common = int(differ[0]) if len(differ) else n
