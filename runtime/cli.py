@@ -282,14 +282,13 @@ def serve(engine: Path | None, draft: Path | None, speculation: str, host: str, 
           replicas: int | None, replica_routing: str, ray_address: str | None) -> None:
     """Serve ENGINE (default: the bundled target) over gRPC and OpenAI-compatible HTTP, with /metrics.
     With --model, several engines share the server and requests name one, or "auto" (--route)."""
-    import asyncio
     import logging
 
     from .errors import QuicksilverError
 
     from .config import CacheConfig, EngineConfig, SchedulerConfig, ServerConfig
     from .bundled import engine_dir
-    from .server.app import serve as run_server
+    from .server.app import run, serve as run_server
     from .server.router import load_policy
     from .server.tenants import load_tenants
 
@@ -312,6 +311,6 @@ def serve(engine: Path | None, draft: Path | None, speculation: str, host: str, 
                              _cluster(replicas, threads, replica_routing, ray_address))
         if route_file and not models:
             fail("--route chooses between models: add them with --model NAME=ENGINE")
-        asyncio.run(run_server(engine_path, econf, sconf, _models(models)))
+        run(run_server(engine_path, econf, sconf, _models(models)))
     except (QuicksilverError, FileNotFoundError, ValueError, OSError) as e:
         fail(str(e))

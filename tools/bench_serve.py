@@ -119,13 +119,15 @@ async def prefix_case(client, model: str, prompt: str, max_tokens: int, tag: str
 
 
 def openai_client(url: str):
-    """The `openai` client as a benchmark uses it: no retries, long timeout, pooled connections dropped after 1 s
-    idle — servers close an idle keep-alive connection after 5 s (llama-server's cpp-httplib, uvicorn), and a
-    request sent on one the server has just closed fails ("Server disconnected", a read error)."""
+    """The `openai` client as a benchmark uses it: no retries, long timeout, a new connection per request. A
+    request sent on a pooled connection the server has just closed fails ("Server disconnected without sending a
+    response"): servers close idle keep-alive connections (after 5 s: llama-server's cpp-httplib, uvicorn) and
+    cpp-httplib also after a few requests on one connection; dropping pooled connections after 1 s idle still
+    lost two llama-server rounds in a row on a faster machine. A loopback connect costs ~0.1 ms, alike for all."""
     import httpx
     from openai import AsyncOpenAI, DefaultAsyncHttpxClient
 
-    http = DefaultAsyncHttpxClient(limits=httpx.Limits(max_connections=1000, keepalive_expiry=1.0))
+    http = DefaultAsyncHttpxClient(limits=httpx.Limits(max_connections=1000, max_keepalive_connections=0))
     return AsyncOpenAI(base_url=url, api_key=os.environ.get("OPENAI_API_KEY", "none"), max_retries=0, timeout=600,
                        http_client=http)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import sys
 import time
 from collections.abc import AsyncIterator
 
@@ -25,6 +26,17 @@ from .tenants import DEFAULT, RateLimited, TenantLimits
 
 log = logging.getLogger("quicksilver.server")
 MAX_TAG = 256             # longest client-chosen request id (echoed in every message)
+
+
+if sys.version_info >= (3, 11):
+    async def _next_within(gen: AsyncIterator, seconds: float):
+        """`gen`'s next item, or asyncio.TimeoutError after `seconds`. A timer on the awaiting task: wait_for wraps
+        each await in a task of its own, one more task per streamed output (Python < 3.12)."""
+        async with asyncio.timeout(seconds):
+            return await gen.__anext__()
+else:                                      # pragma: no cover (3.10)
+    def _next_within(gen: AsyncIterator, seconds: float):
+        return asyncio.wait_for(gen.__anext__(), seconds)
 
 
 class Overloaded(Exception):
@@ -171,7 +183,7 @@ class Bridge:
                 if remaining <= 0:
                     raise asyncio.TimeoutError
                 try:
-                    out = await asyncio.wait_for(gen.__anext__(), remaining)
+                    out = await _next_within(gen, remaining)
                 except EngineOverloaded as e:
                     refused = e
                     raise Overloaded(str(e), retry_after_s=1.0) from None

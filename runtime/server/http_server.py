@@ -4,11 +4,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import replace
 
 from starlette.applications import Starlette
@@ -18,7 +20,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..metrics import CONTENT_TYPE_LATEST, render
-from ..outputs import Usage
+from ..outputs import RequestOutput, Usage
 from ..request import InvalidRequest, SamplingParams
 from .auth import authorized, priority_floor, tenant_of
 from .bridge import Bridge, Draining, Failed, Overloaded, Unavailable
@@ -341,16 +343,15 @@ class HttpApi:
         """Server-sent events, the choices' chunks interleaved as they come; if the client goes away Starlette
         cancels this generator and every choice is aborted. `keep(text, last output)`: given the whole answer of a
         single choice once it finished (the semantic cache)."""
-        pending, usages, kept = {}, {}, []
+        usages, kept = {}, []
         try:
             for i, out in enumerate(firsts):
                 if shape.chat:
                     yield _event(shape.chunk({"role": "assistant", "content": ""}, None, index=i))
                 if echo:                    # completions with echo: the prompt comes first
                     yield _event(shape.chunk(echo, None, index=i))
-            ready = list(enumerate(firsts))
-            while ready or pending:
-                for i, out in ready:
+            async with contextlib.aclosing(_interleaved(streams, firsts)) as choices:
+                async for i, out in choices:
                     if shape.tool_outputs:
                         for chunk in shape.tool_chunks(i, out):
                             yield _event(chunk)
@@ -362,18 +363,6 @@ class HttpApi:
                             await keep("".join(kept), out)
                     if out.finished:
                         usages[i] = out.usage
-                    else:
-                        pending[asyncio.ensure_future(streams[i].__anext__())] = i
-                ready = []
-                if pending:
-                    done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                    for task in done:
-                        i = pending.pop(task)
-                        try:
-                            ready.append((i, task.result()))
-                        except StopAsyncIteration:
-                            pass
-                    ready.sort()
             if include_usage:
                 yield _event(shape.usage_chunk([usages[i] for i in sorted(usages)]))
             yield "data: [DONE]\n\n"
@@ -391,7 +380,6 @@ class HttpApi:
             yield _event({"error": {"message": str(e), "type": "unavailable_error", "code": CODES[503]}})
             yield "data: [DONE]\n\n"
         finally:
-            await _cancel(pending)
             await _close(streams)
 
     async def _collect(self, request: Request, streams, firsts, shape, echo: str = "", headers=None,
@@ -424,6 +412,40 @@ async def _drain(stream, text: list, logprobs: list, out):
         text.append(out.text)
         logprobs.extend(out.logprobs or [])
     return out
+
+
+async def _interleaved(streams, firsts) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(choice index, output) as the choices produce them, each from its first output on. A single choice (the
+    usual request) is read in place; several are awaited together, one task per choice in flight."""
+    if len(streams) == 1:
+        out = firsts[0]
+        yield 0, out
+        if not out.finished:
+            async for out in streams[0]:
+                yield 0, out
+                if out.finished:
+                    return
+        return
+    pending: dict[asyncio.Future, int] = {}
+    ready = list(enumerate(firsts))
+    try:
+        while ready or pending:
+            for i, out in ready:
+                yield i, out
+                if not out.finished:
+                    pending[asyncio.ensure_future(streams[i].__anext__())] = i
+            ready = []
+            if pending:
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    i = pending.pop(task)
+                    try:
+                        ready.append((i, task.result()))
+                    except StopAsyncIteration:
+                        pass
+                ready.sort()
+    finally:
+        await _cancel(pending)
 
 
 async def _cancel(tasks) -> None:

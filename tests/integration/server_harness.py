@@ -9,7 +9,7 @@ import threading
 import httpx
 
 from runtime.config import CacheConfig, EngineConfig, SchedulerConfig, ServerConfig
-from runtime.server.app import Server
+from runtime.server.app import Server, new_event_loop
 
 
 class ServerThread:
@@ -17,7 +17,7 @@ class ServerThread:
                  **server_kwargs):
         """`models`: more engines to host (name → folder); `server_kwargs`: ServerConfig fields;
         `start_timeout`: seconds the server may take to load (replicas on Ray take longer)."""
-        self.loop = asyncio.new_event_loop()
+        self.loop = new_event_loop()              # uvloop, as `runtime serve` runs
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         econf = engine_config or EngineConfig(SchedulerConfig(max_num_seqs=4, max_waiting=8),
