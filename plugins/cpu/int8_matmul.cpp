@@ -73,7 +73,10 @@ void micro(const Problem& p, int64_t row0, int64_t panel0) {
     for (int q = 0; q < P; ++q) acc[r][q] = _mm512_setzero_si512();
   for (int64_t s = 0; s < steps; ++s) {
     __m512i b[P];
-    for (int q = 0; q < P; ++q) b[q] = _mm512_loadu_si512(w0 + q * panel_bytes + s * 64);
+    for (int q = 0; q < P; ++q) {
+      if (streams(row0)) stream_ahead(w0 + q * panel_bytes + s * 64);
+      b[q] = _mm512_loadu_si512(w0 + q * panel_bytes + s * 64);
+    }
     for (int r = 0; r < R; ++r) {
       int32_t four;
       std::memcpy(&four, a0 + r * p.k4 + 4 * s, 4);
