@@ -13,25 +13,10 @@
 
 #include "ops.h"
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <xmmintrin.h>
-#endif
-
-// A batch-1 product streams its weight from memory once a step, and the hardware's own prefetchers left the core
-// waiting on it: one int4 linear of 1 MB, 64 distinct copies, 1 thread, read 11–12 GB/s where numpy's sum reads
-// ~24. Asking for the line kStreamAhead bytes ahead into L2 as each is consumed gives 21 GB/s (2 threads: 21–23 →
-// 25–28; 512 B and 2 KB ahead into L1 gained nothing), a smollm2 int4 decode step 0.86× the time. A prefetch never
-// faults, so asking past the weight's end is harmless. Only a task's first rows ask (`streams`): the rows after them
-// find the panels in cache, where the prefetches cost a prompt's product ~10 %.
-constexpr int64_t kStreamAhead = 8192, kRowBlock = 128;
+// Only a task's first rows ask for their weights ahead (stream_ahead, ops.h): the rows after them find the panels in
+// cache, where the prefetches cost a prompt's product ~10 %.
+constexpr int64_t kRowBlock = 128;
 inline bool streams(int64_t row0) { return row0 % kRowBlock == 0; }
-inline void stream_ahead(const void* line) {
-#if defined(__x86_64__) || defined(__i386__)
-  _mm_prefetch(static_cast<const char*>(line) + kStreamAhead, _MM_HINT_T1);
-#else
-  (void)line;
-#endif
-}
 
 // The output [..., n] of a product over x [..., K]: its rows (all but the last dimension of x) and its data.
 inline float* output_rows(Ort::KernelContext& ctx, std::vector<int64_t> x_shape, int64_t n, int64_t* rows) {
