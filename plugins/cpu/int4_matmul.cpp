@@ -83,13 +83,15 @@ void micro(const Problem& p, int64_t row0, int64_t panel0) {
   __m512 acc[R][P];
   for (int r = 0; r < R; ++r)
     for (int q = 0; q < P; ++q) acc[r][q] = _mm512_setzero_ps();
+  const bool ahead = first_rows(row0);
   for (int64_t b = 0; b < p.blocks; ++b) {
     __m512i t[R][P];
     for (int r = 0; r < R; ++r)
       for (int q = 0; q < P; ++q) t[r][q] = _mm512_setzero_si512();
-    if (streams(row0))
-      for (int q = 0; q < P; ++q)        // the block's 4.5 lines, kStreamAhead on
-        for (int line = 0; line < 5; ++line) stream_ahead(p.w + (panel0 + q) * panel_bytes + b * kBlockBytes + 64 * line);
+    if (ahead)                           // the lines of the block kStreamAhead bytes on (288 B: 5 lines)
+      for (int q = 0; q < P; ++q)
+        for (int line = 0; line < 5; ++line)
+          qs_stream_ahead(p.w + (panel0 + q) * panel_bytes + b * kBlockBytes + 64 * line);
     for (int c = 0; c < 4; ++c) {
       __m512i lo[P], hi[P];
       for (int q = 0; q < P; ++q) {

@@ -13,10 +13,11 @@
 
 #include "ops.h"
 
-// Only a task's first rows ask for their weights ahead (stream_ahead, ops.h): the rows after them find the panels in
-// cache, where the prefetches cost a prompt's product ~10 %.
+// A task's rows: a block of up to kRowBlock rows of x. Only its first rows ask for the weights ahead
+// (qs_stream_ahead, ops.h): the rows after them find the panels in cache, where asking made the smollm2 int8
+// prompt 1.10× the time (tools/bench_native.py).
 constexpr int64_t kRowBlock = 128;
-inline bool streams(int64_t row0) { return row0 % kRowBlock == 0; }
+inline bool first_rows(int64_t row0) { return row0 % kRowBlock == 0; }
 
 // The output [..., n] of a product over x [..., K]: its rows (all but the last dimension of x) and its data.
 inline float* output_rows(Ort::KernelContext& ctx, std::vector<int64_t> x_shape, int64_t n, int64_t* rows) {
