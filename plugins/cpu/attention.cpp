@@ -425,9 +425,9 @@ void attend_tile(const Step<T>& st, int64_t b, int64_t s0, int64_t count, int64_
     const T* block = keys + static_cast<int64_t>(first + k) * D;
     auto covers = [&](int r) { return k + 8 <= len[r] / 8 * 8; };
     auto out = [&](int r) { return &scores[static_cast<size_t>(r) * stride + k]; };
-    if (!share) {             // few rows (decode, < kMinSharedRows heads a KV head) read the keys once: ask ahead
-      for (size_t line = 0; line < sizeof(T) * 8 * D; line += 64)
-        qs_stream_ahead(reinterpret_cast<const char*>(block) + line);
+    for (size_t line = 0; line < sizeof(T) * 8 * D; line += 64)    // a task reads its keys once: ask ahead
+      qs_stream_ahead(reinterpret_cast<const char*>(block) + line);
+    if (!share) {
       for (int r = 0; r < rows; ++r)
         if (covers(r)) dot8<D>(&qbuf[r * D], block, out(r));
       continue;
@@ -470,9 +470,9 @@ void attend_tile(const Step<T>& st, int64_t b, int64_t s0, int64_t count, int64_
       float* a[1] = {sum(r)};
       accumulate<D, 1>(s, v, count(r), a);
     };
-    if (!share) {             // and so are its values
-      for (size_t line = 0; line < sizeof(T) * kValueBlock * D; line += 64)
-        qs_stream_ahead(reinterpret_cast<const char*>(block) + line);
+    for (size_t line = 0; line < sizeof(T) * kValueBlock * D; line += 64)    // and its values
+      qs_stream_ahead(reinterpret_cast<const char*>(block) + line);
+    if (!share) {
       for (int r = 0; r < rows; ++r)
         if (count(r) > 0) one(block, r);
       continue;
