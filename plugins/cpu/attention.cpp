@@ -425,8 +425,7 @@ void attend_tile(const Step<T>& st, int64_t b, int64_t s0, int64_t count, int64_
     const T* block = keys + static_cast<int64_t>(first + k) * D;
     auto covers = [&](int r) { return k + 8 <= len[r] / 8 * 8; };
     auto out = [&](int r) { return &scores[static_cast<size_t>(r) * stride + k]; };
-    for (size_t line = 0; line < sizeof(T) * 8 * D; line += 64)    // a task reads its keys once: ask ahead
-      qs_stream_ahead(reinterpret_cast<const char*>(block) + line);
+    qs_stream_ahead(block, sizeof(T) * 8 * D);    // a task reads its keys once: ask ahead
     if (!share) {
       for (int r = 0; r < rows; ++r)
         if (covers(r)) dot8<D>(&qbuf[r * D], block, out(r));
@@ -470,8 +469,7 @@ void attend_tile(const Step<T>& st, int64_t b, int64_t s0, int64_t count, int64_
       float* a[1] = {sum(r)};
       accumulate<D, 1>(s, v, count(r), a);
     };
-    for (size_t line = 0; line < sizeof(T) * kValueBlock * D; line += 64)    // and its values
-      qs_stream_ahead(reinterpret_cast<const char*>(block) + line);
+    qs_stream_ahead(block, sizeof(T) * kValueBlock * D);    // and its values
     if (!share) {
       for (int r = 0; r < rows; ++r)
         if (count(r) > 0) one(block, r);

@@ -88,10 +88,8 @@ void micro(const Problem& p, int64_t row0, int64_t panel0) {
     __m512i t[R][P];
     for (int r = 0; r < R; ++r)
       for (int q = 0; q < P; ++q) t[r][q] = _mm512_setzero_si512();
-    if (ahead)                           // the lines of the block kStreamAhead bytes on (288 B: 5 lines)
-      for (int q = 0; q < P; ++q)
-        for (int line = 0; line < 5; ++line)
-          qs_stream_ahead(p.w + (panel0 + q) * panel_bytes + b * kBlockBytes + 64 * line);
+    if (ahead)
+      for (int q = 0; q < P; ++q) qs_stream_ahead(p.w + (panel0 + q) * panel_bytes + b * kBlockBytes, kBlockBytes);
     for (int c = 0; c < 4; ++c) {
       __m512i lo[P], hi[P];
       for (int q = 0; q < P; ++q) {

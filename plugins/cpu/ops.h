@@ -29,12 +29,15 @@ const OrtCustomOp* qs_swiglu_op();             // swiglu.cpp
 // step 0.85× the time with the linears asking, then 0.96× / 0.90× / 0.84× at 445 / 1,024 / 2,000 tokens of context
 // with attention's keys and values too. A prefetch never faults; the address is formed as an integer, so asking
 // past the end of an array is harmless.
+// Asks for every cache line of [data, data + bytes) kStreamAhead bytes on (one line by default).
 constexpr int64_t kStreamAhead = 8192;
-inline void qs_stream_ahead(const void* line) {
+inline void qs_stream_ahead(const void* data, size_t bytes = 1) {
 #if defined(__x86_64__) || defined(__i386__)
-  _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(line) + kStreamAhead), _MM_HINT_T1);
+  for (size_t at = 0; at < bytes; at += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(data) + at + kStreamAhead), _MM_HINT_T1);
 #else
-  (void)line;
+  (void)data;
+  (void)bytes;
 #endif
 }
 
