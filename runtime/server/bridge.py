@@ -21,6 +21,7 @@ from ..config import ServerConfig
 from ..engine import MAX_PRIORITY, MIN_PRIORITY, EngineOverloaded
 from ..metrics import Metrics
 from ..outputs import RequestOutput
+from ..prefix_tokenizer import PrefixTokenizer
 from ..request import InvalidRequest, SamplingParams
 from .tenants import DEFAULT, RateLimited, TenantLimits
 
@@ -76,6 +77,7 @@ class Bridge:
         self.max_model_len = engine.max_model_len
         self.max_waiting = engine.config.scheduler.max_waiting
         self.tokenizer = engine.tokenizer
+        self.prompts = PrefixTokenizer(engine.tokenizer)     # a chat's next turn tokenizes only what is new
         self.draining = False
         self.active: set[str] = set()   # engine ids of the requests being streamed (touched on the event loop only)
 
@@ -94,9 +96,10 @@ class Bridge:
             self.aengine.abort(rid)
 
     async def encode(self, text: str) -> list[int]:
-        """Tokenize off the event loop. `encode_batch` releases the GIL while it works (`encode` holds it for the
-        whole call, which would stall the loop even from another thread); same ids as `encode`."""
-        return (await asyncio.to_thread(self.tokenizer.encode_batch, [text]))[0].ids
+        """Tokenize off the event loop (the tokenizer's `encode_batch`, which releases the GIL while it works;
+        `encode` holds it for the whole call), reusing a recent prompt's ids where the text extends it; the same
+        ids as `encode`."""
+        return await asyncio.to_thread(self.prompts.encode, text)
 
     async def decode(self, ids: list[int]) -> str:
         return (await asyncio.to_thread(self.tokenizer.decode_batch, [ids]))[0]
