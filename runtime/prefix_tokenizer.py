@@ -70,13 +70,9 @@ class PrefixTokenizer:
         followed by at least one more and MARGIN characters. A tail too short to move it keeps the earlier cut,
         which holds for `text` as it held for the prompt `text` extends."""
         words, offsets = tail.word_ids, tail.offsets          # offsets: characters of text[cut:]
-        keep = 0
-        if words and words[-1] is not None:
-            for i in range(len(words) - 1, 0, -1):
-                if (words[i] != words[i - 1] and words[i] is not None and words[i] <= words[-1] - 1
-                        and cut + offsets[i][0] <= len(text) - MARGIN):
-                    keep = i
-                    break
+        last = len(text) - MARGIN - cut                        # (no added token here: every word id is set)
+        keep = next((i for i in range(len(words) - 1, 0, -1)
+                     if words[i] != words[i - 1] and words[i] < words[-1] and offsets[i][0] <= last), 0)
         new_cut, new_head = (cut + offsets[keep][0], head + array("i", tail.ids[:keep])) if keep else (cut, head)
         with self._lock:
             if earlier is not None:
