@@ -310,11 +310,35 @@ constexpr int kMinGroupedTasks = 8;  // fewer (b, KV head, tile) tasks than this
 
 inline int segments_of(int len) { return (len + kSegment - 1) / kSegment; }
 
-// softmax numerators in place over n scores: exp(score − max); returns max, and Σ exp(score − max) in *sum
+// softmax numerators in place over n scores: exp(score − max); returns max, and Σ exp(score − max) in *sum.
+// Lane l of the max and of the sum takes scores j ≡ l (mod kLanes) in j order, then the lanes are reduced in a
+// fixed order: the AVX-512 path below is that arithmetic one register at a time (the compiler left the max loop
+// scalar: vmaxps may not stand for std::max as far as it knows, but max_ps(s, m) is (s > m) ? s : m, which is
+// std::max(m, s) for every input, NaN and signed zeros included), so both paths give the same bits.
 inline float softmax_unnormalised(float* scores, int n, float* sum) {
   float lane_max[kLanes];
-  std::fill(lane_max, lane_max + kLanes, -INFINITY);
   int j = 0;
+#ifdef __AVX512F__
+  static_assert(kLanes == 16, "one 512-bit register of lanes");
+  const int rem = n % kLanes, whole = n - rem;
+  const __mmask16 tail = static_cast<__mmask16>((1u << rem) - 1);
+  __m512 mx = _mm512_set1_ps(-INFINITY);
+  for (; j < whole; j += kLanes) mx = _mm512_max_ps(_mm512_loadu_ps(scores + j), mx);
+  mx = _mm512_mask_max_ps(mx, tail, _mm512_maskz_loadu_ps(tail, scores + j), mx);
+  _mm512_storeu_ps(lane_max, mx);
+  float m = lane_max[0];
+  for (int l = 1; l < kLanes; ++l) m = std::max(m, lane_max[l]);
+  const __m512 mv = _mm512_set1_ps(m);
+  for (j = 0; j < whole; j += kLanes) _mm512_storeu_ps(scores + j, _mm512_sub_ps(_mm512_loadu_ps(scores + j), mv));
+  _mm512_mask_storeu_ps(scores + j, tail, _mm512_sub_ps(_mm512_maskz_loadu_ps(tail, scores + j), mv));
+  qs_exp_inplace(scores, n);
+  __m512 acc = _mm512_setzero_ps();
+  for (j = 0; j < whole; j += kLanes) acc = _mm512_add_ps(acc, _mm512_loadu_ps(scores + j));
+  acc = _mm512_mask_add_ps(acc, tail, acc, _mm512_maskz_loadu_ps(tail, scores + j));
+  float lane_sum[kLanes];
+  _mm512_storeu_ps(lane_sum, acc);
+#else
+  std::fill(lane_max, lane_max + kLanes, -INFINITY);
   for (; j + kLanes <= n; j += kLanes)
     for (int l = 0; l < kLanes; ++l) lane_max[l] = std::max(lane_max[l], scores[j + l]);
   for (int l = 0; j < n; ++j, ++l) lane_max[l] = std::max(lane_max[l], scores[j]);
@@ -327,6 +351,7 @@ inline float softmax_unnormalised(float* scores, int n, float* sum) {
   for (; j + kLanes <= n; j += kLanes)
     for (int l = 0; l < kLanes; ++l) lane_sum[l] += scores[j + l];
   for (int l = 0; j < n; ++j, ++l) lane_sum[l] += scores[j];
+#endif
   for (int w = kLanes / 2; w > 0; w /= 2)
     for (int l = 0; l < w; ++l) lane_sum[l] += lane_sum[l + w];
   *sum = lane_sum[0];
