@@ -4,13 +4,24 @@ tokenized from near the end of the earlier prompt instead of from its start.
 Why: a byte-level BPE tokenizer spends its time in the pre-tokenizer's regex (the bundled tokenizer, 1,183 tokens
 of code: 1.65 of its 1.8 ms), and a chat pays it again for the whole history at every turn, before the first token.
 
-Exact, not approximate: BPE merges never cross a pre-token, and the ByteLevel regex splits left to right looking at
-most two characters past a match (`\\s+(?!\\S)` reads the character after a whitespace run and gives one back), so
-the pre-tokens of an earlier prompt that are followed in it by at least two more pre-tokens and MARGIN characters
-are pre-tokens of any text that extends it, with the same ids. Those ids are kept and only the rest is tokenized.
-Used only where that argument holds — no normalizer, no post-processor, a ByteLevel pre-tokenizer with its regex,
-BPE without dropout, no added token in the text — and otherwise, or when no recent prompt begins the text, the
-tokenizer's own encoding is returned.
+Exact, not approximate: BPE merges never cross a pre-token, and the split regexes below split left to right looking
+at most two characters past a match (`\\s+(?!\\S)` reads the character after a whitespace run and gives one back)
+— except where a whitespace run reaches the end of the text (`\\s*[\\r\\n]+` reads a run to its end), and such a
+run is at most the text's last two pre-tokens. So the pre-tokens of an earlier prompt that are followed in it by at
+least two more pre-tokens and MARGIN characters are pre-tokens of any text that extends it, with the same ids.
+Those ids are kept and only the rest is tokenized.
+
+Used only where that argument holds, and otherwise (or when no recent prompt begins the text) the tokenizer's own
+encoding is returned: BPE without dropout; a pre-tokenizer that is GPT-2's ByteLevel regex (optionally after
+Digits), or a Split on Llama-3's or Qwen2's regex followed by ByteLevel's byte mapping, never adding a prefix
+space; no normalizer, or NFC (a cut then lies before `margin` ASCII characters, which NFC never composes or
+reorders across); no post-processor, or ones that leave ids and offsets alone (ByteLevel, untrimmed) or only put
+special tokens before the text (Llama-3's <|begin_of_text|>: kept with the head). Added tokens (a chat template's
+<|im_start|>) are matched before pre-tokenization and split the text into pieces tokenized on their own, so one is
+a boundary like any pre-token's — as long as none strips the whitespace around it or needs a whole word (lstrip,
+rstrip, single_word; else a text holding one gets the tokenizer's own encoding) and the cut keeps more characters
+after it than the longest added token has (a token that begins before the earlier prompt's end and ends after it
+then begins after the cut).
 """
 
 from __future__ import annotations
@@ -22,16 +33,57 @@ from collections import OrderedDict
 
 from tokenizers import Tokenizer
 
-MARGIN = 16       # characters an earlier prompt keeps after its cut (the regex reads at most two past a match)
+MARGIN = 16       # characters an earlier prompt keeps after its cut at least (the regexes read two past a match)
+SPLIT_REGEXES = {  # Split patterns the argument above was checked for (and the tests exercise)
+    "llama3": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+              r"|\s*[\r\n]+|\s+(?!\S)|\s+",
+    "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+             r"|\s*[\r\n]+|\s+(?!\S)|\s+",
+}
+
+
+def _byte_level(step: dict, regex: bool) -> bool:
+    return (step.get("type") == "ByteLevel" and step.get("use_regex", True) == regex
+            and not step.get("add_prefix_space", False))
+
+
+def _pre_tokenizer_splits_exactly(pre: dict) -> bool:
+    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    if len(steps) == 1:                                              # GPT-2's
+        return _byte_level(steps[0], regex=True)
+    if len(steps) == 2 and steps[0].get("type") == "Digits":         # SmolLM's, StarCoder's
+        return _byte_level(steps[1], regex=True)
+    if len(steps) == 2 and steps[0].get("type") == "Split":          # Llama-3's, Qwen2's
+        split = steps[0]
+        return (split.get("pattern", {}).get("Regex") in SPLIT_REGEXES.values()
+                and split.get("behavior") == "Isolated" and not split.get("invert")
+                and _byte_level(steps[1], regex=False))
+    return False
+
+
+def _post_processor_keeps_ids(post: dict | None) -> bool:
+    """None, ByteLevel without trimming (a trimmed token's offsets start after its space: no place to cut), or a
+    template that puts special tokens before the text and nothing after."""
+    if post is None:
+        return True
+    if post.get("type") == "ByteLevel":
+        return not post.get("trim_offsets", True)
+    if post.get("type") == "Sequence":
+        return all(_post_processor_keeps_ids(p) for p in post.get("processors", []))
+    if post.get("type") == "TemplateProcessing":
+        single = post.get("single", [])
+        return bool(single) and "Sequence" in single[-1] and all("SpecialToken" in piece for piece in single[:-1])
+    return False
 
 
 def splits_exactly(tokenizer: Tokenizer) -> bool:
     """Whether tokens(a + b) = tokens(a)[:i] + tokens(a[cut:] + b) holds for this tokenizer (see the module doc)."""
     spec = json.loads(tokenizer.to_str())
-    pre, model = spec.get("pre_tokenizer") or {}, spec.get("model") or {}
-    return (spec.get("normalizer") is None and spec.get("post_processor") is None
-            and pre.get("type") == "ByteLevel" and pre.get("use_regex", True)
-            and model.get("type") == "BPE" and not model.get("dropout"))
+    model = spec.get("model") or {}
+    return (spec.get("normalizer") is None or spec["normalizer"].get("type") == "NFC") \
+        and _pre_tokenizer_splits_exactly(spec.get("pre_tokenizer") or {}) \
+        and _post_processor_keeps_ids(spec.get("post_processor")) \
+        and model.get("type") == "BPE" and not model.get("dropout")
 
 
 class PrefixTokenizer:
@@ -41,15 +93,21 @@ class PrefixTokenizer:
     def __init__(self, tokenizer: Tokenizer, capacity: int = 256, min_chars: int = 256):
         self.tokenizer, self.capacity, self.min_chars = tokenizer, capacity, min_chars
         self.exact = splits_exactly(tokenizer)
-        self.added = [t.content for t in tokenizer.get_added_tokens_decoder().values()]
+        self.ascii_cuts = json.loads(tokenizer.to_str()).get("normalizer") is not None
+        added = list(tokenizer.get_added_tokens_decoder().values())
+        # added tokens a text we split may hold: all, unless one strips whitespace or needs a whole word
+        strips = any(t.lstrip or t.rstrip or t.single_word for t in added)
+        self.unsplittable = [t.content for t in added] if strips else []
+        self.margin = max([MARGIN] + [len(t.content) + 2 for t in added])
         self._recent: OrderedDict[str, tuple[int, array]] = OrderedDict()   # prompt → (cut, its ids before cut)
         self._lock = threading.Lock()
 
     def encode(self, text: str) -> list[int]:
-        if not self.exact or len(text) < self.min_chars or any(a in text for a in self.added):
+        if not self.exact or len(text) < self.min_chars or any(a in text for a in self.unsplittable):
             return self.tokenizer.encode_batch([text])[0].ids      # (encode_batch releases the GIL while it works)
         earlier, cut, head = self._longest_earlier(text)
-        tail = self.tokenizer.encode_batch([text[cut:]])[0]
+        # a template's special tokens (all before the text) are in the head once there is one
+        tail = self.tokenizer.encode_batch([text[cut:]], add_special_tokens=not head)[0]
         ids = head.tolist() + tail.ids
         self._remember(text, earlier, cut, head, tail)
         return ids
@@ -66,13 +124,20 @@ class PrefixTokenizer:
             return best, cut, head
 
     def _remember(self, text: str, earlier: str | None, cut: int, head: array, tail) -> None:
-        """Store `text` with a cut before its last pre-tokens: the latest start of a pre-token (word_ids index them)
-        followed by at least one more and MARGIN characters. A tail too short to move it keeps the earlier cut,
-        which holds for `text` as it held for the prompt `text` extends."""
+        """Store `text` with a cut before its last pre-tokens: the latest start of a pre-token (word_ids index them;
+        a template's special tokens have none) followed by at least one more and `margin` characters (ASCII ones
+        under NFC). A tail too short to move it keeps the earlier cut, which holds for `text` as it held for the
+        prompt `text` extends."""
         words, offsets = tail.word_ids, tail.offsets          # offsets: characters of text[cut:]
-        last = len(text) - MARGIN - cut                        # (no added token here: every word id is set)
-        keep = next((i for i in range(len(words) - 1, 0, -1)
-                     if words[i] != words[i - 1] and words[i] < words[-1] and offsets[i][0] <= last), 0)
+        last = len(text) - self.margin - cut
+
+        def starts_a_cut(i: int) -> bool:
+            at = offsets[i][0]
+            return (words[i] is not None and words[i] != words[i - 1] and words[i] < words[-1] and at <= last
+                    and (not self.ascii_cuts or text[cut + at:cut + at + self.margin].isascii()))
+
+        ends_in_text = bool(words) and words[-1] is not None     # (a template's specials all come first)
+        keep = next((i for i in range(len(words) - 1, 0, -1) if starts_a_cut(i)), 0) if ends_in_text else 0
         new_cut, new_head = (cut + offsets[keep][0], head + array("i", tail.ids[:keep])) if keep else (cut, head)
         with self._lock:
             if earlier is not None:

@@ -1,6 +1,8 @@
 """PrefixTokenizer against the tokenizer's own encoding of the whole text: equal ids for every prompt, whether it
-extends a remembered one or not (Hypothesis: texts rich in what the ByteLevel regex splits on — whitespace runs,
-newlines, digits, contractions, punctuation, non-ASCII letters — cut anywhere, over several turns)."""
+extends a remembered one or not (Hypothesis: texts rich in what the split regexes split on — whitespace runs,
+newlines, digits, contractions, punctuation, non-ASCII letters, combining marks NFC composes and reorders — cut
+anywhere, over several turns), for the bundled tokenizer and for tokenizers built here the way Llama-3's, Qwen2's
+and SmolLM's are (their pre-tokenizer, normalizer and post-processor; BPE trained on our code)."""
 
 from __future__ import annotations
 
@@ -9,27 +11,76 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tokenizers import Tokenizer, normalizers
+from tokenizers import AddedToken, Regex, Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
 
-from runtime.prefix_tokenizer import PrefixTokenizer, splits_exactly
+from runtime.prefix_tokenizer import SPLIT_REGEXES, PrefixTokenizer, splits_exactly
 
 ROOT = Path(__file__).resolve().parents[2]
 BUNDLED = ROOT / "models" / "target" / "tokenizer.json"
 CODE = (ROOT / "runtime" / "scheduler.py").read_text()
 
 
-@pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    return Tokenizer.from_file(str(BUNDLED))
+BOS = "<|begin_of_text|>"
 
 
-def test_the_bundled_tokenizer_splits_exactly(tokenizer):
+def trained(pre_tokenizer, normalizer=None, post_processor=None) -> Tokenizer:
+    """A byte-level BPE tokenizer with these parts, trained on our code (and the unicode the tests use)."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizer
+    if normalizer is not None:
+        tok.normalizer = normalizer
+    trainer = trainers.BpeTrainer(vocab_size=1500, show_progress=False, special_tokens=["<|endoftext|>", BOS, "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([CODE, "ünïcode 日本語 é 🙂 " * 20], trainer)
+    if post_processor is not None:
+        tok.post_processor = post_processor
+    return tok
+
+
+def split_then_bytes(name: str):
+    return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(SPLIT_REGEXES[name]), "isolated"),
+                                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+
+def build(kind: str) -> Tokenizer:
+    if kind == "bundled":
+        return Tokenizer.from_file(str(BUNDLED))
+    if kind == "llama3":        # Split on its regex, bytes, <|begin_of_text|> put before every text
+        return trained(split_then_bytes("llama3"), post_processor=processors.Sequence([
+            processors.ByteLevel(trim_offsets=False),
+            processors.TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, 1)])]))
+    if kind == "qwen2":         # NFC, Split on its regex (single digits), bytes
+        return trained(split_then_bytes("qwen2"), normalizers.NFC(), processors.ByteLevel(trim_offsets=False))
+    if kind == "smollm":        # each digit its own pre-token, then GPT-2's regex
+        return trained(pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                pre_tokenizers.ByteLevel(add_prefix_space=False)]))
+    raise ValueError(kind)
+
+
+@pytest.fixture(scope="module", params=["bundled", "llama3", "qwen2", "smollm"])
+def tokenizer(request) -> Tokenizer:
+    return build(request.param)
+
+
+def test_these_tokenizers_split_exactly(tokenizer):
     assert splits_exactly(tokenizer)
+
+
+def test_a_template_s_special_tokens_come_once(tokenizer):
+    pt = PrefixTokenizer(tokenizer, min_chars=0)
+    first = CODE[:700]
+    second = first + "\n# and then?\n" + CODE[900:1000]
+    assert pt.encode(first) == tokenizer.encode(first).ids
+    assert pt._recent[first][0] > 0                            # the follow-up is tokenized from a cut
+    assert pt.encode(second) == tokenizer.encode(second).ids
 
 
 PIECES = st.sampled_from([" ", "  ", "   ", "\n", "\n\n", "\t", " \n", "\r\n", "a", "ab", "Hello", " world", "'s",
                           "'t", "'ll", "don't", "1", "12", "123456", " 42", ".", ",", "!?", "()", "->", "==", "#",
-                          '"""', "é", "ünïcode", "日本語", "🙂", "_x", "x_1", "    return"])
+                          '"""', "é", "ünïcode", "日本語", "🙂", "_x", "x_1", "    return",
+                          "e\u0301", "\u0301", "\u0316", "\u0316\u0301", "=\u0338", "\u1100\u1161", "\u212b",
+                          "<|endoftext|>", "<|endof", "text|>", "<|im_start|>", "<|im_end|>", "<|im_", "user\n",
+                          "<|begin_of", "_text|>", "<|begin_of_text", "|>"])
 TEXT = st.lists(PIECES, min_size=1, max_size=60).map("".join)
 
 
@@ -59,7 +110,8 @@ def test_a_follow_up_tokenizes_only_its_tail(tokenizer):
     history = CODE[:4000]
     assert pt.encode(history) == tokenizer.encode(history).ids
     (prompt, (cut, head)), = pt._recent.items()
-    assert prompt == history and len(history) - 64 < cut <= len(history) - 16 and len(head) > 900
+    whole = tokenizer.encode(history).ids
+    assert prompt == history and len(history) - 64 < cut <= len(history) - pt.margin and len(head) > 0.95 * len(whole)
     follow_up = history + "\n# user 3, question 1: what does this do?\n" + CODE[5000:5090]
     assert pt.encode(follow_up) == tokenizer.encode(follow_up).ids
     assert list(pt._recent) == [follow_up]           # the prompt it extended is superseded
@@ -76,17 +128,60 @@ def test_distinct_users_behind_one_system_prompt_keep_their_own_histories(tokeni
     assert set(pt._recent) == set(users.values())
 
 
-def test_an_added_token_in_the_text_takes_the_whole_encoding(tokenizer):
+def test_a_chat_template_s_added_tokens_are_boundaries(tokenizer):
     pt = PrefixTokenizer(tokenizer, min_chars=0)
+    history = "<|im_start|>system\n" + CODE[:1200] + "<|im_end|>\n"
+    for turn in range(4):
+        history += f"<|im_start|>user\nturn {turn}: " + CODE[2000 + 97 * turn:2090 + 97 * turn] + "<|im_end|>\n"
+        prompt = history + "<|im_start|>assistant\n"
+        assert pt.encode(prompt) == tokenizer.encode(prompt).ids
+        assert pt._recent[prompt][0] > len(prompt) - 120              # tokenized from near its end next turn
+        history = prompt + CODE[3000 + 50 * turn:3060 + 50 * turn] + "<|im_end|>\n"
+
+
+def test_an_added_token_completed_by_the_next_turn(tokenizer):
+    """A turn ends in the first 15 characters of <|begin_of_text|> (an added token of the Llama-3-shaped tokenizer)
+    and the next completes it: the spaces before it, split from it as text, are one pre-token before it as a
+    token — so the cut keeps more characters after it than the token has."""
+    pt = PrefixTokenizer(tokenizer, min_chars=0)
+    first = CODE[:300] + "x  <|begin_of_text"
+    second = first + "|>" + CODE[300:400]
+    assert pt.encode(first) == tokenizer.encode(first).ids
+    assert pt.encode(second) == tokenizer.encode(second).ids
+
+
+def test_an_added_token_that_strips_whitespace_takes_the_whole_encoding(tokenizer):
+    stripping = Tokenizer.from_str(tokenizer.to_str())
+    stripping.add_special_tokens([AddedToken("<|sep|>", lstrip=True, rstrip=True)])
+    pt = PrefixTokenizer(stripping, min_chars=0)
     first = CODE[:600]
-    pt.encode(first)
-    text = first + "<|endoftext|>" + CODE[600:700]
-    assert pt.encode(text) == tokenizer.encode(text).ids
+    assert pt.encode(first) == stripping.encode(first).ids
+    text = first + "  <|sep|>  " + CODE[600:700]
+    assert pt.encode(text) == stripping.encode(text).ids
+    assert list(pt._recent) == [first]                                 # not tokenized in pieces, not remembered
 
 
-def test_a_tokenizer_the_argument_does_not_cover_is_not_split(tokenizer):
-    other = Tokenizer.from_str(tokenizer.to_str())
-    other.normalizer = normalizers.Lowercase()
+def outside_the_argument() -> dict[str, Tokenizer]:
+    bundled = build("bundled")
+    lowercase = Tokenizer.from_str(bundled.to_str())
+    lowercase.normalizer = normalizers.Lowercase()
+    prefix_space = Tokenizer.from_str(bundled.to_str())
+    prefix_space.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+    other_regex = Tokenizer.from_str(bundled.to_str())
+    other_regex.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r"\s*\S+"), "isolated"),
+                                                         pre_tokenizers.ByteLevel(use_regex=False)])
+    suffix = Tokenizer.from_str(bundled.to_str())
+    suffix.post_processor = processors.TemplateProcessing(single="$A <|endoftext|>",
+                                                          special_tokens=[("<|endoftext|>", 0)])
+    trimmed = Tokenizer.from_str(bundled.to_str())
+    trimmed.post_processor = processors.ByteLevel(trim_offsets=True)
+    return {"lowercase": lowercase, "prefix space": prefix_space, "another regex": other_regex,
+            "a special token after the text": suffix, "offsets trimmed": trimmed}
+
+
+@pytest.mark.parametrize("why", list(outside_the_argument()))
+def test_a_tokenizer_the_argument_does_not_cover_is_not_split(why):
+    other = outside_the_argument()[why]
     pt = PrefixTokenizer(other, min_chars=0)
     assert not pt.exact
     for text in (CODE[:500], CODE[:900]):
