@@ -4,30 +4,31 @@ tokenized from near the end of the earlier prompt instead of from its start.
 Why: a byte-level BPE tokenizer spends its time in the pre-tokenizer's regex (the bundled tokenizer, 1,183 tokens
 of code: 1.65 of its 1.8 ms), and a chat pays it again for the whole history at every turn, before the first token.
 
-Exact, not approximate: BPE merges never cross a pre-token, and the split regexes below split left to right looking
-at most two characters past a match (`\\s+(?!\\S)` reads the character after a whitespace run and gives one back)
-— except where a whitespace run reaches the end of the text (`\\s*[\\r\\n]+` reads a run to its end), and such a
-run is at most the text's last two pre-tokens. So the pre-tokens of an earlier prompt that are followed in it by at
-least two more pre-tokens and MARGIN characters are pre-tokens of any text that extends it, with the same ids.
-Those ids are kept and only the rest is tokenized.
+Exact, not approximate: BPE merges never cross a pre-token, and the split regexes below split left to right, each
+match settled by at most two characters past it (`\\s+(?!\\S)` reads the character after a whitespace run and gives
+one back) or, for `\\s*[\\r\\n]+`, by the end of the whitespace run it starts in — characters an earlier prompt
+already has, unless the run reaches its end, and such a run is at most its last two pre-tokens. So the pre-tokens
+of an earlier prompt that are followed in it by at least two more pre-tokens and MARGIN characters are pre-tokens
+of any text that extends it, with the same ids. Those ids are kept and only the rest is tokenized.
 
 Used only where that argument holds, and otherwise (or when no recent prompt begins the text) the tokenizer's own
-encoding is returned: BPE without dropout; a pre-tokenizer that is GPT-2's ByteLevel regex (optionally after
-Digits), or a Split on Llama-3's or Qwen2's regex followed by ByteLevel's byte mapping, never adding a prefix
-space; no normalizer, or NFC (a cut then lies before `margin` ASCII characters, which NFC never composes or
-reorders across); no post-processor, or ones that leave ids and offsets alone (ByteLevel, untrimmed) or only put
-special tokens before the text (Llama-3's <|begin_of_text|>: kept with the head). Added tokens (a chat template's
-<|im_start|>) are matched before pre-tokenization and split the text into pieces tokenized on their own, so one is
-a boundary like any pre-token's — as long as none strips the whitespace around it or needs a whole word (lstrip,
-rstrip, single_word; else a text holding one gets the tokenizer's own encoding) and the cut keeps more characters
-after it than the longest added token has (a token that begins before the earlier prompt's end and ends after it
-then begins after the cut).
+encoding is returned: BPE without dropout, no truncation or padding; a pre-tokenizer that is GPT-2's ByteLevel regex
+(optionally after Digits), or a Split on Llama-3's or Qwen2's regex followed by ByteLevel's byte mapping, never
+adding a prefix space; no normalizer, or NFC (a cut then lies before `margin` ASCII characters, which NFC never
+composes or reorders across); no post-processor, or ones that leave ids and offsets alone (ByteLevel, untrimmed) or
+only put special tokens before the text (Llama-3's <|begin_of_text|>: kept with the head). Added tokens (a chat
+template's <|im_start|>) are matched before pre-tokenization and split the text into pieces tokenized on their own,
+so one is a boundary like any pre-token's — as long as none strips the whitespace around it or needs a whole word
+(lstrip, rstrip, single_word; else a text holding one, or under NFC whose normal form holds one, gets the
+tokenizer's own encoding) and the cut keeps more characters after it than the longest added token has (a token that
+begins before the earlier prompt's end and ends after it then begins after the cut).
 """
 
 from __future__ import annotations
 
 import json
 import threading
+import unicodedata
 from array import array
 from collections import OrderedDict
 
@@ -77,10 +78,12 @@ def _post_processor_keeps_ids(post: dict | None) -> bool:
 
 
 def splits_exactly(tokenizer: Tokenizer) -> bool:
-    """Whether tokens(a + b) = tokens(a)[:i] + tokens(a[cut:] + b) holds for this tokenizer (see the module doc)."""
+    """Whether the ids of a + b are those of a before a cut followed by those of a[cut:] + b (without a template's
+    special tokens, which the ids before the cut have) for this tokenizer (see the module doc)."""
     spec = json.loads(tokenizer.to_str())
     model = spec.get("model") or {}
-    return (spec.get("normalizer") is None or spec["normalizer"].get("type") == "NFC") \
+    return spec.get("truncation") is None and spec.get("padding") is None \
+        and (spec.get("normalizer") is None or spec["normalizer"].get("type") == "NFC") \
         and _pre_tokenizer_splits_exactly(spec.get("pre_tokenizer") or {}) \
         and _post_processor_keeps_ids(spec.get("post_processor")) \
         and model.get("type") == "BPE" and not model.get("dropout")
@@ -103,7 +106,7 @@ class PrefixTokenizer:
         self._lock = threading.Lock()
 
     def encode(self, text: str) -> list[int]:
-        if not self.exact or len(text) < self.min_chars or any(a in text for a in self.unsplittable):
+        if not self.exact or len(text) < self.min_chars or self._holds_unsplittable(text):
             return self.tokenizer.encode_batch([text])[0].ids      # (encode_batch releases the GIL while it works)
         earlier, cut, head = self._longest_earlier(text)
         # a template's special tokens (all before the text) are in the head once there is one
@@ -111,6 +114,14 @@ class PrefixTokenizer:
         ids = head.tolist() + tail.ids
         self._remember(text, earlier, cut, head, tail)
         return ids
+
+    def _holds_unsplittable(self, text: str) -> bool:
+        """An added token that strips whitespace (or needs a whole word) in the text — or in its NFC form, where
+        such a token may appear (U+212B ANGSTROM SIGN becomes Å)."""
+        if not self.unsplittable:
+            return False
+        forms = (text, unicodedata.normalize("NFC", text)) if self.ascii_cuts else (text,)
+        return any(a in form for form in forms for a in self.unsplittable)
 
     def _longest_earlier(self, text: str) -> tuple[str | None, int, array]:
         with self._lock:

@@ -139,8 +139,19 @@ def test_a_chat_template_s_added_tokens_are_boundaries(tokenizer):
         history = prompt + CODE[3000 + 50 * turn:3060 + 50 * turn] + "<|im_end|>\n"
 
 
+def test_a_stripping_token_that_only_nfc_spells_takes_the_whole_encoding():
+    """U+212B (ANGSTROM SIGN) is Å after NFC, where an added token that eats the whitespace before it matches."""
+    tok = build("qwen2")
+    tok.add_tokens([AddedToken("\u00c5", lstrip=True, normalized=True)])
+    pt = PrefixTokenizer(tok, min_chars=0)
+    first = "x.\n\n" + " " * 19 + "\n "
+    assert pt.encode(first) == tok.encode(first).ids
+    second = first + "\u212b"
+    assert pt.encode(second) == tok.encode(second).ids
+
+
 def test_an_added_token_completed_by_the_next_turn(tokenizer):
-    """A turn ends in the first 15 characters of <|begin_of_text|> (an added token of the Llama-3-shaped tokenizer)
+    """A turn ends in the first 15 characters of <|begin_of_text|> (an added token of the tokenizers trained here)
     and the next completes it: the spaces before it, split from it as text, are one pre-token before it as a
     token — so the cut keeps more characters after it than the token has."""
     pt = PrefixTokenizer(tokenizer, min_chars=0)
@@ -175,8 +186,10 @@ def outside_the_argument() -> dict[str, Tokenizer]:
                                                           special_tokens=[("<|endoftext|>", 0)])
     trimmed = Tokenizer.from_str(bundled.to_str())
     trimmed.post_processor = processors.ByteLevel(trim_offsets=True)
+    truncating = Tokenizer.from_str(bundled.to_str())
+    truncating.enable_truncation(max_length=100)
     return {"lowercase": lowercase, "prefix space": prefix_space, "another regex": other_regex,
-            "a special token after the text": suffix, "offsets trimmed": trimmed}
+            "a special token after the text": suffix, "offsets trimmed": trimmed, "truncation": truncating}
 
 
 @pytest.mark.parametrize("why", list(outside_the_argument()))
