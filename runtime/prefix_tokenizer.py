@@ -80,7 +80,10 @@ def _post_processor_keeps_ids(post: dict | None) -> bool:
 def splits_exactly(tokenizer: Tokenizer) -> bool:
     """Whether the ids of a + b are those of a before a cut followed by those of a[cut:] + b (without a template's
     special tokens, which the ids before the cut have) for this tokenizer (see the module doc)."""
-    spec = json.loads(tokenizer.to_str())
+    return _spec_splits_exactly(json.loads(tokenizer.to_str()))
+
+
+def _spec_splits_exactly(spec: dict) -> bool:
     model = spec.get("model") or {}
     return spec.get("truncation") is None and spec.get("padding") is None \
         and (spec.get("normalizer") is None or spec["normalizer"].get("type") == "NFC") \
@@ -95,8 +98,8 @@ class PrefixTokenizer:
 
     def __init__(self, tokenizer: Tokenizer, capacity: int = 256, min_chars: int = 256):
         self.tokenizer, self.capacity, self.min_chars = tokenizer, capacity, min_chars
-        self.exact = splits_exactly(tokenizer)
-        self.ascii_cuts = json.loads(tokenizer.to_str()).get("normalizer") is not None
+        spec = json.loads(tokenizer.to_str())        # (a 150K-token vocabulary's is megabytes: read once)
+        self.exact, self.ascii_cuts = _spec_splits_exactly(spec), spec.get("normalizer") is not None
         added = list(tokenizer.get_added_tokens_decoder().values())
         # added tokens a text we split may hold: all, unless one strips whitespace or needs a whole word
         strips = any(t.lstrip or t.rstrip or t.single_word for t in added)

@@ -310,51 +310,43 @@ constexpr int kMinGroupedTasks = 8;  // fewer (b, KV head, tile) tasks than this
 
 inline int segments_of(int len) { return (len + kSegment - 1) / kSegment; }
 
-// softmax numerators in place over n scores: exp(score − max); returns max, and Σ exp(score − max) in *sum.
-// Lane l of the max and of the sum takes scores j ≡ l (mod kLanes) in j order, then the lanes are reduced in a
-// fixed order: the AVX-512 path below is that arithmetic one register at a time (the compiler left the max loop
-// scalar: vmaxps may not stand for std::max as far as it knows, but max_ps(s, m) is (s > m) ? s : m, which is
-// std::max(m, s) for every input, NaN and signed zeros included), so both paths give the same bits.
-inline float softmax_unnormalised(float* scores, int n, float* sum) {
-  float lane_max[kLanes];
-  int j = 0;
+// out[l] = the max (kMax) or the sum of init and the scores j ≡ l (mod kLanes), taken in j order. The AVX-512 path
+// is that arithmetic one register at a time (the compiler left the max loop scalar: vmaxps may not stand for
+// std::max as far as it knows, but max_ps(s, m) is (s > m) ? s : m, which is std::max(m, s) for every input, NaN
+// and signed zeros included), so both paths give the same bits.
+template <bool kMax>
+inline void fold_lanes(const float* scores, int n, float init, float* out) {
 #ifdef __AVX512F__
   static_assert(kLanes == 16, "one 512-bit register of lanes");
-  const int rem = n % kLanes, whole = n - rem;
-  const __mmask16 tail = static_cast<__mmask16>((1u << rem) - 1);
-  __m512 mx = _mm512_set1_ps(-INFINITY);
-  for (; j < whole; j += kLanes) mx = _mm512_max_ps(_mm512_loadu_ps(scores + j), mx);
-  mx = _mm512_mask_max_ps(mx, tail, _mm512_maskz_loadu_ps(tail, scores + j), mx);
-  _mm512_storeu_ps(lane_max, mx);
-  float m = lane_max[0];
-  for (int l = 1; l < kLanes; ++l) m = std::max(m, lane_max[l]);
-  const __m512 mv = _mm512_set1_ps(m);
-  for (j = 0; j < whole; j += kLanes) _mm512_storeu_ps(scores + j, _mm512_sub_ps(_mm512_loadu_ps(scores + j), mv));
-  _mm512_mask_storeu_ps(scores + j, tail, _mm512_sub_ps(_mm512_maskz_loadu_ps(tail, scores + j), mv));
-  qs_exp_inplace(scores, n);
-  __m512 acc = _mm512_setzero_ps();
-  for (j = 0; j < whole; j += kLanes) acc = _mm512_add_ps(acc, _mm512_loadu_ps(scores + j));
-  acc = _mm512_mask_add_ps(acc, tail, acc, _mm512_maskz_loadu_ps(tail, scores + j));
-  float lane_sum[kLanes];
-  _mm512_storeu_ps(lane_sum, acc);
+  auto op = [](__m512 acc, __m512 s) { return kMax ? _mm512_max_ps(s, acc) : _mm512_add_ps(acc, s); };
+  const int whole = n / kLanes * kLanes;
+  const __mmask16 tail = static_cast<__mmask16>((1u << (n - whole)) - 1);
+  __m512 acc = _mm512_set1_ps(init);
+  for (int j = 0; j < whole; j += kLanes) acc = op(acc, _mm512_loadu_ps(scores + j));
+  _mm512_storeu_ps(out, _mm512_mask_mov_ps(acc, tail, op(acc, _mm512_maskz_loadu_ps(tail, scores + whole))));
 #else
-  std::fill(lane_max, lane_max + kLanes, -INFINITY);
+  auto op = [](float acc, float s) { return kMax ? std::max(acc, s) : acc + s; };
+  std::fill(out, out + kLanes, init);
+  int j = 0;
   for (; j + kLanes <= n; j += kLanes)
-    for (int l = 0; l < kLanes; ++l) lane_max[l] = std::max(lane_max[l], scores[j + l]);
-  for (int l = 0; j < n; ++j, ++l) lane_max[l] = std::max(lane_max[l], scores[j]);
-  float m = lane_max[0];
-  for (int l = 1; l < kLanes; ++l) m = std::max(m, lane_max[l]);
-  for (j = 0; j < n; ++j) scores[j] -= m;
-  qs_exp_inplace(scores, n);
-  float lane_sum[kLanes] = {};
-  j = 0;
-  for (; j + kLanes <= n; j += kLanes)
-    for (int l = 0; l < kLanes; ++l) lane_sum[l] += scores[j + l];
-  for (int l = 0; j < n; ++j, ++l) lane_sum[l] += scores[j];
+    for (int l = 0; l < kLanes; ++l) out[l] = op(out[l], scores[j + l]);
+  for (int l = 0; j < n; ++j, ++l) out[l] = op(out[l], scores[j]);
 #endif
+}
+
+// softmax numerators in place over n scores: exp(score − max); returns max, and Σ exp(score − max) in *sum, each
+// folded over kLanes lanes and the lanes reduced in a fixed order
+inline float softmax_unnormalised(float* scores, int n, float* sum) {
+  float lanes[kLanes];
+  fold_lanes<true>(scores, n, -INFINITY, lanes);
+  float m = lanes[0];
+  for (int l = 1; l < kLanes; ++l) m = std::max(m, lanes[l]);
+  for (int j = 0; j < n; ++j) scores[j] -= m;
+  qs_exp_inplace(scores, n);
+  fold_lanes<false>(scores, n, 0.0f, lanes);
   for (int w = kLanes / 2; w > 0; w /= 2)
-    for (int l = 0; l < w; ++l) lane_sum[l] += lane_sum[l + w];
-  *sum = lane_sum[0];
+    for (int l = 0; l < w; ++l) lanes[l] += lanes[l + w];
+  *sum = lanes[0];
   return m;
 }
 
