@@ -92,11 +92,12 @@ class Engine:
         """Validate and queue a request; raises InvalidRequest (bad input) or EngineOverloaded (queue full).
         `arrival` (time.monotonic) is when the caller received it: TTFT and queue time count from there."""
         params = params or SamplingParams()
-        ids = self.tokenizer.encode(prompt).ids if isinstance(prompt, str) else list(prompt)
+        vocab = self.runner.vocab_size
+        ids = self.tokenizer.encode(prompt).ids if isinstance(prompt, str) else _token_ids(prompt, vocab)
+        if ids is None:
+            raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab})")
         if not ids:
             raise InvalidRequest("the prompt is empty")
-        if any(not isinstance(t, (int, np.integer)) or not 0 <= t < self.runner.vocab_size for t in ids):
-            raise InvalidRequest(f"prompt token ids must be integers in [0, {self.runner.vocab_size})")
         if any(t >= self.runner.vocab_size for t, _ in params.logit_bias):
             raise InvalidRequest(f"logit_bias token ids must be below the vocabulary size {self.runner.vocab_size}")
         if len(ids) + params.max_tokens > self.max_model_len:
@@ -113,7 +114,7 @@ class Engine:
             if not isinstance(params.constraint, Constraint):
                 raise InvalidRequest("constraint must be a runtime.constraints.Constraint")
             matcher = self.grammars.matcher(params.constraint)
-        req = Request([int(t) for t in ids], params, request_id, priority)
+        req = Request(ids, params, request_id, priority)
         if arrival is not None:
             req.arrival = arrival
         if not self.kv.can_ever_fit(req):
@@ -290,6 +291,18 @@ class Engine:
                 if out.finished:
                     res["finish_reason"], res["usage"] = out.finish_reason, out.usage
         return [results[r.request_id] for r in reqs]
+
+
+def _token_ids(prompt, vocab_size: int) -> list[int] | None:
+    """A prompt of token ids as a list of ints, None unless it is a flat sequence of integers in [0, vocab_size)
+    (checked as one array: a Python loop over a 1,400-token prompt took 0.3 ms of the engine thread)."""
+    try:
+        ids = np.asarray(prompt)
+    except (ValueError, TypeError):         # ragged
+        return None
+    if ids.ndim != 1 or (ids.size and (ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() >= vocab_size)):
+        return None
+    return ids.tolist()
 
 
 def speculation_planner(speculator: Speculator, backend) -> Callable[[list[Request], int], dict[str, int]]:

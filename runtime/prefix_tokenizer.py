@@ -108,10 +108,17 @@ class PrefixTokenizer:
         self._recent: OrderedDict[str, tuple[int, array]] = OrderedDict()   # prompt → (cut, its ids before cut)
         self._lock = threading.Lock()
 
-    def encode(self, text: str) -> list[int]:
-        if not self.exact or len(text) < self.min_chars or self._holds_unsplittable(text):
+    def encode(self, text: str, max_chars: int | None = None) -> list[int] | None:
+        """The ids of `text`; with `max_chars`, None instead when more than that many characters would be
+        tokenized (a server tokenizes a chat's next turn on its event loop and anything longer in a thread)."""
+        whole = not self.exact or len(text) < self.min_chars
+        earlier, cut, head = (None, 0, array("i")) if whole else self._longest_earlier(text)
+        if max_chars is not None and len(text) - cut > max_chars:
+            return None
+        if whole or self._holds_unsplittable(text):
+            if max_chars is not None and len(text) > max_chars:
+                return None
             return self.tokenizer.encode_batch([text])[0].ids      # (encode_batch releases the GIL while it works)
-        earlier, cut, head = self._longest_earlier(text)
         # a template's special tokens (all before the text) are in the head once there is one
         tail = self.tokenizer.encode_batch([text[cut:]], add_special_tokens=not head)[0]
         ids = head.tolist() + tail.ids

@@ -23,6 +23,7 @@ module frees or copies KV.
 from __future__ import annotations
 
 import heapq
+import math
 from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -183,8 +184,9 @@ class KVCacheManager:
             return best, best_len, best_draft
         ids = np.asarray(ids[:limit])
         for slot, (kept, kept_draft) in self._retained.items():
-            if len(ids) < self.CONTINUES * len(kept):
-                continue                    # too short to continue it: no comparison (32 slots, every admission)
+            need = math.ceil(self.CONTINUES * len(kept))     # common tokens that make `ids` continue it
+            if len(ids) < need or kept[need - 1] != ids[need - 1]:
+                continue                    # cannot continue it: no whole comparison (32 slots, every admission)
             n = min(len(kept), len(ids))
             differ = np.flatnonzero(kept[:n] != ids[:n])
             common = int(differ[0]) if len(differ) else n

@@ -259,8 +259,14 @@ def test_invalid_requests(engine):
         eng.add_request([5] * 500, SamplingParams(max_tokens=100))
     with pytest.raises(InvalidRequest, match="empty"):
         eng.add_request([], SamplingParams())
-    with pytest.raises(InvalidRequest, match="token ids"):
-        eng.add_request([1, 2, 10**6], SamplingParams())
+    vocab = eng.runner.vocab_size
+    for bad in ([1, 2, 10**6], [1, vocab], [-1, 2], [1, 2.5], [1, None], [1, 10**30], [[1, 2]], [1, [2]], ["a"]):
+        with pytest.raises(InvalidRequest, match="token ids"):
+            eng.add_request(bad, SamplingParams())
+    for good in ([0, vocab - 1], np.array([3, 4], np.int32), (5, 6)):     # ids as any flat integer sequence
+        assert eng.add_request(good, SamplingParams(max_tokens=1)).prompt_ids == [int(t) for t in good]
+    while eng.has_work():
+        eng.step()
     assert_no_leaks(eng)
 
 

@@ -105,6 +105,23 @@ def test_a_chat_over_code_equals_the_whole_texts_encoding(tokenizer, start, cuts
         assert pt.encode(text) == tokenizer.encode(text).ids
 
 
+def test_max_chars_declines_what_would_tokenize_more(tokenizer):
+    """A server tokenizes on its event loop only what encode(text, max_chars) takes: a chat's next turn past its cut,
+    a short prompt; longer work is declined (None), and what is taken equals the tokenizer's own ids."""
+    pt = PrefixTokenizer(tokenizer)
+    history = CODE[:3000]
+    assert pt.encode(history, max_chars=512) is None and pt._recent == {}          # nothing done, nothing kept
+    assert pt.encode(history) == tokenizer.encode(history).ids
+    turn = history + "\n# and then?\n" + CODE[3100:3300]
+    assert len(turn) - pt._recent[history][0] < 512
+    assert pt.encode(turn, max_chars=512) == tokenizer.encode(turn).ids
+    long_turn = turn + CODE[4000:4600]
+    assert pt.encode(long_turn, max_chars=512) is None
+    assert pt.encode(long_turn) == tokenizer.encode(long_turn).ids
+    short = CODE[:100]
+    assert pt.encode(short, max_chars=512) == tokenizer.encode(short).ids and pt.encode(short, max_chars=50) is None
+
+
 def test_a_follow_up_tokenizes_only_its_tail(tokenizer):
     pt = PrefixTokenizer(tokenizer)
     history = CODE[:4000]
