@@ -116,7 +116,7 @@ class PrefixTokenizer:
         if max_chars is not None and len(text) - cut > max_chars:
             return None
         if whole or self._holds_unsplittable(text):
-            if max_chars is not None and len(text) > max_chars:
+            if max_chars is not None and len(text) > max_chars:     # (an unsplittable text is encoded whole)
                 return None
             return self.tokenizer.encode_batch([text])[0].ids      # (encode_batch releases the GIL while it works)
         # a template's special tokens (all before the text) are in the head once there is one

@@ -184,7 +184,7 @@ class KVCacheManager:
             return best, best_len, best_draft
         ids = np.asarray(ids[:limit])
         for slot, (kept, kept_draft) in self._retained.items():
-            need = math.ceil(self.CONTINUES * len(kept))     # common tokens that make `ids` continue it
+            need = max(1, math.ceil(self.CONTINUES * len(kept)))     # common tokens that make `ids` continue it
             if len(ids) < need or kept[need - 1] != ids[need - 1]:
                 continue                    # cannot continue it: no whole comparison (32 slots, every admission)
             n = min(len(kept), len(ids))

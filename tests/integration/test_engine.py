@@ -260,11 +260,20 @@ def test_invalid_requests(engine):
     with pytest.raises(InvalidRequest, match="empty"):
         eng.add_request([], SamplingParams())
     vocab = eng.runner.vocab_size
-    for bad in ([1, 2, 10**6], [1, vocab], [-1, 2], [1, 2.5], [1, None], [1, 10**30], [[1, 2]], [1, [2]], ["a"]):
+    for bad in ([1, 2, 10**6], [1, vocab], [-1, 2], [1, 2.5], [1, None], [1, 10**30], [[1, 2]], [1, [2]], ["a"],
+                [True, False], 7, None):
         with pytest.raises(InvalidRequest, match="token ids"):
             eng.add_request(bad, SamplingParams())
-    for good in ([0, vocab - 1], np.array([3, 4], np.int32), (5, 6)):     # ids as any flat integer sequence
-        assert eng.add_request(good, SamplingParams(max_tokens=1)).prompt_ids == [int(t) for t in good]
+    for good in ([0, vocab - 1], np.array([3, 4], np.int32), (5, 6), range(7, 9), (t for t in (9, 10))):
+        assert eng.add_request(good, SamplingParams(max_tokens=1)).prompt_ids in ([0, vocab - 1], [3, 4], [5, 6],
+                                                                                 [7, 8], [9, 10])
+    text_ids = eng.tokenizer.encode("def f(x):").ids      # a tokenizer that knows more tokens than the model
+    eng.runner.vocab_size = max(text_ids)
+    try:
+        with pytest.raises(InvalidRequest, match="outside the model's vocabulary"):
+            eng.add_request("def f(x):", SamplingParams())
+    finally:
+        eng.runner.vocab_size = vocab
     while eng.has_work():
         eng.step()
     assert_no_leaks(eng)
