@@ -7,7 +7,9 @@ client. With `--serve-args "--kv-budget-mib M"` the replicas' prefix caches can 
 users' contexts, the regime where routing decides the hit rate (round robin needs every context on every replica).
 
 Per routing policy: prefix-cache hit rate (cached prompt tokens / prompt tokens, as the server reports them),
-TTFT p50/p99, aggregate tok/s. The policies run one after another, alternating over rounds, each in a fresh
+TTFT p50/p99 at the client, aggregate tok/s, and the engines' own TTFT p50 (from the front's receipt of a request to
+its first token on the replica, as the front logs each request: what routing changes, without the client, the
+HTTP response and Serve's hop back, which every request pays alike). The policies run one after another, alternating over rounds, each in a fresh
 server (no cache carried over), on the same seeded workload.
 
     python tools/bench_replicas.py ENGINE --replicas 2 --threads 1 --users 16 --turns 6 --rate 2 --rounds 2 \\
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -29,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_serve import TEXT, free_port, openai_client, start  # noqa: E402
 
 POLICIES = ("prefix", "round-robin")
+FIGURES = ("hit_rate", "ttft_p50_ms", "ttft_p99_ms", "aggregate_tps", "engine_ttft_p50_ms")
 
 
 def workload(users: int, turns: int, system_chars: int, context_chars: int, seed: int) -> list[list[str]]:
@@ -108,12 +112,15 @@ def main() -> None:
                    str(args.threads), "--replica-routing", policy, "--http-port", str(port), "--grpc-port", "-1",
                    "--served-model-name", "m", *args.serve_args.split()]
             url = f"http://127.0.0.1:{port}/v1"
-            proc = start(cmd, url, Path(f"/tmp/bench_replicas_{policy}.log"))
+            log = Path(f"/tmp/bench_replicas_{policy}.log")
+            proc = start(cmd, url, log)
             try:
                 r = asyncio.run(run_workload(url, args, seed=rnd))
             finally:
                 proc.terminate()
                 proc.wait(60)
+            engine_ttft = [float(ms) for ms in re.findall(r" prompt=\d+ cached=\d+ .*ttft_ms=([\d.]+)", log.read_text())]
+            r["engine_ttft_p50_ms"] = float(np.median(engine_ttft)) if engine_ttft else float("nan")
             results[policy].append(r)
             print(f"round {rnd} {policy:12s} " + " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
                                                          for k, v in r.items()), flush=True)
@@ -122,12 +129,12 @@ def main() -> None:
         summary[policy] = {k: {"median": float(np.median([r[k] for r in rounds])),
                                "min": float(min(r[k] for r in rounds)), "max": float(max(r[k] for r in rounds))}
                            for k in rounds[0]}
-    for k in ("hit_rate", "ttft_p50_ms", "ttft_p99_ms", "aggregate_tps"):
+    for k in FIGURES:
         ratios = [p[k] / b[k] for p, b in zip(results["prefix"], results["round-robin"]) if b[k]]
         summary.setdefault("prefix_over_round_robin", {})[k] = {"median": float(np.median(ratios)),
                                                                "min": float(min(ratios)), "max": float(max(ratios))}
     print(f"{'figure':22s}{'prefix':>26s}{'round-robin':>26s}{'prefix / rr':>22s}")
-    for k in ("hit_rate", "ttft_p50_ms", "ttft_p99_ms", "aggregate_tps"):
+    for k in FIGURES:
         cells = [f"{summary[p][k]['median']:.3f} [{summary[p][k]['min']:.3f}-{summary[p][k]['max']:.3f}]" for p in POLICIES]
         r = summary["prefix_over_round_robin"][k]
         print(f"{k:22s}{cells[0]:>26s}{cells[1]:>26s}{r['median']:>12.2f} [{r['min']:.2f}-{r['max']:.2f}]")
