@@ -99,8 +99,8 @@ class Engine:
                                  if isinstance(prompt, str) else f"prompt token ids must be integers in [0, {vocab})")
         if not ids:
             raise InvalidRequest("the prompt is empty")
-        if any(t >= self.runner.vocab_size for t, _ in params.logit_bias):
-            raise InvalidRequest(f"logit_bias token ids must be below the vocabulary size {self.runner.vocab_size}")
+        if any(t >= vocab for t, _ in params.logit_bias):
+            raise InvalidRequest(f"logit_bias token ids must be below the vocabulary size {vocab}")
         if len(ids) + params.max_tokens > self.max_model_len:
             raise InvalidRequest(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                                  f"context length of {self.max_model_len} tokens")

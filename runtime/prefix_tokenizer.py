@@ -111,13 +111,11 @@ class PrefixTokenizer:
     def encode(self, text: str, max_chars: int | None = None) -> list[int] | None:
         """The ids of `text`; with `max_chars`, None instead when more than that many characters would be
         tokenized (a server tokenizes a chat's next turn on its event loop and anything longer in a thread)."""
-        whole = not self.exact or len(text) < self.min_chars
+        whole = not self.exact or len(text) < self.min_chars or self._holds_unsplittable(text)
         earlier, cut, head = (None, 0, array("i")) if whole else self._longest_earlier(text)
         if max_chars is not None and len(text) - cut > max_chars:
             return None
-        if whole or self._holds_unsplittable(text):
-            if max_chars is not None and len(text) > max_chars:     # (an unsplittable text is encoded whole)
-                return None
+        if whole:
             return self.tokenizer.encode_batch([text])[0].ids      # (encode_batch releases the GIL while it works)
         # a template's special tokens (all before the text) are in the head once there is one
         tail = self.tokenizer.encode_batch([text[cut:]], add_special_tokens=not head)[0]

@@ -9,8 +9,8 @@ users' contexts, the regime where routing decides the hit rate (round robin need
 Per routing policy: prefix-cache hit rate (cached prompt tokens / prompt tokens, as the server reports them),
 TTFT p50/p99 at the client, aggregate tok/s, and the engines' own TTFT p50 (from the front's receipt of a request to
 its first token on the replica, as the front logs each request: what routing changes, without the client, the
-HTTP response and Serve's hop back, which every request pays alike). The policies run one after another, alternating over rounds, each in a fresh
-server (no cache carried over), on the same seeded workload.
+HTTP response and Serve's hop back, which every request pays alike). The policies run one after another,
+alternating over rounds, each in a fresh server (no cache carried over), on the same seeded workload.
 
     python tools/bench_replicas.py ENGINE --replicas 2 --threads 1 --users 16 --turns 6 --rate 2 --rounds 2 \\
         --json tools/results/replicas_prefix_vs_rr.json
@@ -33,6 +33,7 @@ from bench_serve import TEXT, free_port, openai_client, start  # noqa: E402
 
 POLICIES = ("prefix", "round-robin")
 FIGURES = ("hit_rate", "ttft_p50_ms", "ttft_p99_ms", "aggregate_tps", "engine_ttft_p50_ms")
+ENGINE_TTFT = re.compile(r" prompt=\d+ cached=\d+ .*ttft_ms=([\d.]+)")     # the front's line for a finished request
 
 
 def workload(users: int, turns: int, system_chars: int, context_chars: int, seed: int) -> list[list[str]]:
@@ -119,7 +120,7 @@ def main() -> None:
             finally:
                 proc.terminate()
                 proc.wait(60)
-            engine_ttft = [float(ms) for ms in re.findall(r" prompt=\d+ cached=\d+ .*ttft_ms=([\d.]+)", log.read_text())]
+            engine_ttft = [float(ms) for ms in ENGINE_TTFT.findall(log.read_text())]
             r["engine_ttft_p50_ms"] = float(np.median(engine_ttft)) if engine_ttft else float("nan")
             results[policy].append(r)
             print(f"round {rnd} {policy:12s} " + " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"

@@ -264,9 +264,11 @@ def test_invalid_requests(engine):
                 [True, False], 7, None):
         with pytest.raises(InvalidRequest, match="token ids"):
             eng.add_request(bad, SamplingParams())
-    for good in ([0, vocab - 1], np.array([3, 4], np.int32), (5, 6), range(7, 9), (t for t in (9, 10))):
-        assert eng.add_request(good, SamplingParams(max_tokens=1)).prompt_ids in ([0, vocab - 1], [3, 4], [5, 6],
-                                                                                 [7, 8], [9, 10])
+    goods = [([0, vocab - 1], [0, vocab - 1]), (np.array([3, 4], np.int32), [3, 4]), ((5, 6), [5, 6]),
+             (range(7, 9), [7, 8]), ((t for t in (9, 10)), [9, 10])]       # ids as any flat integer iterable
+    for good, expected in goods:
+        ids = eng.add_request(good, SamplingParams(max_tokens=1)).prompt_ids
+        assert ids == expected and all(type(t) is int for t in ids)
     text_ids = eng.tokenizer.encode("def f(x):").ids      # a tokenizer that knows more tokens than the model
     eng.runner.vocab_size = max(text_ids)
     try:
