@@ -102,15 +102,17 @@ def test_a_users_turns_go_to_the_replica_that_holds_their_prefix(server):
     assert len(gained) == 2 and sorted(gained.values())[0] == 0 and sorted(gained.values())[1] >= sum(cached)
 
 
-def test_distinct_prefixes_spread_over_both_replicas(server):
+def test_new_users_behind_a_shared_prefix_spread_over_both_replicas(server):
     time.sleep(1.2)
     before = replica_values(server, "quicksilver_prompt_tokens_total")
-    for i in range(16):       # idle replicas tie on load; a new prefix is placed by its first block's hash
+    shared = SYSTEM[:SYSTEM.index("# rule 2")]        # ~40 tokens every user's prompt starts with, ~100 of its own
+    for i in range(16):       # the shared part is less than half of each prompt: placed on the replica given the least
         httpx.post(f"{server.http_url}/v1/completions", timeout=60,
-                   json={"prompt": f"# user {i} " * 20, "max_tokens": 1}).raise_for_status()
+                   json={"prompt": shared + f"# user {i} " * 20, "max_tokens": 1}).raise_for_status()
     time.sleep(1.2)
     gained = {r: v - before.get(r, 0) for r, v in replica_values(server, "quicksilver_prompt_tokens_total").items()}
-    assert len(gained) == 2 and min(gained.values()) > 0, gained     # both replicas took some (P(fail) = 2^-15)
+    # both took a fair share (following the shared line would send every user to the replica that took it first)
+    assert len(gained) == 2 and min(gained.values()) >= 0.25 * sum(gained.values()), gained
 
 
 def test_a_client_hang_up_frees_the_kv_on_its_replica(server):

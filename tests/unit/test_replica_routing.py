@@ -1,5 +1,7 @@
 """The prefix-aware replica policy (runtime.cluster.routing) as a function: what it ranks first, and why."""
 
+from collections import Counter
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -32,7 +34,7 @@ def test_a_recorded_prefix_goes_back_to_its_replica_until_that_replica_is_satura
     ranks, why = policy.choose(keys, {"a": 2, "b": 4, "c": 1}, saturated_at=4)
     assert ranks == [["c", "a", "b"]] and why.startswith("prefix holders saturated")
     policy.forget("b")                                  # its replacement holds nothing
-    assert policy.choose(keys, {"a": 2, "b": 0}, 4)[1] == "no prefix match: least loaded"
+    assert policy.choose(keys, {"a": 2, "b": 0}, 4)[1] == "no prefix match: least cached"
 
 
 def test_the_longest_held_prefix_wins_and_a_shared_one_goes_to_its_least_loaded_holder():
@@ -63,25 +65,64 @@ def test_users_behind_one_system_prompt_spread_over_equally_loaded_replicas():
     assert 70 <= firsts["a"] <= 130, firsts             # binomial(200, 1/2): outside this once in ~10^4
 
 
+def test_new_users_behind_a_system_prompt_one_replica_took_spread_evenly_and_stay():
+    """Only the replica that took the first user holds the system prompt: following it would send every new user
+    there. A held prefix under half of the prompt is not followed; the new user goes to the replica given the least."""
+    policy = PrefixAffinity()
+    system = list(range(1000, 1000 + 160))              # 10 blocks every user's prompt starts with
+    prompts = [system + [user, 7] * 88 for user in range(40)]     # and 11 of the user's own: a match under 1/2
+    owner = {}
+    for user, prompt in enumerate(prompts):
+        ranks, why = policy.choose(prefix_keys(prompt, 16), {"a": 0, "b": 0}, saturated_at=8)
+        assert why == ("no prefix match: least cached" if user == 0 else
+                       "prefix match too short (10 of 21 blocks): least cached")
+        owner[user] = ranks[0][0]
+        policy.record(prefix_keys(prompt, 16), owner[user])
+        assert abs(policy.sizes["a"] - policy.sizes["b"]) <= 21, policy.sizes   # at most one user's blocks
+    assert sorted(owner.values()).count("a") == 20      # exactly half each
+    for user, prompt in enumerate(prompts):             # each user's next turn goes where its history is
+        keys = prefix_keys(prompt + [3] * 48, 16)
+        ranks, why = policy.choose(keys, {"a": 0, "b": 0}, saturated_at=8)
+        assert ranks[0] == [owner[user]] and why == "prefix match (21 blocks)"
+
+
+def test_a_match_of_min_match_is_followed_and_a_shorter_one_is_not():
+    policy = PrefixAffinity(min_match=0.75)
+    keys = list(range(8))
+    policy.record(keys[:6], "b")                        # b took 6 of the 8 blocks: 0.75
+    policy.record(list(range(100, 120)), "a")           # a was given more
+    assert policy.choose(keys, {"a": 0, "b": 0}, 8) == ([["b"], ["a"]], "prefix match (6 blocks)")
+    policy.record(keys[:5] + [99], "b")                 # a sibling prompt: b still holds the first 5 and 6
+    assert policy.choose(keys[:5] + [50, 51, 52], {"a": 0, "b": 0}, 8) == \
+        ([["b", "a"]], "prefix match too short (5 of 8 blocks): least cached")
+    assert policy.sizes == {"a": 20, "b": 7}
+    # a new prompt: to b, given less, unless b holds max_imbalance more requests than the least loaded
+    assert policy.choose(list(range(200, 204)), {"a": 1, "b": 1}, 8, max_imbalance=2)[0] == [["b", "a"]]
+    assert policy.choose(list(range(200, 204)), {"a": 0, "b": 2}, 8, max_imbalance=2)[0] == [["a", "b"]]
+
+
 def test_the_owner_map_is_bounded_and_forgets_the_least_recent():
     policy = PrefixAffinity(capacity=10)
     for i in range(8):
         policy.record([i, 100 + i], "a")                # 16 keys through a map of 10
     assert len(policy.holders) == 10
     assert list(policy.holders)[:2] == [3, 103]         # the 3 oldest requests' keys are gone
-    assert policy.choose([0, 100], {"a": 0, "b": 0}, 4)[1] == "no prefix match: least loaded"
+    assert policy.choose([0, 100], {"a": 0, "b": 0}, 4)[1] == "no prefix match: least cached"
     assert policy.choose([7, 107], {"a": 1, "b": 0}, 4)[0][0] == ["a"]
+    assert policy.sizes == {"a": 10}                    # what a holds is what the map still has
 
 
 @settings(max_examples=400, deadline=None)
 @given(history=st.lists(st.tuples(st.lists(st.integers(0, 5), max_size=4), st.sampled_from(REPLICAS)), max_size=12),
        keys=st.lists(st.integers(0, 5), max_size=5),
        loads=st.dictionaries(st.sampled_from(REPLICAS), st.one_of(st.none(), st.integers(0, 6)), min_size=1),
-       saturated_at=st.integers(1, 6), max_imbalance=st.integers(1, 7))
-def test_choice_properties(history, keys, loads, saturated_at, max_imbalance):
-    policy = PrefixAffinity()
+       saturated_at=st.integers(1, 6), max_imbalance=st.integers(1, 7), capacity=st.integers(1, 30))
+def test_choice_properties(history, keys, loads, saturated_at, max_imbalance, capacity):
+    policy = PrefixAffinity(capacity)
     for ks, replica in history:
         policy.record(ks, replica)
+    # each replica's size is the number of keys the (bounded) map still has it hold
+    assert policy.sizes == Counter(r for held in policy.holders.values() for r in held)
     ranks, why = policy.choose(keys, loads, saturated_at, max_imbalance)
     ranked = [r for rank in ranks for r in rank]
     assert sorted(ranked) == sorted(loads)              # every candidate once, nothing else
@@ -90,15 +131,24 @@ def test_choice_properties(history, keys, loads, saturated_at, max_imbalance):
     room = [r for r in loads if load[r] < saturated_at]
     assert load[first] < saturated_at or not room       # never a saturated replica while one has room
     holders = [[r for r in policy.holders.get(k, ()) if r in loads] for k in reversed(keys)]
-    deepest = next((h for h in holders if h), [])       # who holds the longest held prefix
+    depth = next((len(keys) - i for i, h in enumerate(holders) if h), 0)
+    deepest = holders[len(keys) - depth] if depth else []   # who holds the longest held prefix
     least = min(load.values())
     best = min((load[r] for r in deepest), default=None)
-    if deepest and best < saturated_at and best - least < max_imbalance:
-        # a least-loaded holder of the deepest prefix, when it has room and is not far busier than the least loaded
-        assert first in deepest and load[first] == best and why.startswith("prefix match")
-        assert set(ranks[0]) == set(deepest)
-    else:                                               # else a least-loaded replica
-        assert load[first] == least
+    if depth and depth >= policy.min_match * len(keys):
+        if best < saturated_at and best - least < max_imbalance:
+            # a least-loaded holder of the deepest prefix, when it has room and is not far busier than the least loaded
+            assert first in deepest and load[first] == best and why.startswith("prefix match (")
+            assert set(ranks[0]) == set(deepest)
+        else:                                           # else a least-loaded replica
+            assert load[first] == least
+    else:                                               # a new prompt: the least cached of those with room
+        near = [r for r in loads if load[r] < saturated_at and load[r] - least < max_imbalance]
+        assert why.endswith("least cached")
+        if near:
+            assert first in near and policy.sizes[first] == min(policy.sizes[r] for r in near)
+        else:
+            assert load[first] == least
     policy.record(keys, first)
     if keys and load[first] < saturated_at and load[first] - least < max_imbalance:   # the same prompt again
         assert first in policy.choose(keys, loads, saturated_at, max_imbalance)[0][0]   # may go where this went
