@@ -160,22 +160,19 @@ def _cache_settings(on: bool, threshold: float | None, ttl: float, size: int):
     return CacheSettings(DEFAULT_THRESHOLD if threshold is None else threshold, ttl, size)
 
 
-def _cluster(replicas: int | None, threads: int | None, routing: str, address: str | None,
-             min_match: float | None):
+def _cluster(replicas: int | None, threads: int | None, routing: str, address: str | None):
     from .config import ClusterConfig
 
     if replicas is None:
-        if address is not None or min_match is not None:
-            fail(f"{'--ray-address' if address is not None else '--replica-min-match'} applies with --replicas N")
+        if address is not None:
+            fail("--ray-address applies with --replicas N")
         return None
-    if min_match is not None and routing != "prefix":
-        fail("--replica-min-match applies with --replica-routing prefix")
     import importlib.util
 
     if importlib.util.find_spec("ray") is None or importlib.util.find_spec("ray.serve") is None:
         fail("--replicas runs the engines on Ray Serve, which is not installed: pip install '.[cluster]' "
              "(or pip install 'ray[serve]')")
-    return ClusterConfig(replicas, threads or 1, routing, address, min_match)
+    return ClusterConfig(replicas, threads or 1, routing, address)
 
 
 def _models(values: tuple[str, ...]) -> dict[str, Path]:
@@ -260,10 +257,6 @@ def _models(values: tuple[str, ...]) -> dict[str, Path]:
                    "last served their prompt's prefix unless it is saturated.")
 @click.option("--replica-routing", type=click.Choice(["prefix", "round-robin"]), default="prefix", show_default=True,
               help="With --replicas: prefix-aware routing, or plain round robin (for comparison).")
-@click.option("--replica-min-match", type=click.FloatRange(0, 1), default=None, show_default="0.5", metavar="SHARE",
-              help="With prefix routing: follow the replica holding a prompt's longest prefix only when that prefix "
-                   "is at least this share of the prompt; other prompts go to the replica given the least, so new "
-                   "users spread. Raise it when a system prompt every user shares is most of a first prompt.")
 @click.option("--ray-address", default=None, metavar="ADDRESS",
               help="With --replicas: join this Ray cluster (auto, or ray://HEAD:10001) instead of starting Ray here; "
                    "the engine folder must be at the same path on every node.")
@@ -286,8 +279,7 @@ def serve(engine: Path | None, draft: Path | None, speculation: str, host: str, 
           priority_keys: tuple[str, ...], tenants_file: Path | None, otlp_endpoint: str | None,
           models: tuple[str, ...], route_file: Path | None, semantic_cache: bool,
           semantic_cache_threshold: float | None, semantic_cache_ttl: float, semantic_cache_size: int,
-          replicas: int | None, replica_routing: str, replica_min_match: float | None,
-          ray_address: str | None) -> None:
+          replicas: int | None, replica_routing: str, ray_address: str | None) -> None:
     """Serve ENGINE (default: the bundled target) over gRPC and OpenAI-compatible HTTP, with /metrics.
     With --model, several engines share the server and requests name one, or "auto" (--route)."""
     import logging
@@ -316,7 +308,7 @@ def serve(engine: Path | None, draft: Path | None, speculation: str, host: str, 
                              load_policy(route_file) if route_file else None,
                              _cache_settings(semantic_cache, semantic_cache_threshold, semantic_cache_ttl,
                                              semantic_cache_size),
-                             _cluster(replicas, threads, replica_routing, ray_address, replica_min_match))
+                             _cluster(replicas, threads, replica_routing, ray_address))
         if route_file and not models:
             fail("--route chooses between models: add them with --model NAME=ENGINE")
         run(run_server(engine_path, econf, sconf, _models(models)))

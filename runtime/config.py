@@ -95,16 +95,12 @@ class ClusterConfig:
     threads: int = 1                  # ONNX Runtime threads (and Ray CPUs) per replica
     routing: str = "prefix"           # prefix: prefix-aware (runtime.cluster.routing) | round-robin
     address: str | None = None        # a running Ray cluster ("auto", "ray://head:10001"); None: start Ray here
-    min_match: float | None = None    # prefix routing follows a held prefix of at least this share of the prompt
-                                      # (None: runtime.cluster.routing.MIN_MATCH)
 
     def __post_init__(self):
         if self.replicas < 1 or self.threads < 1:
             raise ValueError("--replicas and --threads must be at least 1")
         if self.routing not in ("prefix", "round-robin"):
             raise ValueError(f"routing must be prefix or round-robin, not {self.routing!r}")
-        if self.min_match is not None and not 0 <= self.min_match <= 1:
-            raise ValueError(f"--replica-min-match must be between 0 and 1, not {self.min_match}")
 
 
 @dataclass(frozen=True)

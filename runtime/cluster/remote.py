@@ -83,7 +83,7 @@ class Cluster:
             max_queued_requests=c.replicas * (sched.max_num_seqs + sched.max_waiting),
             health_check_period_s=2.0, health_check_timeout_s=30.0, graceful_shutdown_timeout_s=5.0,
             request_router_config=RequestRouterConfig(request_router_class=ROUTERS[c.routing],
-                                                      request_router_kwargs=self._router_kwargs(sched)))
+                                                      request_router_kwargs={"saturated_at": sched.max_num_seqs}))
         replica_config = replace(config, threads=c.threads)
         handle = serve.run(deployment.bind(str(Path(engine_dir).resolve()), replica_config, f"{self.prefix}-metrics"),
                            name=app, route_prefix=None)
@@ -92,12 +92,6 @@ class Cluster:
             info = pool.submit(lambda: handle.describe.remote().result()).result()
         log.info("model %s: %d replicas x %d threads on Ray (%s routing)", name, c.replicas, c.threads, c.routing)
         return RemoteAsyncEngine(RemoteEngine(Path(engine_dir), config, info, _Waiting(self, app)), self, app)
-
-    def _router_kwargs(self, sched) -> dict:
-        kwargs = {"saturated_at": sched.max_num_seqs}
-        if self.config.min_match is not None:
-            kwargs["min_match"] = self.config.min_match
-        return kwargs
 
     def published(self, app: str) -> dict[str, tuple[bytes, int]]:
         """replica → (metrics exposition, requests waiting), as the app's replicas last published them."""

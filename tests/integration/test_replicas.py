@@ -196,15 +196,3 @@ def test_the_single_server_never_imports_ray():
     code = ("import sys, runtime.cli, runtime.server.app, runtime.server.http_server, runtime.server.grpc_server; "
             "print(any(m == 'ray' or m.startswith('ray.') for m in sys.modules))")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
-
-
-def test_cli_refuses_replica_options_that_do_not_apply(tmp_path):
-    from click.testing import CliRunner
-
-    from runtime.cli import main
-    for args, says in ((["--replica-min-match", "0.8"], "--replica-min-match applies with --replicas N"),
-                       (["--replicas", "2", "--replica-routing", "round-robin", "--replica-min-match", "0.8"],
-                        "--replica-min-match applies with --replica-routing prefix"),
-                       (["--replicas", "2", "--replica-min-match", "1.5"], "1.5 is not in the range")):
-        r = CliRunner().invoke(main, ["serve", str(tmp_path), *args])
-        assert r.exit_code == 2 and says in r.output, r.output
