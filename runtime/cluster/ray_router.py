@@ -1,9 +1,9 @@
 """Ray Serve request routers for engine replicas (RequestRouterConfig.request_router_class).
 
-PrefixAffinity ranks replicas for PrefixAwareRouter (runtime.cluster.routing): the replicas that took the request's
-longest prompt prefix first, when that prefix is at least `min_match` of the prompt, unless the least loaded of them
-holds `saturated_at` requests (its engine's slots are full, so the request would queue there) or `max_imbalance` more
-than the least-loaded replica; a new prompt to the replica that was given the least. RoundRobinRouter is the
+PrefixAffinity ranks replicas for PrefixAwareRouter (runtime.cluster.routing): for a prompt that continues an earlier
+one, the replicas that took its longest prefix first, unless the least loaded of them holds `saturated_at` requests
+(its engine's slots are full, so the request would queue there) or `max_imbalance` more than the least-loaded
+replica; any other prompt to the replica that was given the least. RoundRobinRouter is the
 baseline the benchmark compares it with. Both rank single replicas: Serve takes the first rank whose replica accepts
 (a replica at its max_ongoing_requests refuses, and the next rank is tried).
 
@@ -18,7 +18,7 @@ from typing import Any
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from .routing import MIN_MATCH, PrefixAffinity
+from .routing import PrefixAffinity
 
 log = logging.getLogger("quicksilver.cluster")
 
@@ -29,8 +29,8 @@ def _keys(request: PendingRequest | None) -> list[int]:
 
 class PrefixAwareRouter(FIFOMixin, RequestRouter):
     def initialize_state(self, saturated_at: int = 16, max_imbalance: int | None = None, capacity: int = 200_000,
-                         min_match: float = MIN_MATCH, **_: Any) -> None:
-        self.policy = PrefixAffinity(capacity, min_match)
+                         **_: Any) -> None:
+        self.policy = PrefixAffinity(capacity)
         self.saturated_at, self.max_imbalance = saturated_at, max_imbalance
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
