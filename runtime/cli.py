@@ -253,8 +253,8 @@ def _models(values: tuple[str, ...]) -> dict[str, Path]:
                    '"saturated_waiting" requests queued, default its --max-waiting, instead of shedding)}.')
 @click.option("--replicas", type=click.IntRange(1), default=None, metavar="N",
               help="Run N replicas of the engine on Ray Serve (pip install '.[cluster]'), each with --threads ONNX "
-                   "Runtime threads (default 1), behind the same HTTP and gRPC API; requests go to the replica that "
-                   "last served their prompt's prefix unless it is saturated.")
+                   "Runtime threads (default 1), behind the same HTTP and gRPC API; a conversation's next turn goes to "
+                   "the replica that holds its history (unless it is saturated), new prompts to the least cached.")
 @click.option("--replica-routing", type=click.Choice(["prefix", "round-robin"]), default="prefix", show_default=True,
               help="With --replicas: prefix-aware routing, or plain round robin (for comparison).")
 @click.option("--ray-address", default=None, metavar="ADDRESS",
