@@ -3,7 +3,6 @@ tenant's priority floor holds, metrics carry the tenant; and the token bucket ne
 rate allows (Hypothesis, on a fake clock)."""
 
 import json
-import threading
 
 import grpc
 import httpx
@@ -56,22 +55,24 @@ def test_unknown_or_missing_key_is_refused(server):
 
 
 def test_concurrency_cap_and_priority_floor(server):
-    started, results = threading.Event(), {}
+    results = {}
+    with httpx.Client(timeout=60) as second_client:     # made beforehand: the second request goes out at once
+        def second():
+            return second_client.post(f"{server.http_url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 4},
+                                      headers={"Authorization": f"Bearer {SOLO.key}"})
 
-    def long_stream():
+        # the second request is sent as soon as the first one streams its first token, from inside its stream:
+        # ~400 tokens are still to come (tens of milliseconds of this small model), so it is still in flight (was:
+        # sent from another thread after a wake-up and a new client's setup, and 300 tokens had sometimes finished)
         with httpx.stream("POST", f"{server.http_url}/v1/completions", headers={"Authorization": f"Bearer {SOLO.key}"},
-                          json={"prompt": PROMPT, "max_tokens": 300, "ignore_eos": True, "stream": True}, timeout=60) as r:
+                          json={"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True},
+                          timeout=60) as r:
             for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    started.set()
+                if line.startswith("data: {") and "second" not in results:
+                    results["second"] = second()
             results["status"] = r.status_code
-
-    t = threading.Thread(target=long_stream)
-    t.start()
-    assert started.wait(30)
-    second = post(server, SOLO.key)
-    assert second.status_code == 429 and "max_concurrency" in second.json()["error"]["message"]
-    t.join(60)
+    refused = results["second"]
+    assert refused.status_code == 429 and "max_concurrency" in refused.json()["error"]["message"]
     assert results["status"] == 200
     assert post(server, SOLO.key).status_code == 200          # the slot came back
     assert post(server, SOLO.key, priority=-5).status_code == 200
