@@ -1,11 +1,8 @@
 """Ray Serve request routers for engine replicas (RequestRouterConfig.request_router_class).
 
-PrefixAffinity ranks replicas for PrefixAwareRouter (runtime.cluster.routing): for a prompt that continues an earlier
-one, the replicas that took its longest prefix first, unless the least loaded of them holds `saturated_at` requests
-(its engine's slots are full, so the request would queue there) or `max_imbalance` more than the least-loaded
-replica; any other prompt to the replica that was given the least. RoundRobinRouter is the
-baseline the benchmark compares it with. Both rank single replicas: Serve takes the first rank whose replica accepts
-(a replica at its max_ongoing_requests refuses, and the next rank is tried).
+PrefixAwareRouter ranks replicas with runtime.cluster.routing.PrefixAffinity (the policy and why: there);
+RoundRobinRouter is the baseline the benchmark compares it with. Both rank single replicas: Serve takes the first
+rank whose replica accepts (a replica at its max_ongoing_requests refuses, and the next rank is tried).
 
 Loads are Serve's own count of each replica's ongoing requests (its queue-length cache: updated when a request is
 sent, when it finishes and by the replicas' answers), so no extra probing is done.

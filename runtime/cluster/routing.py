@@ -1,11 +1,6 @@
-"""Prefix-aware replica choice. A prompt that continues an earlier one (a conversation's next turn: its longest
-prefix any replica took ends where an earlier prompt ended) goes to a replica that took that prefix (the least loaded
-of them), unless that replica is saturated or holds `max_imbalance` more requests than the least-loaded one; then to
-the least-loaded replica. Any other prompt — a new one, or one that branches off a prefix earlier prompts went on
-from in other ways (a new user behind a system prompt every user shares) — goes to the replica that was given the
-least (the fewest prefix keys) among those not far busier than the least loaded, so users spread evenly over the
-replicas' caches and each user's later turns follow. Ties go by load, then by rendezvous hashing on the prompt's
-deepest key.
+"""Prefix-aware replica choice: a conversation's next turn goes to the replica that holds its history; any other
+prompt (a new user, even behind a system prompt every user shares) to the replica that was given the least, so users
+spread evenly over the replicas' caches. The rules, with their overrides for load, are PrefixAffinity.choose's.
 
 This is the policy alone, with no Ray in it (runtime.cluster.ray_router wraps it as a Ray Serve request router),
 so it can be tested as a function. The keys are the KV cache's own chained block hashes (runtime.kv.hashing) of
