@@ -6,10 +6,11 @@ arrivals (each user thinks for an exponential time before the next turn), greedy
 client. With `--serve-args "--kv-budget-mib M"` the replicas' prefix caches can be made to hold only part of the
 users' contexts, the regime where routing decides the hit rate (round robin needs every context on every replica).
 
-Per routing policy: prefix-cache hit rate (cached prompt tokens / prompt tokens, as the server reports them),
-TTFT p50/p99 at the client, aggregate tok/s, and the engines' own TTFT p50 (from the front's receipt of a request to
-its first token on the replica, as the front logs each request: what routing changes, without the client, the
-HTTP response and Serve's hop back, which every request pays alike). The policies run one after another,
+Per routing policy: prefix-cache hit rate (cached prompt tokens / prompt tokens, as the server reports them), the
+prompt tokens a request's replica computed (p50: what a hit's TTFT is made of, beside the fixed cost), TTFT
+p50/p99 at the client, aggregate tok/s, and the engines' own TTFT p50 (from the front's receipt of a request to its
+first token on the replica, as the front logs each request: what routing changes, without the client, the HTTP
+response and Serve's hop back, which every request pays alike). The policies run one after another,
 alternating over rounds, each in a fresh server (no cache carried over), on the same seeded workload.
 
     python tools/bench_replicas.py ENGINE --replicas 2 --threads 1 --users 16 --turns 6 --rate 2 --rounds 2 \\
@@ -32,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_serve import TEXT, free_port, openai_client, start  # noqa: E402
 
 POLICIES = ("prefix", "round-robin")
-FIGURES = ("hit_rate", "ttft_p50_ms", "ttft_p99_ms", "aggregate_tps", "engine_ttft_p50_ms")
+FIGURES = ("hit_rate", "uncached_p50", "ttft_p50_ms", "ttft_p99_ms", "aggregate_tps", "engine_ttft_p50_ms")
 ENGINE_TTFT = re.compile(r" prompt=\d+ cached=\d+ .*ttft_ms=([\d.]+)")     # the front's line for a finished request
 
 
@@ -87,6 +88,7 @@ async def run_workload(url: str, args, seed: int) -> dict:
     return {"requests": len(out), "hit_rate": sum(r["cached"] for r in out) / sum(r["prompt"] for r in out),
             "ttft_p50_ms": float(np.percentile(ttft, 50)), "ttft_p99_ms": float(np.percentile(ttft, 99)),
             "aggregate_tps": sum(r["completion"] for r in out) / wall,
+            "uncached_p50": float(np.median([r["prompt"] - r["cached"] for r in out])),
             "prompt_tokens_mean": float(np.mean([r["prompt"] for r in out]))}
 
 
