@@ -62,7 +62,8 @@ class PrefixAffinity:
             return [by_load], "no full block: least loaded"
         why = "no prefix match"
         for depth in range(len(keys), 0, -1):
-            held = [r for r in by_load if r in self.holders.get(keys[depth - 1], ())]
+            holders = self.holders.get(keys[depth - 1])     # looked up once a key: a new prompt walks all of them
+            held = [r for r in by_load if r in holders] if holders else []
             if not held:
                 continue
             if not self.continues(keys[depth - 1]):
