@@ -141,7 +141,10 @@ def inspect(engine_dir: Path, as_json: bool, no_verify: bool) -> None:
 @click.option("--tolerance", type=float, default=None,
               help="Fail (exit 1) if max |Δlogit| exceeds this [default: 1e-3 fp32, 5e-2 fp16 or an int8 KV cache; "
                    "none when the weights are quantized].")
-def verify(engine_dir: Path, model_dir: Path, prompt_len: int, steps: int, tolerance: float | None) -> None:
+@click.option("--device", type=click.Choice(["cuda", "cpu"]), default=None, show_default="cuda if PyTorch sees a GPU",
+              help="Where a --target cuda engine runs (the cuda backend's forward; cpu: on PyTorch CPU tensors).")
+def verify(engine_dir: Path, model_dir: Path, prompt_len: int, steps: int, tolerance: float | None,
+           device: str | None) -> None:
     """Compare the engine's logits with a float64 reference forward pass of the checkpoint.
 
     \b
@@ -161,7 +164,8 @@ def verify(engine_dir: Path, model_dir: Path, prompt_len: int, steps: int, toler
         context = manifest["model"]["max_seq_len"]
         if prompt_len + steps > context:
             fail(f"--prompt-len {prompt_len} + --steps {steps} exceed the engine's context of {context} tokens")
-        result = run_verify(engine_dir, model_dir, prompt_ids(manifest["model"]["vocab_size"], prompt_len), steps)
+        result = run_verify(engine_dir, model_dir, prompt_ids(manifest["model"]["vocab_size"], prompt_len), steps,
+                            device)
     except QuicksilverError as e:
         fail(str(e))
     weights = manifest["precision"]["weights"]

@@ -48,7 +48,40 @@ def compare(got: np.ndarray, want: np.ndarray) -> tuple[float, float]:
     return float((got.argmax(-1) == want.argmax(-1)).mean()), rel
 
 
-def verify(engine_dir: Path, model_dir: Path, prompt: list[int], decode_steps: int = 16) -> VerifyResult:
+class PagedSteps:
+    """A `--target cuda` engine on the cuda backend's runner (device "cpu": PyTorch CPU tensors, reference ops), one
+    sequence over its own blocks, with the CPU runner's prefill/decode calls."""
+
+    def __init__(self, engine_dir: Path, device: str, tokens: int, block_size: int = 16):
+        from runtime.backends.cuda.runner import CudaModelRunner
+
+        self.block_size = block_size
+        self.blocks = list(range(-(-tokens // block_size)))
+        self.runner = CudaModelRunner(engine_dir, len(self.blocks), block_size, device=device, graphs=False)
+        self.manifest = self.runner.manifest
+        self.kv_layout = None
+
+    def _step(self, tokens: list[int], start: int, rows: np.ndarray) -> np.ndarray:
+        from runtime.kv.paged import build_paged_batch
+
+        batch = build_paged_batch([(self.blocks, start, len(tokens))], self.block_size, self.runner.max_blocks_per_seq)
+        return self.runner.step(np.asarray(tokens, np.int64), batch, rows)
+
+    def prefill(self, tokens: list[int]) -> np.ndarray:
+        return self._step(tokens, 0, np.arange(len(tokens)))
+
+    def decode(self, token: int, position: int) -> np.ndarray:
+        return self._step([token], position, np.arange(1))
+
+
+def verify(engine_dir: Path, model_dir: Path, prompt: list[int], decode_steps: int = 16,
+           device: str | None = None) -> VerifyResult:
+    """device: where a `--target cuda` engine runs (cuda or cpu; None: cuda if PyTorch sees one)."""
+    from runtime.artifact import load
+
+    if load(engine_dir, verify=False).get("target") == "cuda":
+        return _verify_steps(PagedSteps(engine_dir, device, len(prompt) + decode_steps + 1), model_dir, prompt,
+                             decode_steps, None)
     from runtime.model_runner import ModelRunner
 
     runner = ModelRunner(engine_dir)
@@ -59,14 +92,25 @@ def verify(engine_dir: Path, model_dir: Path, prompt: list[int], decode_steps: i
     ref = ReferenceModel(spec, CheckpointReader(model_dir), kv_scales=scales,
                          kv_half=runner.kv_layout.dtype == "float16")
     pool = runner.new_pool(1, capacity=len(prompt) + decode_steps + 1)
+
+    class Steps:
+        prefill = staticmethod(lambda tokens: runner.prefill(pool, 0, tokens, 0, all_logits=True))
+        decode = staticmethod(lambda token, position: runner.decode(pool, [(0, token, position)], set()))
+
+    return _verify_steps(Steps, model_dir, prompt, decode_steps, ref)
+
+
+def _verify_steps(steps, model_dir: Path, prompt: list[int], decode_steps: int, ref) -> VerifyResult:
+    """Prefill then greedy single-token steps on the engine (`steps`), the reference fed the same tokens."""
+    ref = ref or ReferenceModel(read_spec(model_dir), CheckpointReader(model_dir))
     n = len(prompt)
-    got = runner.prefill(pool, 0, prompt, 0, all_logits=True)
+    got = steps.prefill(prompt)
     want = ref.forward(prompt)
     prefill = float(np.abs(got - want).max())
     gots, wants = [got], [want]
     token = int(got[-1].argmax())
     for step in range(decode_steps):
-        got = runner.decode(pool, [(0, token, n + step)], set())
+        got = steps.decode(token, n + step)
         want = ref.forward([token])
         gots.append(got)
         wants.append(want)

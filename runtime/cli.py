@@ -37,6 +37,9 @@ def main() -> None:
 @click.option("--draft", type=click.Path(path_type=Path), default=None, help="Draft engine for speculative decoding.")
 @click.option("--speculation", type=click.Choice(["auto", "draft", "ngram", "off"]), default="auto", show_default=True,
               help="auto: the draft if given, else off; draft: --draft or the bundled draft.")
+@click.option("--device", type=click.Choice(["cuda", "cpu"]), default=None, show_default="cuda if PyTorch sees a GPU",
+              help="Where a --target cuda engine runs: cuda (PyTorch GEMMs + plugins/cuda kernels + CUDA graphs; "
+                   "pip install '.[cuda]') or cpu (the same forward on PyTorch CPU tensors).")
 @click.option("--server", default=None, metavar="HOST[:PORT]",
               help="Stream from a running `runtime serve` over gRPC instead (port default 50051).")
 @click.option("--api-key", envvar="QUICKSILVER_API_KEY", default=None, help="Bearer token for --server.")
@@ -45,7 +48,8 @@ def main() -> None:
 @click.option("--stats/--no-stats", default=True, show_default=True, help="Print TTFT, TPOT and cached tokens to stderr.")
 def generate(args: tuple[str, ...], max_tokens: int, temperature: float | None, top_k: int | None, top_p: float | None,
              min_p: float | None, repetition_penalty: float | None, seed: int | None, stop: tuple[str, ...], threads: int | None, draft: Path | None,
-             speculation: str, server: str | None, api_key: str | None, tls_ca: Path | None, stats: bool) -> None:
+             speculation: str, device: str | None, server: str | None, api_key: str | None, tls_ca: Path | None,
+             stats: bool) -> None:
     """Stream a completion of PROMPT from a local engine (default: the bundled target; --speculation draft adds the
     bundled draft).
     Sampling options left out take the model's own defaults (its generation_config.json), else greedy."""
@@ -61,7 +65,8 @@ def generate(args: tuple[str, ...], max_tokens: int, temperature: float | None, 
     if len(args) == 1 and Path(args[0]).is_dir():
         fail(f"the prompt is missing ({args[0]} is a folder, not a prompt): runtime generate [ENGINE] PROMPT")
     local = [name for name, given in (("ENGINE", len(args) == 2), ("--draft", draft is not None),
-                                      ("--threads", threads is not None), ("--speculation", speculation != "auto"))
+                                      ("--threads", threads is not None), ("--speculation", speculation != "auto"),
+                                      ("--device", device is not None))
              if given]
     if server and local:
         fail(f"--server streams from the server's engine; {', '.join(local)} apply to a local engine only")
@@ -78,7 +83,7 @@ def generate(args: tuple[str, ...], max_tokens: int, temperature: float | None, 
         params = SamplingParams(max_tokens=max_tokens, seed=seed, stop=stop, **{**generation_defaults(engine_path), **given})
         # One request per process: a prefix cache could never be hit, so it reserves no memory.
         engine = Engine(engine_path, EngineConfig(SchedulerConfig(max_num_seqs=1), CacheConfig(enable_prefix_cache=False),
-                                                  threads=threads, draft=draft, speculation=method))
+                                                  threads=threads, draft=draft, speculation=method, device=device))
         engine.add_request(args[-1], params)
     except (QuicksilverError, InvalidRequest, FileNotFoundError, ValueError) as e:
         fail(str(e))
@@ -269,6 +274,11 @@ def _models(values: tuple[str, ...]) -> dict[str, Path]:
               help="Seconds an answer is kept.")
 @click.option("--semantic-cache-size", type=click.IntRange(1), default=10_000, show_default=True,
               help="Most answers kept (least recently used go first).")
+@click.option("--device", type=click.Choice(["cuda", "cpu"]), default=None, show_default="cuda if PyTorch sees a GPU",
+              help="Where a --target cuda engine runs: cuda (PyTorch GEMMs + plugins/cuda kernels + CUDA graphs; "
+                   "pip install '.[cuda]') or cpu (the same forward on PyTorch CPU tensors).")
+@click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,
+              help="--device cuda: replay decode steps as CUDA graphs captured at start (one per batch size bucket).")
 def serve(engine: Path | None, draft: Path | None, speculation: str, host: str, grpc_port: int, http_port: int,
           max_num_seqs: int, max_waiting: int, token_budget: int, prefill_chunk: int, mixed_step_ratio: float,
           max_model_len: int | None,
@@ -279,7 +289,8 @@ def serve(engine: Path | None, draft: Path | None, speculation: str, host: str, 
           priority_keys: tuple[str, ...], tenants_file: Path | None, otlp_endpoint: str | None,
           models: tuple[str, ...], route_file: Path | None, semantic_cache: bool,
           semantic_cache_threshold: float | None, semantic_cache_ttl: float, semantic_cache_size: int,
-          replicas: int | None, replica_routing: str, ray_address: str | None) -> None:
+          replicas: int | None, replica_routing: str, ray_address: str | None, device: str | None,
+          cuda_graphs: bool) -> None:
     """Serve ENGINE (default: the bundled target) over gRPC and OpenAI-compatible HTTP, with /metrics.
     With --model, several engines share the server and requests name one, or "auto" (--route)."""
     import logging
@@ -300,7 +311,8 @@ def serve(engine: Path | None, draft: Path | None, speculation: str, host: str, 
                              CacheConfig(max_model_len=max_model_len, enable_prefix_cache=not no_prefix_cache,
                                          kv_budget_bytes=kv_budget_mib << 20 if kv_budget_mib else None,
                                          retained_slots=retained_slots),
-                             threads=threads, spin=spin, draft=draft_path, speculation=method)
+                             threads=threads, spin=spin, draft=draft_path, speculation=method, device=device,
+                             cuda_graphs=cuda_graphs)
         sconf = ServerConfig(host, grpc_port, http_port, api_key, tls_cert, tls_key, served_model_name, request_timeout,
                              max_body_bytes, None, max_tokens_limit, grace, priority_floor,
                              _priority_keys(priority_keys), otlp_endpoint,

@@ -79,10 +79,15 @@ class EngineConfig:
     verify_artifact: bool = True
     providers: tuple[str, ...] | None = None   # ONNX Runtime execution providers; None: chosen from the engine's target
     custom_ops_library: str | None = None      # an ONNX Runtime custom-op library to register (own kernels)
+    device: str | None = None         # cuda engines: "cuda" | "cpu" (the cuda backend's forward on PyTorch CPU
+                                      # tensors); None: cuda where PyTorch sees a GPU, else cpu
+    cuda_graphs: bool = True          # cuda backend: replay decode steps as CUDA graphs (one per batch bucket)
 
     def __post_init__(self):
         if self.speculation not in (None, "draft", "ngram"):
             raise ValueError("speculation must be 'draft', 'ngram' or None")
+        if self.device not in (None, "cuda", "cpu"):
+            raise ValueError(f"device must be cuda or cpu, not {self.device!r}")
         if (self.speculation == "draft") != (self.draft is not None):
             raise ValueError("speculation='draft' and a draft engine go together")
 

@@ -40,24 +40,36 @@ def gpu_kv_budget(models: list[dict]) -> int | None:
     return max(0, int(free * 0.85) - weights) or None
 
 
+def ort_runner(config: EngineConfig) -> Callable[[Path, int, int], PagedModelRunner]:
+    """The ONNX Runtime paged runner (PagedAttention on the CUDA execution provider, or a reference op in tests)."""
+    def make(engine_dir: Path, num_blocks: int, block_size: int) -> PagedModelRunner:
+        return PagedModelRunner(engine_dir, num_blocks, block_size, verify=config.verify_artifact,
+                                providers=list(config.providers) if config.providers else None,
+                                custom_ops_library=config.custom_ops_library)
+    return make
+
+
 class PagedBackend:
-    def __init__(self, engine_dir: Path, config: EngineConfig, sampler: Sampler):
-        """fp16 block pools sized by the KV budget, the same block ids in each model's caches; prefix caching is
-        the pool itself."""
+    def __init__(self, engine_dir: Path, config: EngineConfig, sampler: Sampler,
+                 make_runner: Callable[[Path, int, int], object] | None = None,
+                 budget: Callable[[list[dict]], int | None] = gpu_kv_budget, token_bytes: int | None = None):
+        """Block pools sized by the KV budget, the same block ids in each model's caches; prefix caching is the
+        pool itself. make_runner(engine_dir, num_blocks, block_size): the model runner (ONNX Runtime's by
+        default; the cuda backend passes its own); budget(manifests): the KV bytes when none is configured;
+        token_bytes: KV bytes a token takes in all models (default: the manifests' fp16 layout)."""
         dirs = [Path(engine_dir)] + ([Path(config.draft)] if config.draft is not None else [])
         models = [artifact.load(d, verify=False) for d in dirs]
         for d, m in zip(dirs, models):
             if m.get("target") != "cuda":
                 raise ValueError(f"the draft {d} targets {m.get('target')!r}; a cuda engine needs a cuda draft")
         c = config.cache
-        block_bytes = sum(KVLayout.from_manifest(m["kv_cache"]).token_bytes for m in models) * c.block_size
-        budget = c.kv_budget_bytes or gpu_kv_budget(models) or c.budget()
+        block_bytes = (token_bytes or sum(KVLayout.from_manifest(m["kv_cache"]).token_bytes for m in models)) * c.block_size
+        budget = c.kv_budget_bytes or budget(models) or c.budget()
         num_blocks = int(budget // block_bytes)
         if num_blocks < 1:
             raise ValueError(f"KV budget {budget / 2**20:.0f} MiB holds no {c.block_size}-token block")
-        runners = [PagedModelRunner(d, num_blocks, c.block_size, verify=config.verify_artifact,
-                                    providers=list(config.providers) if config.providers else None,
-                                    custom_ops_library=config.custom_ops_library) for d in dirs]
+        make_runner = make_runner or ort_runner(config)
+        runners = [make_runner(d, num_blocks, c.block_size) for d in dirs]
         self.runner, self.draft = runners[0], (runners[1] if len(runners) > 1 else None)
         self.max_model_len = context_length(config, self.runner, self.draft)
         self.kv = PagedKVManager(num_blocks, c.block_size, config.scheduler.max_num_seqs, self.max_model_len,

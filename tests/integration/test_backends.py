@@ -1,6 +1,8 @@
-"""One engine, two backends: the same engine suite against the CPU backend (the bundled int8 pair, GroupQueryAttention
-over KV slots) and the paged backend (a `--target cuda` engine whose PagedAttention runs the float64 reference op
-on the CPU provider). Each test is written once; only the engines differ."""
+"""One engine, three backends: the same engine suite against the CPU backend (the bundled int8 pair, GroupQueryAttention
+over KV slots), the paged backend (a `--target cuda` engine whose PagedAttention runs the float64 reference op
+on the CPU provider) and the cuda backend (the same `--target cuda` engines on our PyTorch forward, `--device cpu`:
+reference attention on CPU tensors, the code the GPU runs with plugins/cuda swapped in). Each test is written
+once; only the engines differ."""
 
 from __future__ import annotations
 
@@ -27,15 +29,17 @@ ROOT = Path(__file__).resolve().parents[2]
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=2)
 
 
-def _paged_engine_dir(checkpoint, out: Path) -> Path:
+def _paged_engine_dir(checkpoint, out: Path, reference_op: bool = True) -> Path:
     build(CompileConfig(checkpoint("llama"), out, "fp16", target="cuda"), log=lambda _: None)
+    if not reference_op:
+        return out
     model = onnx.load(str(out / "model.onnx"), load_external_data=False)
     use_reference_op(model, 4, 2)
     onnx.save_model(model, str(out / "model.onnx"))
     return out
 
 
-@pytest.fixture(scope="module", params=["cpu", "paged"])
+@pytest.fixture(scope="module", params=["cpu", "paged", "cuda-on-cpu"])
 def backend(request, checkpoint, tmp_path_factory):
     """(make(speculation=None, spec=None, **scheduler) → Engine, prompts(n, seed) → token id lists,
     same(a, b, across_kernels) asserting two runs' outputs agree as far as the backend promises).
@@ -62,6 +66,15 @@ def backend(request, checkpoint, tmp_path_factory):
                 assert_same_greedy_across_attention_kernels(a, b, bound=0.5)
             else:
                 assert_same_greedy(a, b)
+    elif request.param == "cuda-on-cpu":
+        target = _paged_engine_dir(checkpoint, tmp_path_factory.mktemp("cuda") / "target", reference_op=False)
+        draft = _paged_engine_dir(checkpoint, tmp_path_factory.mktemp("cuda") / "draft", reference_op=False)
+        vocab = 512
+        extra = dict(device="cpu")
+        cache = CacheConfig(kv_budget_bytes=1 << 20, block_size=4)
+
+        def same(a, b, across_kernels=False):          # float32 on the CPU: batch shapes round differently
+            assert_same_greedy_across_attention_kernels(a, b, bound=1e-4)
     else:
         pytest.importorskip("onnxruntime_extensions")
         from onnxruntime_extensions import get_library_path

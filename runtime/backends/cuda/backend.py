@@ -1,0 +1,74 @@
+"""The cuda backend: `--target cuda` engines on our own forward (PyTorch GEMMs + plugins/cuda kernels + CUDA
+graphs), with the paged backend's KV manager, batching and draft proposer. With device "cpu" the same code runs
+on PyTorch CPU tensors with the reference ops (what CI tests)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ... import artifact
+from ...config import EngineConfig
+from ...kv.paged import build_paged_batch
+from ...sampler import Sampler
+from ..paged import PagedBackend
+from .runner import CudaModelRunner, resolve_device
+
+GPU_MEMORY_FRACTION = 0.85      # of the device's free memory after the weights, for the KV pool (vLLM: 0.9)
+CPU_POOL_SEQUENCES = 2          # --device cpu without a budget: blocks for twice max_num_seqs full contexts
+
+
+class CudaBackend(PagedBackend):
+    def __init__(self, engine_dir: Path, config: EngineConfig, sampler: Sampler):
+        self.device = device = resolve_device(config.device)
+        itemsize = 2 if device.type == "cuda" else 4
+
+        def runner(d: Path, num_blocks: int, block_size: int) -> CudaModelRunner:
+            return CudaModelRunner(d, num_blocks, block_size, device=device.type, verify=config.verify_artifact,
+                                   graphs=config.cuda_graphs, max_graph_batch=config.scheduler.max_num_seqs,
+                                   max_model_len=config.cache.max_model_len)
+
+        def budget(models: list[dict]) -> int:
+            token = sum(_token_bytes(m, itemsize) for m in models)
+            if device.type == "cpu":
+                longest = min(config.cache.max_model_len or 1 << 30, *(m["model"]["max_seq_len"] for m in models))
+                return CPU_POOL_SEQUENCES * config.scheduler.max_num_seqs * (longest + config.cache.block_size) * token
+            free, _ = torch.cuda.mem_get_info(device)
+            weights = sum(2 * m["model"]["num_parameters"] for m in models)     # widened to fp16 at load
+            return max(int(free * GPU_MEMORY_FRACTION) - weights, 0) or 1
+
+        dirs = [engine_dir] + ([config.draft] if config.draft is not None else [])
+        token_bytes = sum(_token_bytes(artifact.load(Path(d), verify=False), itemsize) for d in dirs)
+        super().__init__(engine_dir, config, sampler, runner, budget, token_bytes)
+        self.max_decode_batch = config.scheduler.max_num_seqs
+
+    def warm_up(self) -> None:
+        """Eager steps (cuBLAS' first calls), the decode graphs of every batch bucket, then decode costs measured
+        on those graphs, which is what speculation is priced by."""
+        super().warm_up()
+        for runner in (self.runner, self.draft):
+            if runner is not None:
+                runner.capture_graphs(self.max_decode_batch)
+        if self.proposer is None or self.device.type != "cuda":
+            return
+        for n in (1, 2, 4, 8):
+            if n > self.max_decode_batch:
+                break
+            batch = build_paged_batch([([0], 0, 1)] * n, self.kv.block_size)
+            batch = replace(batch, slot_mapping=np.full(n, -1, np.int64))
+            for runner, kind in ((self.runner, "step"), (self.draft, "draft")):
+                if runner is None:
+                    continue
+                runner.step(np.zeros(n, np.int64), batch, np.arange(n))
+                t0 = time.perf_counter()
+                runner.step(np.zeros(n, np.int64), batch, np.arange(n))
+                self.cost.record(kind, n, time.perf_counter() - t0)
+
+
+def _token_bytes(manifest: dict, itemsize: int) -> int:
+    m = manifest["model"]
+    return 2 * m["num_layers"] * m["num_kv_heads"] * m["head_dim"] * itemsize
