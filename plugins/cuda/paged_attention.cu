@@ -11,6 +11,12 @@
 //           kUnroll keys are loaded before any is used, so each lane has 2·kUnroll loads in flight.
 // Lane groups are merged in shared memory; partitions (when a row has more than one) by a reduce kernel
 // that weighs each partition's normalized output by its softmax mass.
+//
+// The grid is sized from the host's max_seq_len bound (so one launch can be captured in a CUDA graph and
+// replayed for any lengths under it); each row's own partition count, ceil(keys it sees / kPart) with
+// partitions counted from the window's first key, comes from seq_lens on the device. A CTA past its row's
+// count returns without writing, and the reduce reads only that row's partitions: the workspace holds
+// nothing of a partition that does not exist, not even a neutral value, and is never read there.
 #include <math.h>
 
 #include "common.cuh"
@@ -40,6 +46,29 @@ struct Params {
   int num_seqs, num_heads, kv_heads, group, head_chunks, block_size, max_blocks, window, num_parts;
 };
 
+// The keys a query row sees, [start, ctx) of its sequence `seq`, and how many partitions of kPart keys
+// (counted from `start`) they fill: 0 for a row with no keys (a padding sequence of length 0), and never
+// more than the grid's num_parts (max_seq_len is trusted to bound seq_lens; keys past it are not seen).
+struct RowSpan {
+  int seq, start, ctx, parts;
+};
+
+__device__ __forceinline__ RowSpan row_span(const Params& p, int row) {
+  RowSpan r;
+  r.seq = row;
+  if (p.cu_q != nullptr) {
+    r.seq = find_seq(p.cu_q, p.num_seqs, row);
+    const int q_len = p.cu_q[r.seq + 1] - p.cu_q[r.seq];
+    r.ctx = p.seq_lens[r.seq] - (q_len - 1 - (row - p.cu_q[r.seq]));  // causal: keys up to this row's token
+  } else {
+    r.ctx = p.seq_lens[r.seq];
+  }
+  r.start = p.window > 0 ? max(0, r.ctx - p.window) : 0;
+  const int keys = r.ctx - r.start;
+  r.parts = keys > 0 ? min((keys + kPart - 1) / kPart, p.num_parts) : 0;
+  return r;
+}
+
 template <typename T, typename KV, int HD, int G>
 __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
   constexpr int L = HD / 8;         // lanes per key
@@ -55,31 +84,19 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
   const int nh = min(G, kvh * p.group + p.group - h0);
   const int row = blockIdx.y, part = blockIdx.z, H = p.num_heads;
 
-  int seq = row, ctx;
-  if (p.cu_q != nullptr) {
-    seq = find_seq(p.cu_q, p.num_seqs, row);
-    const int q_len = p.cu_q[seq + 1] - p.cu_q[seq];
-    ctx = p.seq_lens[seq] - (q_len - 1 - (row - p.cu_q[seq]));
-  } else {
-    ctx = p.seq_lens[seq];
-  }
-  const int start = p.window > 0 ? max(0, ctx - p.window) : 0;
-  const int t0 = start + part * kPart, t1 = min(t0 + kPart, ctx);
+  const RowSpan span = row_span(p, row);
   T* out = static_cast<T*>(p.out);
 
-  if (t0 >= t1) {  // no keys here: a short row in a grid sized for the longest
-    if (p.num_parts > 1) {
-      for (int g = threadIdx.x; g < nh; g += kThreads) {
-        const int64_t idx = (static_cast<int64_t>(row) * H + h0 + g) * p.num_parts + part;
-        p.part_ml[idx * 2] = -INFINITY;
-        p.part_ml[idx * 2 + 1] = 0.f;
-      }
-    } else {
+  if (part >= span.parts) {  // no keys here: past this row's keys in a grid sized for the longest
+    // Split-K: the reduce reads only this row's span.parts partitions, so there is nothing to write. One
+    // pass: only a row with no keys at all gets here (part 0 of 0), and its output is defined as zero.
+    if (p.num_parts == 1)
       for (int i = threadIdx.x; i < nh * HD; i += kThreads)
         out[(static_cast<int64_t>(row) * H + h0) * HD + i] = from_float<T>(0.f);
-    }
     return;
   }
+  const int seq = span.seq;
+  const int t0 = span.start + part * kPart, t1 = min(t0 + kPart, span.ctx);  // t0 < t1: part < span.parts
 
   float q[G][8];
   const T* qp = static_cast<const T*>(p.q) + (static_cast<int64_t>(row) * H + h0) * HD + li * 8;
@@ -191,22 +208,30 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
   }
 }
 
-// One CTA per (row, head): merge the partitions' normalized outputs, weighted by l_j · exp(m_j − max).
+// One CTA per (row, head): merge the row's partitions' normalized outputs, weighted by l_j · exp(m_j − max).
+// Only the partitions that exist for the row (row_span) are read; the workspace past them holds whatever an
+// earlier call left there (0 · NaN is NaN, so reading it would not be harmless even with a zero weight).
 template <typename T, int HD>
-__global__ void reduce_kernel(T* __restrict__ out, const float* __restrict__ part_out,
-                              const float* __restrict__ part_ml, int num_parts) {
+__global__ void reduce_kernel(const Params p) {
   const int64_t rh = blockIdx.x;
-  const float* ml = part_ml + rh * num_parts * 2;
+  const int n = row_span(p, static_cast<int>(rh / p.num_heads)).parts;
+  const float* __restrict__ ml = p.part_ml + rh * p.num_parts * 2;
+  const float* __restrict__ po = p.part_out + rh * p.num_parts * HD;
+  T* __restrict__ out = static_cast<T*>(p.out) + rh * HD;
+  if (n <= 1) {  // one partition is already normalized; none: a row without keys reads as zero
+    for (int d = threadIdx.x; d < HD; d += blockDim.x) out[d] = from_float<T>(n == 1 ? po[d] : 0.f);
+    return;
+  }
   float mx = -INFINITY;
-  for (int j = 0; j < num_parts; ++j) mx = fmaxf(mx, ml[2 * j]);
+  for (int j = 0; j < n; ++j) mx = fmaxf(mx, ml[2 * j]);
   for (int d = threadIdx.x; d < HD; d += blockDim.x) {
     float sum = 0.f, o = 0.f;
-    for (int j = 0; j < num_parts; ++j) {
+    for (int j = 0; j < n; ++j) {
       const float w = ml[2 * j] == -INFINITY ? 0.f : ml[2 * j + 1] * __expf(ml[2 * j] - mx);
       sum += w;
-      o = fmaf(part_out[(rh * num_parts + j) * HD + d], w, o);
+      o = fmaf(po[j * HD + d], w, o);
     }
-    out[rh * HD + d] = from_float<T>(sum > 0.f ? o / sum : 0.f);
+    out[d] = from_float<T>(sum > 0.f ? o / sum : 0.f);
   }
 }
 
@@ -215,8 +240,7 @@ cudaError_t launch(const Params& p, int rows, cudaStream_t stream) {
   const dim3 grid(p.kv_heads * p.head_chunks, rows, p.num_parts);
   attention_kernel<T, KV, HD, G><<<grid, kThreads, 0, stream>>>(p);
   if (p.num_parts > 1)
-    reduce_kernel<T, HD><<<rows * p.num_heads, HD, 0, stream>>>(static_cast<T*>(p.out), p.part_out, p.part_ml,
-                                                                p.num_parts);
+    reduce_kernel<T, HD><<<rows * p.num_heads, HD, 0, stream>>>(p);
   return cudaGetLastError();
 }
 

@@ -38,13 +38,15 @@ QS_API const char* qs_last_error(void);
 QS_API int qs_device_memory(size_t* free_bytes, size_t* total_bytes);
 
 // Bytes of workspace qs_paged_attention_* needs for `num_rows` query rows (tokens) whose KV length is at
-// most `max_seq_len`; 0 when one pass suffices (max_seq_len <= QS_PARTITION_TOKENS).
+// most `max_seq_len`; 0 when one pass suffices (max_seq_len <= QS_PARTITION_TOKENS). Its contents need no
+// initialization: a call reads only the partials it wrote itself (each row's partitions of its own keys).
 #define QS_PARTITION_TOKENS 256
 QS_API size_t qs_paged_attention_workspace_size(int num_rows, int num_heads, int head_dim, int max_seq_len);
 
 // Decode attention: one query token per sequence.
 //   out, query   [num_seqs, num_heads, head_dim]          dtype (F16 or BF16)
-//   seq_lens     int32 [num_seqs]  KV length of each sequence including this step's token (already appended)
+//   seq_lens     int32 [num_seqs]  KV length of each sequence including this step's token (already appended);
+//                0 (a padding sequence) gives a zero output
 //   max_seq_len  an upper bound on seq_lens (trusted, like ORT's attention_metadata: it sizes the split-K grid)
 //   window       attend only the last `window` keys (sliding window); <= 0: all
 //   kv_dtype     dtype, or QS_DTYPE_FP8_E4M3 with per-tensor dequantization scales k_scale/v_scale (device float[1])
