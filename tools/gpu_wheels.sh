@@ -10,7 +10,8 @@ mkdir -p .whl
 WHEELS="starlette==1.10.0 uvicorn==0.54.0 httptools==0.9.0 jsonschema==4.26.0 jsonschema-specifications==2025.9.1
 referencing==0.37.0 rpds-py==2026.9.1 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 protobuf==6.33.5
 openai==3.57.0 pydantic==2.14.4 pydantic_core==2.50.5 jiter==0.19.0 distro==1.9.0 typing-inspection==0.4.5
-annotated-types==0.8.0 sniffio==1.3.1 annotated-doc==0.0.7"
+annotated-types==0.8.0 sniffio==1.3.1 annotated-doc==0.0.7 httpx2==2.16.2 httpcore2==2.16.2
+truststore==0.10.5 idna==3.20"
 PLATFORMS=""
 for n in 17 24 27 28 31 34 35; do PLATFORMS="$PLATFORMS --platform manylinux_2_${n}_x86_64"; done
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

@@ -150,3 +150,42 @@ def test_compile_verify_checks_a_cuda_engine_on_the_cpu(engines, checkpoint):
                        text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "greedy tokens identical" in r.stdout and r.stdout.rstrip().endswith("PASS")
+
+
+def test_a_step_padded_for_a_cuda_graph_computes_the_same_rows(engines):
+    """A CUDA graph replays a fixed number of token and sequence slots; graph_inputs pads a smaller step with one
+    dummy sequence (slot -1) and empty sequences. Run eagerly on the CPU, the padded step gives every real row the
+    logits of the unpadded step and writes the same KV — the padding semantics the GPU's graphs rely on."""
+    from runtime.backends.cuda.forward import StepMeta
+    from runtime.backends.cuda.runner import CudaModelRunner, _graph_views, graph_inputs
+    from runtime.kv.paged import PagedBatch, build_paged_batch
+
+    def run(pad_to: int | None):
+        runner = CudaModelRunner(engines("llama"), 32, 4, device="cpu", graphs=False)
+        mb = runner.max_blocks_per_seq
+        rng = np.random.default_rng(5)
+        # a verification (3 tokens after 9 cached), two decodes and a prompt chunk, in one step
+        seqs = [(list(range(0, 4)), 9, 3), (list(range(4, 8)), 13, 1), (list(range(8, 12)), 5, 1), ([12, 13], 0, 7)]
+        for blocks, past, _ in seqs:        # history the steps attend to
+            if past:
+                runner.step(rng.integers(1, 500, past), build_paged_batch([(blocks, 0, past)], 4, mb), np.arange(1))
+        batch = build_paged_batch(seqs, 4, mb)
+        ids = rng.integers(1, 500, 12)
+        rows = np.array([0, 1, 2, 3, 4, 11])
+        if pad_to is None:
+            return runner.step(ids, batch, rows), runner.caches
+        flat = graph_inputs(ids, batch, pad_to, mb)
+        d_ids, positions, slots, cu, past, tables = (torch.from_numpy(np.ascontiguousarray(a))
+                                                     for a in _graph_views(flat, pad_to, mb))
+        host = PagedBatch(tables.numpy(), past.numpy(), cu.numpy(), slots.numpy().astype(np.int64))
+        meta = StepMeta(positions, slots, cu, past, tables, 64, host)
+        with torch.inference_mode():
+            out = runner.model(d_ids.long(), meta, torch.arange(pad_to), runner.caches)
+        return out[rows].numpy(), runner.caches
+
+    want, want_kv = run(None)
+    for size in (12, 16, 24):
+        got, got_kv = run(size)
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+        for (k1, v1), (k2, v2) in zip(want_kv, got_kv):
+            assert torch.equal(k1[:14], k2[:14]) and torch.equal(v1[:14], v2[:14])

@@ -4,16 +4,12 @@ on PyTorch CPU tensors with the reference ops (what CI tests)."""
 
 from __future__ import annotations
 
-import time
-from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from ... import artifact
 from ...config import EngineConfig
-from ...kv.paged import build_paged_batch
 from ...sampler import Sampler
 from ..paged import PagedBackend
 from .runner import CudaModelRunner, resolve_device
@@ -29,8 +25,7 @@ class CudaBackend(PagedBackend):
 
         def runner(d: Path, num_blocks: int, block_size: int) -> CudaModelRunner:
             return CudaModelRunner(d, num_blocks, block_size, device=device.type, verify=config.verify_artifact,
-                                   graphs=config.cuda_graphs, max_graph_batch=config.scheduler.max_num_seqs,
-                                   max_model_len=config.cache.max_model_len)
+                                   graphs=config.cuda_graphs, max_model_len=config.cache.max_model_len)
 
         def budget(models: list[dict]) -> int:
             token = sum(_token_bytes(m, itemsize) for m in models)
@@ -44,29 +39,15 @@ class CudaBackend(PagedBackend):
         dirs = [engine_dir] + ([config.draft] if config.draft is not None else [])
         token_bytes = sum(_token_bytes(artifact.load(Path(d), verify=False), itemsize) for d in dirs)
         super().__init__(engine_dir, config, sampler, runner, budget, token_bytes)
-        self.max_decode_batch = config.scheduler.max_num_seqs
 
     def warm_up(self) -> None:
-        """Eager steps (cuBLAS' first calls), the decode graphs of every batch bucket, then decode costs measured
-        on those graphs, which is what speculation is priced by."""
-        super().warm_up()
+        """The step graphs of every token bucket first (capturing runs each twice: cuBLAS' first calls), then the
+        paged backend's warm-up steps, which now replay them: the step costs speculation is priced by are the
+        graphs' (a verification costs what a decode of as many tokens costs: both replay the same graph)."""
         for runner in (self.runner, self.draft):
             if runner is not None:
-                runner.capture_graphs(self.max_decode_batch)
-        if self.proposer is None or self.device.type != "cuda":
-            return
-        for n in (1, 2, 4, 8):
-            if n > self.max_decode_batch:
-                break
-            batch = build_paged_batch([([0], 0, 1)] * n, self.kv.block_size)
-            batch = replace(batch, slot_mapping=np.full(n, -1, np.int64))
-            for runner, kind in ((self.runner, "step"), (self.draft, "draft")):
-                if runner is None:
-                    continue
-                runner.step(np.zeros(n, np.int64), batch, np.arange(n))
-                t0 = time.perf_counter()
-                runner.step(np.zeros(n, np.int64), batch, np.arange(n))
-                self.cost.record(kind, n, time.perf_counter() - t0)
+                runner.capture_graphs()
+        super().warm_up()
 
 
 def _token_bytes(manifest: dict, itemsize: int) -> int:

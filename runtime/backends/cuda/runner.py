@@ -23,7 +23,8 @@ from .forward import LlamaForward, StepMeta
 from .weights import load_weights
 
 log = logging.getLogger("quicksilver.cuda")
-DECODE_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+# step sizes (tokens) captured as CUDA graphs: decodes, verifications and prompt chunks up to the largest
+GRAPH_TOKENS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 
 
 class DeviceUnavailable(QuicksilverError):
@@ -43,8 +44,8 @@ def resolve_device(device: str | None) -> torch.device:
 
 class CudaModelRunner:
     def __init__(self, engine_dir: str | Path, num_blocks: int, block_size: int = 16, *, device: str | None = None,
-                 verify: bool = True, graphs: bool = True, max_graph_batch: int = 32, max_model_len: int | None = None,
-                 kernels=None):
+                 verify: bool = True, graphs: bool = True, max_graph_tokens: int = 512,
+                 max_model_len: int | None = None, kernels=None):
         """max_model_len: the longest sequence the engine serves (bounds the decode graphs' attention grid);
         kernels: a runtime.cuda_kernels.CudaKernels (loaded when None and the device is cuda)."""
         self.engine_dir = Path(engine_dir)
@@ -72,7 +73,7 @@ class CudaModelRunner:
                         torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(self.num_layers)]
         self.graphs_enabled = gpu and graphs
         self.graph_max_seq_len = min(self.max_seq_len, max_model_len or self.max_seq_len)
-        self.max_graph_batch = max_graph_batch
+        self.max_graph_tokens = min(max_graph_tokens, self.graph_max_seq_len)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._pinned = torch.empty(0, dtype=torch.int32, pin_memory=gpu)
 
@@ -92,80 +93,54 @@ class CudaModelRunner:
             raise ValueError(f"{input_ids.shape[0]} tokens for a batch of {batch.slot_mapping.shape[0]}")
         if batch.max_seq_len > self.max_seq_len:
             raise ValueError(f"a sequence reaches {batch.max_seq_len} tokens; the engine serves {self.max_seq_len}")
-        n, seqs = len(input_ids), len(batch.past_lens)
-        decode = n == seqs and len(logits_indices) == n and batch.max_query_len == 1
+        rows = np.asarray(logits_indices, np.int64)
         with torch.inference_mode():
-            if (decode and self.graphs_enabled and n <= self.max_graph_batch
-                    and batch.max_seq_len <= self.graph_max_seq_len):
-                out = self._replay(input_ids, batch)
+            if self.graphs_enabled and self._graph_fits(len(input_ids), batch):
+                out = self._replay(input_ids, batch, rows)
             else:
-                ids, meta, rows = self._upload(input_ids, batch, np.asarray(logits_indices, np.int64), batch.max_seq_len)
-                out = self.model(ids, meta, rows, self.caches)
+                ids, meta, rows_t = self._upload(input_ids, batch, rows, batch.max_seq_len)
+                out = self.model(ids, meta, rows_t, self.caches)
             return out.cpu().numpy()           # the step's one synchronization
 
-    def _upload(self, input_ids: np.ndarray, batch: PagedBatch, rows: np.ndarray, max_seq_len: int,
-                width: int | None = None):
-        """Every per-step array in one int32 host buffer, one copy to the device, views into it."""
-        tables = batch.block_tables
-        if width is not None and tables.shape[1] != width:
-            tables = np.pad(tables, ((0, 0), (0, width - tables.shape[1])))
-        parts = [np.asarray(input_ids, np.int32), batch.positions, batch.slot_mapping.astype(np.int32),
-                 batch.cu_seqlens_q, batch.past_lens, rows.astype(np.int32), tables.reshape(-1)]
-        flat = np.concatenate(parts)
-        if self.device.type == "cuda":
-            if self._pinned.numel() < flat.size:
-                self._pinned = torch.empty(2 * flat.size, dtype=torch.int32, pin_memory=True)
-            host = self._pinned[:flat.size]
-            host.numpy()[:] = flat
-            dev = host.to(self.device, non_blocking=True)
-        else:
-            dev = torch.from_numpy(flat)
-        views, at = [], 0
-        for p in parts:
-            views.append(dev[at:at + p.size])
-            at += p.size
-        ids, positions, slots, cu, past, rows_t, table = views
-        meta = StepMeta(positions, slots, cu, past, table.view(tables.shape), max_seq_len, batch)
-        return ids.long(), meta, rows_t.long()
-
-    # -- CUDA graphs for decode -------------------------------------------------------------------
-    def _bucket(self, n: int) -> int:
-        return next(b for b in DECODE_BUCKETS if b >= n)
-
-    def _replay(self, input_ids: np.ndarray, batch: PagedBatch) -> torch.Tensor:
-        n = len(input_ids)
-        size = self._bucket(n)
-        entry = self._graphs.get(size) or self._capture(size)
-        graph, static_in, static_out, _ = entry
-        pad = size - n
-        ids = np.concatenate([input_ids, np.zeros(pad, np.int64)]).astype(np.int32)
-        positions = np.concatenate([batch.positions, np.zeros(pad, np.int32)])
-        slots = np.concatenate([batch.slot_mapping, np.full(pad, -1, np.int64)]).astype(np.int32)
-        past = np.concatenate([batch.past_lens, np.zeros(pad, np.int32)])
-        tables = np.zeros((size, self.max_blocks_per_seq), np.int32)
-        tables[:n, :batch.block_tables.shape[1]] = batch.block_tables
-        flat = np.concatenate([ids, positions, slots, past, tables.reshape(-1)])
-        host = self._pinned_view(flat)
-        static_in.copy_(host, non_blocking=True)
-        graph.replay()
-        return static_out[:n]
-
-    def _pinned_view(self, flat: np.ndarray) -> torch.Tensor:
+    def _to_device(self, flat: np.ndarray) -> torch.Tensor:
+        """One int32 host array to the device in one copy (through a pinned buffer on the GPU)."""
+        if self.device.type != "cuda":
+            return torch.from_numpy(flat)
         if self._pinned.numel() < flat.size:
             self._pinned = torch.empty(2 * flat.size, dtype=torch.int32, pin_memory=True)
         host = self._pinned[:flat.size]
         host.numpy()[:] = flat
-        return host
+        return host.to(self.device, non_blocking=True)
+
+    def _upload(self, input_ids: np.ndarray, batch: PagedBatch, rows: np.ndarray, max_seq_len: int):
+        """Every per-step array in one int32 host buffer, one copy to the device, views into it."""
+        parts = [np.asarray(input_ids, np.int32), batch.positions, batch.slot_mapping.astype(np.int32),
+                 batch.cu_seqlens_q, batch.past_lens, rows.astype(np.int32), batch.block_tables.reshape(-1)]
+        ids, positions, slots, cu, past, rows_t, table = _split(self._to_device(np.concatenate(parts)), parts)
+        meta = StepMeta(positions, slots, cu, past, table.view(batch.block_tables.shape), max_seq_len, batch)
+        return ids.long(), meta, rows_t.long()
+
+    # -- CUDA graphs ------------------------------------------------------------------------------
+    def _graph_fits(self, num_tokens: int, batch: PagedBatch) -> bool:
+        return num_tokens <= self.max_graph_tokens and batch.max_seq_len <= self.graph_max_seq_len
+
+    def _bucket(self, n: int) -> int:
+        return next(b for b in GRAPH_TOKENS if b >= n)
+
+    def _replay(self, input_ids: np.ndarray, batch: PagedBatch, rows: np.ndarray) -> torch.Tensor:
+        size = self._bucket(len(input_ids))
+        graph, static_in, static_out, _ = self._graphs.get(size) or self._capture(size)
+        static_in.copy_(self._to_device(graph_inputs(input_ids, batch, size, self.max_blocks_per_seq)))
+        graph.replay()
+        return static_out[torch.from_numpy(rows).to(self.device, non_blocking=True)]
 
     def _capture(self, size: int):
-        """Capture a decode step of `size` sequences (one token each) whose KV may reach the served context:
-        the kernels' grid is sized for that bound, and partitions past a sequence's length do nothing."""
+        """Capture a step of up to `size` tokens in up to `size` sequences (graph_inputs pads any smaller step to
+        it) whose KV may reach the served context: the kernels' grid is sized for that bound, and partitions past
+        a sequence's length do nothing. Logits come out for every token slot; the replay picks the rows asked."""
         mb = self.max_blocks_per_seq
-        static_in = torch.zeros(4 * size + size * mb, dtype=torch.int32, device=self.device)
-        ids, positions, slots, past, tables = (static_in[:size], static_in[size:2 * size], static_in[2 * size:3 * size],
-                                               static_in[3 * size:4 * size], static_in[4 * size:].view(size, mb))
-        slots.fill_(-1)
-        cu = torch.arange(size + 1, dtype=torch.int32, device=self.device)
+        static_in = torch.zeros(graph_inputs_size(size, mb), dtype=torch.int32, device=self.device)
+        ids, positions, slots, cu, past, tables = _graph_views(static_in, size, mb)
         rows = torch.arange(size, dtype=torch.long, device=self.device)
         meta = StepMeta(positions, slots, cu, past, tables, self.graph_max_seq_len)
         self.model.ops.workspace(size, size, self.graph_max_seq_len)  # allocated outside the graph
@@ -180,22 +155,57 @@ class CudaModelRunner:
         with torch.cuda.graph(graph, stream=stream):
             out = self.model(ids.long(), meta, rows, self.caches)
         torch.cuda.synchronize()
-        log.debug("captured decode graph for %d sequences in %.0f ms", size, 1e3 * (time.perf_counter() - t0))
+        log.debug("captured a %d-token step graph in %.0f ms", size, 1e3 * (time.perf_counter() - t0))
         # everything the graph reads or writes stays referenced: a freed input's memory would be reused by the
         # next eager step while the graph keeps reading it
-        self._graphs[size] = entry = (graph, static_in, out, (meta, cu, rows))
+        self._graphs[size] = entry = (graph, static_in, out, (meta, rows))
         return entry
 
-    def capture_graphs(self, max_batch: int) -> float:
-        """Capture every decode bucket up to `max_batch` now (warm-up); returns the seconds it took."""
+    def capture_graphs(self) -> float:
+        """Capture every step bucket now (warm-up); returns the seconds it took."""
         if not self.graphs_enabled:
             return 0.0
         t0 = time.perf_counter()
         with torch.inference_mode():
-            for size in DECODE_BUCKETS:
-                if size > min(max_batch, self.max_graph_batch) and size != 1:
-                    break
-                if size not in self._graphs:
+            for size in GRAPH_TOKENS:
+                if size <= self.max_graph_tokens and size not in self._graphs:
                     self._capture(size)
         return time.perf_counter() - t0
 
+
+def graph_inputs_size(tokens: int, max_blocks: int) -> int:
+    return 4 * tokens + 1 + tokens + tokens * max_blocks
+
+
+def graph_inputs(input_ids: np.ndarray, batch: PagedBatch, tokens: int, max_blocks: int) -> np.ndarray:
+    """A step of n ≤ `tokens` tokens in s sequences as a graph of `tokens` token and sequence slots reads it (one
+    int32 array: ids, positions, slots, cu_seqlens_q, past_lens, block tables). Padding tokens form one dummy
+    sequence after the real ones (past 0, block 0, slot -1: its K/V are never written, its rows never read);
+    the sequence slots after it are empty (no query rows: they cost nothing)."""
+    n, s = len(input_ids), len(batch.past_lens)
+    ids, positions, slots, cu, past, tables = _graph_views(np.zeros(graph_inputs_size(tokens, max_blocks), np.int32),
+                                                           tokens, max_blocks)
+    ids[:n], positions[:n], slots[:n] = input_ids, batch.positions, batch.slot_mapping
+    slots[n:] = -1
+    positions[n:] = np.arange(tokens - n)
+    cu[:s + 1], cu[s + 1:] = batch.cu_seqlens_q, tokens
+    past[:s] = batch.past_lens
+    tables[:s, :batch.block_tables.shape[1]] = batch.block_tables
+    return np.concatenate([ids, positions, slots, cu, past, tables.reshape(-1)])
+
+
+def _graph_views(flat, tokens: int, max_blocks: int):
+    """ids, positions, slots [tokens]; cu_seqlens_q [tokens + 1]; past_lens [tokens]; tables [tokens, max_blocks]."""
+    sizes = [tokens, tokens, tokens, tokens + 1, tokens, tokens * max_blocks]
+    *head, tables = _split(flat, sizes)
+    return (*head, tables.reshape(tokens, max_blocks) if isinstance(tables, np.ndarray) else tables.view(tokens, max_blocks))
+
+
+def _split(flat, parts):
+    """Consecutive views of `flat`, one per part (an array, or a length)."""
+    views, at = [], 0
+    for p in parts:
+        size = p if isinstance(p, int) else p.size
+        views.append(flat[at:at + size])
+        at += size
+    return views
