@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
 mkdir -p .whl
 WHEELS="starlette==1.10.0 uvicorn==0.54.0 httptools==0.9.0 jsonschema==4.26.0 jsonschema-specifications==2025.9.1
-referencing==0.37.0 rpds-py==2026.9.1 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 protobuf==6.33.5
+referencing==0.37.0 rpds-py==2026.9.1 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 protobuf==7.36.2
 openai==3.57.0 pydantic==2.14.4 pydantic_core==2.50.5 jiter==0.19.0 distro==1.9.0 typing-inspection==0.4.5
 annotated-types==0.8.0 sniffio==1.3.1 annotated-doc==0.0.7 httpx2==2.16.2 httpcore2==2.16.2
 truststore==0.10.5 idna==3.20"

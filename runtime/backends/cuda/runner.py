@@ -128,11 +128,18 @@ class CudaModelRunner:
         return next(b for b in GRAPH_TOKENS if b >= n)
 
     def _replay(self, input_ids: np.ndarray, batch: PagedBatch, rows: np.ndarray) -> torch.Tensor:
+        """One pinned host array copied straight into the graph's inputs (the rows asked for ride at its end),
+        the replay, the rows' logits gathered on the device."""
         size = self._bucket(len(input_ids))
         graph, static_in, static_out, _ = self._graphs.get(size) or self._capture(size)
-        static_in.copy_(self._to_device(graph_inputs(input_ids, batch, size, self.max_blocks_per_seq)))
+        flat = graph_inputs(input_ids, batch, size, self.max_blocks_per_seq, rows)
+        if self._pinned.numel() < flat.size:
+            self._pinned = torch.empty(2 * flat.size, dtype=torch.int32, pin_memory=True)
+        host = self._pinned[:flat.size]
+        host.numpy()[:] = flat
+        static_in.copy_(host, non_blocking=True)
         graph.replay()
-        return static_out[torch.from_numpy(rows).to(self.device, non_blocking=True)]
+        return static_out.index_select(0, static_in[flat.size - size:flat.size - size + len(rows)].long())
 
     def _capture(self, size: int):
         """Capture a step of up to `size` tokens in up to `size` sequences (graph_inputs pads any smaller step to
@@ -174,24 +181,28 @@ class CudaModelRunner:
 
 
 def graph_inputs_size(tokens: int, max_blocks: int) -> int:
-    return 4 * tokens + 1 + tokens + tokens * max_blocks
+    return 4 * tokens + 1 + tokens + tokens * max_blocks + tokens
 
 
-def graph_inputs(input_ids: np.ndarray, batch: PagedBatch, tokens: int, max_blocks: int) -> np.ndarray:
+def graph_inputs(input_ids: np.ndarray, batch: PagedBatch, tokens: int, max_blocks: int,
+                 rows: np.ndarray | None = None) -> np.ndarray:
     """A step of n ≤ `tokens` tokens in s sequences as a graph of `tokens` token and sequence slots reads it (one
-    int32 array: ids, positions, slots, cu_seqlens_q, past_lens, block tables). Padding tokens form one dummy
-    sequence after the real ones (past 0, block 0, slot -1: its K/V are never written, its rows never read);
-    the sequence slots after it are empty (no query rows: they cost nothing)."""
+    int32 array: ids, positions, slots, cu_seqlens_q, past_lens, block tables; then the logits rows asked for,
+    which the graph does not read). Padding tokens form one dummy sequence after the real ones (past 0, block 0,
+    slot -1: its K/V are never written, its rows never read); the sequence slots after it are empty (no query
+    rows: they cost nothing)."""
     n, s = len(input_ids), len(batch.past_lens)
-    ids, positions, slots, cu, past, tables = _graph_views(np.zeros(graph_inputs_size(tokens, max_blocks), np.int32),
-                                                           tokens, max_blocks)
+    flat = np.zeros(graph_inputs_size(tokens, max_blocks), np.int32)
+    ids, positions, slots, cu, past, tables = _graph_views(flat, tokens, max_blocks)
+    if rows is not None:
+        flat[len(flat) - tokens:len(flat) - tokens + len(rows)] = rows
     ids[:n], positions[:n], slots[:n] = input_ids, batch.positions, batch.slot_mapping
     slots[n:] = -1
     positions[n:] = np.arange(tokens - n)
     cu[:s + 1], cu[s + 1:] = batch.cu_seqlens_q, tokens
     past[:s] = batch.past_lens
     tables[:s, :batch.block_tables.shape[1]] = batch.block_tables
-    return np.concatenate([ids, positions, slots, cu, past, tables.reshape(-1)])
+    return flat
 
 
 def _graph_views(flat, tokens: int, max_blocks: int):
