@@ -46,7 +46,9 @@ def violations(rel: str, source: str | None = None) -> list[str]:
             bad.append(f"{where}: the artifact format imports neither stage")
         elif rel.startswith("runtime/") and top == "compile" and rel not in GLUE:
             bad.append(f"{where}: the runtime core never imports the compile stage")
-        elif rel.startswith("runtime/") and top in ("torch", "transformers"):
+        elif rel.startswith("runtime/") and top == "torch" and not rel.startswith("runtime/backends/cuda/"):
+            bad.append(f"{where}: only the cuda backend imports torch (an optional extra)")
+        elif rel.startswith("runtime/") and top == "transformers":
             bad.append(f"{where}: the runtime never imports {top}")
         elif top == "ray" and not rel.startswith("runtime/cluster/"):
             bad.append(f"{where}: only runtime/cluster imports Ray (an optional extra)")
@@ -68,7 +70,8 @@ def test_the_checker_reports_each_kind_of_violation():
     assert violations("runtime/artifact.py", "from .kv import manager\nfrom .errors import ArtifactError\n") == \
         ["runtime/artifact.py:1 imports runtime.kv: the artifact format imports neither stage"]
     assert violations("runtime/server/app.py", "import torch\n") == \
-        ["runtime/server/app.py:1 imports torch: the runtime never imports torch"]
+        ["runtime/server/app.py:1 imports torch: only the cuda backend imports torch (an optional extra)"]
+    assert violations("runtime/backends/cuda/forward.py", "import torch\n") == []
     assert violations("runtime/server/http.py", "def f():\n    import compile.verify\n") == \
         ["runtime/server/http.py:2 imports compile.verify: the runtime core never imports the compile stage"]
     assert violations("runtime/cli.py", "import transformers\n") == \
