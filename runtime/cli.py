@@ -58,7 +58,7 @@ def generate(args: tuple[str, ...], max_tokens: int, temperature: float | None, 
     from .config import CacheConfig, EngineConfig, SchedulerConfig
     from .bundled import engine_dir
     from .engine import Engine
-    from .request import InvalidRequest, SamplingParams, generation_defaults
+    from .request import InvalidRequest, SamplingParams
 
     if len(args) > 2:
         fail("expected [ENGINE] PROMPT (quote the prompt)")
@@ -80,7 +80,7 @@ def generate(args: tuple[str, ...], max_tokens: int, temperature: float | None, 
     try:
         engine_path = Path(args[0]) if len(args) == 2 else engine_dir("target")
         draft, method = _speculation(draft, speculation)
-        params = SamplingParams(max_tokens=max_tokens, seed=seed, stop=stop, **{**generation_defaults(engine_path), **given})
+        params = SamplingParams.from_options(given, max_tokens=max_tokens, seed=seed, stop=stop)   # the engine fills the rest
         # One request per process: a prefix cache could never be hit, so it reserves no memory.
         engine = Engine(engine_path, EngineConfig(SchedulerConfig(max_num_seqs=1), CacheConfig(enable_prefix_cache=False),
                                                   threads=threads, draft=draft, speculation=method, device=device))

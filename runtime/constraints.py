@@ -79,6 +79,18 @@ def check_schema(schema) -> None:
         raise InvalidRequest(f"json_schema is not a valid JSON Schema at {where}: {e.message}") from None
 
 
+class GrammarFailed(RuntimeError):
+    """The grammar engine gave up on a request's constraint mid-generation (its lexer's budget ran out): the
+    request ends with an error, never with output the constraint did not check."""
+
+
+def short_reason(error: str) -> str:
+    """llguidance's error without the parser state it appends (from "<state>" on), on one line, at most 300
+    characters."""
+    line = " ".join(error.split("<state>")[0].split()) or "unknown error"
+    return line if len(line) <= 300 else line[:297] + "..."
+
+
 class Matcher:
     """One request's position in its grammar."""
 
@@ -89,6 +101,8 @@ class Matcher:
     def _allowed(self, out: np.ndarray) -> None:
         words = np.empty(self._words, np.int32)
         self._ll.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
+        if self._ll.is_error():     # its mask would allow only EOS: an empty "stop" the constraint never checked
+            raise GrammarFailed(f"the constraint could not be followed: {short_reason(self._ll.get_error())}")
         out[:] = np.unpackbits(words.view(np.uint8), count=self.vocab_size, bitorder="little").view(bool)
 
     def allowed(self, guesses=()) -> np.ndarray:
@@ -117,8 +131,8 @@ class Matcher:
 
     @property
     def done(self) -> bool:
-        """The grammar allows nothing more (the output is complete)."""
-        return self._ll.is_stopped()
+        """The grammar allows nothing more and the output is complete (not: the grammar engine failed)."""
+        return self._ll.is_stopped() and not self._ll.is_error()
 
     @property
     def error(self) -> str:
@@ -155,14 +169,35 @@ class Grammars:
                 self._compiled.move_to_end(constraint)
                 return template
         template = LLMatcher(self.tokenizer, constraint.grammar(), log_level=0)
-        if template.is_error():
-            raise InvalidRequest(f"the {constraint.kind} constraint does not compile: {template.get_error()}")
+        self._probe(constraint, template)
         with self._lock:
             self.compiles += 1
             self._compiled[constraint] = template
             if len(self._compiled) > self.CACHE:
                 self._compiled.popitem(last=False)
         return template
+
+    PROBES = 2
+
+    def _probe(self, constraint: Constraint, template) -> None:
+        """Refuse (InvalidRequest, never cached) a grammar that does not compile, or whose first mask the grammar
+        engine cannot build. Its lexer is shared by the template's copies and built lazily under a budget: a
+        first copy can compute its mask and exhaust the budget, so the next copy errors (a{1000000}) — two
+        probes see what the first two requests would."""
+        if template.is_error():
+            raise InvalidRequest(f"the {constraint.kind} constraint does not compile: {short_reason(template.get_error())}")
+        for _ in range(self.PROBES):
+            probe = Matcher(template.deep_copy(), self.vocab_size)
+            try:
+                probe.allowed()
+            except GrammarFailed:
+                error = probe._ll.get_error()
+                raise InvalidRequest(f"the {constraint.kind} constraint cannot be built: {short_reason(error)}") from None
+
+    def forget(self, constraint: Constraint) -> None:
+        """Drop a compiled constraint (its grammar failed a request: the next one compiles and probes it anew)."""
+        with self._lock:
+            self._compiled.pop(constraint, None)
 
     def matcher(self, constraint: Constraint) -> Matcher:
         """A fresh matcher at the start of `constraint`'s grammar (a copy of the compiled one)."""

@@ -24,10 +24,10 @@ from tokenizers import Tokenizer
 
 from .backends import load_backend
 from .config import EngineConfig
-from .constraints import Constraint, Grammars, Matcher
+from .constraints import Constraint, GrammarFailed, Grammars, Matcher
 from .detokenizer import IncrementalDetokenizer, StopStringFilter
 from .outputs import ModelInput, RequestOutput, RunnerOutput, StepResult, Usage
-from .request import InvalidRequest, Request, RequestStatus, SamplingParams
+from .request import InvalidRequest, Request, RequestStatus, SamplingParams, generation_defaults
 from .sampler import Sampler
 from .scheduler import Scheduler
 from .spec_decode.speculator import Speculator
@@ -49,6 +49,7 @@ class _Stream:
     stops: StopStringFilter
     new_ids: list[int] = field(default_factory=list)
     new_logprobs: list[dict] = field(default_factory=list)
+    chars: int = 0                  # characters of text reported so far (a token's text_offset)
 
 
 @dataclass
@@ -74,8 +75,10 @@ class Engine:
         manifest = self.runner.manifest
         self.tokenizer = Tokenizer.from_file(str(Path(engine_dir) / "tokenizer.json"))
         self.eos_ids = frozenset(manifest["tokenizer"]["eos_token_ids"])
+        self.sampling_defaults = generation_defaults(engine_dir)      # what requests that leave options out get
         self.grammars = Grammars(self.tokenizer.to_str(), self.runner.vocab_size, self.eos_ids)
         self._matchers: dict[str, Matcher] = {}        # constrained requests' grammar state
+        self._failed_grammars: dict[str, str] = {}     # request id → why its grammar failed this step
         self.speculator, planner = None, None
         if backend.proposer is not None:
             self.speculator = Speculator(config.spec, backend.proposer, self.sampler, backend.cost)
@@ -91,7 +94,7 @@ class Engine:
                     priority: int = 0, arrival: float | None = None) -> Request:
         """Validate and queue a request; raises InvalidRequest (bad input) or EngineOverloaded (queue full).
         `arrival` (time.monotonic) is when the caller received it: TTFT and queue time count from there."""
-        params = params or SamplingParams()
+        params = (params or SamplingParams()).resolve(self.sampling_defaults)
         vocab = self.runner.vocab_size
         ids = _token_ids(self.tokenizer.encode(prompt).ids if isinstance(prompt, str) else prompt, vocab)
         if ids is None:
@@ -174,8 +177,10 @@ class Engine:
             return self._fail(plan.requests, f"internal error: {type(e).__name__}: {e}")
         prompt_before = {r.request_id: min(r.num_computed, len(r.prompt_ids)) for r in plan.requests}
         self.scheduler.update(plan, results)
-        outputs = []
+        outputs = self._grammar_failures()
         for req in plan.requests:
+            if req.finished:
+                continue
             self.stats.prompt_tokens += min(req.num_computed, len(req.prompt_ids)) - prompt_before[req.request_id]
             emitted = results[req.request_id].tokens
             if emitted:
@@ -209,8 +214,14 @@ class Engine:
             if matcher is not None and s.num_logits:      # what the grammar forbids never gets sampled or accepted
                 t0 = time.perf_counter()
                 guesses = s.proposal.tokens if s.proposal is not None else ()
-                logits = matcher.mask(logits[-len(guesses) - 1:], guesses)
-                self.stats.grammar_s += time.perf_counter() - t0
+                try:
+                    logits = matcher.mask(logits[-len(guesses) - 1:], guesses)
+                except GrammarFailed as e:               # this request ends with the error; the step goes on
+                    self._failed_grammars[s.req.request_id] = str(e)
+                    results[s.req.request_id] = StepResult(s.start + len(s.tokens) - len(guesses), [])
+                    continue
+                finally:
+                    self.stats.grammar_s += time.perf_counter() - t0
             if s.proposal is not None:
                 emitted, length = self.speculator.verify(s.req, s.proposal, logits)
                 results[s.req.request_id] = StepResult(length, emitted)
@@ -218,6 +229,20 @@ class Engine:
                 sampled = [self.sampler.sample(logits[-1], s.req)] if s.num_logits else []
                 results[s.req.request_id] = StepResult(s.start + len(s.tokens), sampled)
         return results
+
+    def _grammar_failures(self) -> list[RequestOutput]:
+        """End the requests whose grammar failed this step with the reason, and forget their compiled grammar."""
+        outputs = []
+        for rid, message in self._failed_grammars.items():
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            self.grammars.forget(req.params.constraint)
+            out = self._finish(req, "error")
+            out.error = message
+            outputs.append(out)
+        self._failed_grammars.clear()
+        return outputs
 
     def _append(self, req: Request, results: list) -> RequestOutput:
         """Add sampled tokens to `req` (stopping at the first that finishes it); one output message for them."""
@@ -235,7 +260,8 @@ class Engine:
                 req.first_token_time = now
             stream.new_ids.append(result.token)
             if p.logprobs is not None:
-                stream.new_logprobs.append({"token": result.token, "logprob": result.logprob, "top": result.top_logprobs})
+                stream.new_logprobs.append({"token": result.token, "logprob": result.logprob, "top": result.top_logprobs,
+                                            "text_offset": stream.chars + len(text)})
             reason, hit = None, False
             if (result.token in self.eos_ids and not p.ignore_eos) or result.token in p.stop_token_ids:
                 reason = "stop"
@@ -262,6 +288,7 @@ class Engine:
         stream = self._streams[req.request_id]
         out = RequestOutput(req.request_id, stream.new_ids, text, stream.new_logprobs or None)
         stream.new_ids, stream.new_logprobs = [], []
+        stream.chars += len(text)
         return out
 
     def _finish(self, req: Request, reason: str, text: str = "", stop_string_hit: bool = False) -> RequestOutput:

@@ -7,7 +7,7 @@ import itertools
 import json
 import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -36,10 +36,16 @@ class SamplingParams:
     logprobs: int | None = None       # top-n log-probabilities per generated token (0: only the chosen one)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit) pairs; a dict is accepted
     constraint: "Constraint | None" = None  # runtime.constraints: the output follows a JSON schema / regex / grammar
+    # SAMPLING_KEYS the caller left out: the engine takes the model's generation_config.json value for them
+    # (resolve), else keeps the value set here (a transport's own default, e.g. OpenAI's temperature 1.0)
+    defaulted: frozenset = frozenset()
 
     def __post_init__(self):
         object.__setattr__(self, "stop", tuple([self.stop] if isinstance(self.stop, str) else self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "defaulted", frozenset(self.defaulted))
+        if not self.defaulted <= set(SAMPLING_KEYS):
+            raise InvalidRequest(f"defaulted names sampling options outside {', '.join(SAMPLING_KEYS)}")
         try:
             bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
             object.__setattr__(self, "logit_bias", tuple((t, b) for t, b in bias))
@@ -72,6 +78,21 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def resolve(self, model_defaults: dict) -> "SamplingParams":
+        """These params with the options the caller left out taken from the model's defaults (generation_defaults)
+        where it has them: the one place every entry point's requests get the model's defaults (Engine.add_request)."""
+        taken = {k: model_defaults[k] for k in self.defaulted if k in model_defaults}
+        return replace(self, **taken, defaulted=frozenset()) if self.defaulted else self
+
+    @classmethod
+    def from_options(cls, given: dict, fallback: dict | None = None, **rest) -> "SamplingParams":
+        """SamplingParams from a caller's options (`given`: only what the caller set, None meaning unset), marking
+        the SAMPLING_KEYS left out as `defaulted`; `fallback`: a transport's own defaults for those."""
+        given = {k: v for k, v in given.items() if v is not None}
+        left_out = frozenset(k for k in SAMPLING_KEYS if k not in given)
+        fallback = {k: v for k, v in (fallback or {}).items() if k in left_out}
+        return cls(**{**fallback, **given}, **rest, defaulted=left_out)
 
 
 SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")

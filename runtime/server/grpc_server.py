@@ -13,7 +13,7 @@ from grpc_reflection.v1alpha import reflection
 from ..config import ServerConfig
 from ..constraints import Constraint
 from ..outputs import RequestOutput
-from ..request import InvalidRequest, SamplingParams
+from ..request import SAMPLING_KEYS, InvalidRequest, SamplingParams
 from .auth import BearerAuthInterceptor, priority_floor, tenant_of
 from .bridge import Failed, Overloaded, Unavailable
 from .proto import quicksilver_pb2 as pb
@@ -36,8 +36,10 @@ def sampling_from_pb(s: pb.SamplingParams) -> SamplingParams:
         constraint = Constraint("json_object")
     elif kind is not None:
         constraint = Constraint(kind, getattr(s.constraint, kind))
-    return SamplingParams(**kwargs, stop=tuple(s.stop), stop_token_ids=tuple(int(t) for t in s.stop_token_ids),
-                          logit_bias=dict(s.logit_bias), constraint=constraint)
+    given = {k: kwargs.pop(k) for k in SAMPLING_KEYS if k in kwargs}     # left out: the model's defaults (engine)
+    return SamplingParams.from_options(given, **kwargs, stop=tuple(s.stop),
+                                       stop_token_ids=tuple(int(t) for t in s.stop_token_ids),
+                                       logit_bias=dict(s.logit_bias), constraint=constraint)
 
 
 def response_to_pb(out: RequestOutput, request_id: str) -> pb.GenerateResponse:

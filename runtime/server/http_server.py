@@ -64,6 +64,9 @@ def _check_unicode(body) -> None:
         raise InvalidRequest("the body holds a lone UTF-16 surrogate (such as \\ud800), which is not text") from None
 
 
+OPENAI_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+
+
 def sampling_from_json(body: dict, chat: bool) -> tuple[SamplingParams, int]:
     """OpenAI fields (plus top_k, min_p, repetition_penalty, ignore_eos) → (SamplingParams, n choices); defaults as
     OpenAI's; response_format becomes the request's constraint. Fields that would change the result but are not
@@ -111,16 +114,17 @@ def sampling_from_json(body: dict, chat: bool) -> tuple[SamplingParams, int]:
         logprobs = integer("top_logprobs", 0) if flag(body, "logprobs") else None
     else:
         logprobs = integer("logprobs", None)
-    kwargs = dict(temperature=float(number("temperature", 1.0)), top_p=float(number("top_p", 1.0)),
-                  top_k=integer("top_k", 0), min_p=float(number("min_p", 0.0)),
-                  repetition_penalty=float(number("repetition_penalty", 1.0)),
-                  presence_penalty=float(number("presence_penalty", 0.0)),
+    given = dict(temperature=number("temperature", None), top_p=number("top_p", None), top_k=integer("top_k", None),
+                 min_p=number("min_p", None), repetition_penalty=number("repetition_penalty", None))
+    given = {k: (v if k == "top_k" or v is None else float(v)) for k, v in given.items()}
+    kwargs = dict(presence_penalty=float(number("presence_penalty", 0.0)),
                   frequency_penalty=float(number("frequency_penalty", 0.0)), seed=integer("seed", None),
                   stop=tuple(stop), ignore_eos=flag(body, "ignore_eos"), logprobs=logprobs,
                   logit_bias=bias, constraint=response_format(body))
     if max_tokens is not None:
         kwargs["max_tokens"] = max_tokens
-    return SamplingParams(**kwargs), n
+    # options left out: the model's generation_config.json (the engine fills them), else OpenAI's defaults
+    return SamplingParams.from_options(given, OPENAI_DEFAULTS, **kwargs), n
 
 
 class HttpApi:
@@ -355,7 +359,8 @@ class HttpApi:
                     if shape.tool_outputs:
                         for chunk in shape.tool_chunks(i, out):
                             yield _event(chunk)
-                    elif out.text or out.finished:
+                    elif out.text or out.finished or out.logprobs:
+                        # (a token that ends inside a character has no text yet: its log-probability goes now)
                         yield _event(shape.chunk(out.text, out.finish_reason, out.logprobs, index=i))
                     if keep is not None:
                         kept.append(out.text)
@@ -531,7 +536,9 @@ class _Shape:
         return {"id": self.rid, "object": kind, "created": self.created, "model": self.model}
 
     def _logprobs(self, logprobs):
-        """Tokens as their text (chat adds their UTF-8 bytes), as OpenAI and vLLM show them."""
+        """Tokens as their text (chat adds their UTF-8 bytes), as OpenAI and vLLM show them; completions also give
+        each token's `text_offset` (where the text before it ends in the choice's text: the engine counts it, so a
+        token that ends inside a character has the offset its character will start at)."""
         if not logprobs:
             return None
         text = self.token_text.text
@@ -541,7 +548,8 @@ class _Shape:
             return {"content": [{**entry(lp["token"], lp["logprob"]),
                                  "top_logprobs": [entry(t, v) for t, v in lp["top"] or []]} for lp in logprobs]}
         return {"tokens": [text(lp["token"]) for lp in logprobs], "token_logprobs": [lp["logprob"] for lp in logprobs],
-                "top_logprobs": [{text(t): v for t, v in lp["top"] or []} for lp in logprobs]}
+                "top_logprobs": [{text(t): v for t, v in lp["top"] or []} for lp in logprobs],
+                "text_offset": [lp.get("text_offset", 0) for lp in logprobs]}
 
     def chunk(self, delta, finish_reason, logprobs=None, index: int = 0) -> dict:
         if self.chat:
