@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
 import click
 
 from . import __version__
+
+
+def unescape(text: str) -> str:
+    """A command-line string with \\n, \\t, \\r and \\\\ read as the characters they name (a shell passes
+    `--stop '\\n'` as a backslash and an n, which no output contains)."""
+    return re.sub(r"\\([ntr\\])", lambda m: {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}[m.group(1)], text)
 
 
 def fail(message: str) -> None:
@@ -31,7 +38,9 @@ def main() -> None:
 @click.option("--repetition-penalty", type=float, default=None,
               help="[default: the model's, else 1] (The model's: its generation_config.json.)")
 @click.option("--seed", type=int, default=None, help="Makes sampling reproducible.")
-@click.option("--stop", multiple=True, help="Stop string (repeatable); not included in the output.")
+@click.option("--stop", multiple=True, callback=lambda _c, _p, v: tuple(unescape(s) for s in v),
+              help="Stop string (repeatable; \\n, \\t, \\r and \\\\ are read as escapes, as in C); not included "
+                   "in the output.")
 @click.option("--threads", type=click.IntRange(1), default=None, show_default="min(2, cores)",
               help="ONNX Runtime intra-op threads.")
 @click.option("--draft", type=click.Path(path_type=Path), default=None, help="Draft engine for speculative decoding.")
@@ -96,12 +105,13 @@ def generate(args: tuple[str, ...], max_tokens: int, temperature: float | None, 
                 u = out.usage
                 if stats:
                     _print_stats(u.prompt_tokens, u.cached_tokens, u.completion_tokens, out.finish_reason, u.ttft_s,
-                                 u.tpot_s, u.spec_proposed, u.spec_accepted)
+                                 u.tpot_s, u.spec_proposed, u.spec_accepted, u.spec_off)
 
 
-def _print_stats(prompt, cached, completion, finish, ttft_s, tpot_s, proposed=0, accepted=0) -> None:
+def _print_stats(prompt, cached, completion, finish, ttft_s, tpot_s, proposed=0, accepted=0, spec_off="") -> None:
     tpot = f"{tpot_s * 1e3:.2f} ms ({1 / tpot_s:.0f} tok/s)" if tpot_s else "n/a"
-    spec = f", speculation {accepted}/{proposed} accepted" if proposed else ""
+    spec = (f", speculation {accepted}/{proposed} accepted" if proposed else
+            f", speculation off: {spec_off}" if spec_off else "")
     click.echo(f"[{prompt} prompt tokens ({cached} cached), {completion} generated, finish: {finish}; "
                f"TTFT {ttft_s * 1e3:.1f} ms, TPOT {tpot}{spec}]", err=True)
 
@@ -127,10 +137,13 @@ def _generate_remote(server: str, api_key: str | None, tls_ca: Path | None, prom
 
     from .client import Client
 
-    click.echo(prompt, nl=False)
+    echoed = False          # the prompt is printed once the server answers: an error alone is one line
     try:
         with Client(server, api_key, tls_ca) as client:
             for msg in client.generate(prompt, **sampling):
+                if not echoed:
+                    click.echo(prompt, nl=False)
+                    echoed = True
                 click.echo(msg.text, nl=False)
                 if msg.finish_reason:
                     click.echo()
@@ -139,7 +152,8 @@ def _generate_remote(server: str, api_key: str | None, tls_ca: Path | None, prom
                         _print_stats(u.prompt_tokens, u.cached_tokens, u.completion_tokens, msg.finish_reason,
                                      u.ttft_ms / 1e3, u.tpot_ms / 1e3, u.spec_proposed_tokens, u.spec_accepted_tokens)
     except grpc.RpcError as e:
-        click.echo()
+        if echoed:
+            click.echo()
         fail(f"{server}: {e.code().name}: {e.details()}")
 
 

@@ -28,6 +28,16 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
     return x - (m + np.log(np.exp(x - m).sum()))
 
 
+def logit_adjustments(req: Request) -> str:
+    """What changes the request's logits, in words ("" when nothing: greedy is a plain argmax)."""
+    p = req.params
+    names = [name for name, on in (("repetition penalty", p.repetition_penalty != 1.0),
+                                   ("presence penalty", bool(p.presence_penalty)),
+                                   ("frequency penalty", bool(p.frequency_penalty)), ("logit bias", bool(p.logit_bias)))
+             if on]
+    return ", ".join(names)
+
+
 def adjusts_logits(req: Request) -> bool:
     """Whether the request's penalties or logit bias change its logits (else greedy is a plain argmax)."""
     p = req.params

@@ -1,0 +1,66 @@
+"""What a new user hit on the command line (#45 item 13): `--stop '\\n'` means a newline, a remote error is one
+line without the prompt echoed before it, and a request whose penalties turn speculation off says so."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from runtime.cli import unescape
+from runtime.config import CacheConfig, EngineConfig, SchedulerConfig
+from runtime.engine import Engine
+from runtime.request import SamplingParams
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def runtime_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", "from runtime.cli import main; main()", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_unescape_reads_c_escapes_and_nothing_else():
+    assert unescape(r"\n") == "\n" and unescape(r"a\tb\r") == "a\tb\r"
+    assert unescape(r"\\n") == "\\n"                 # an escaped backslash, then an n
+    assert unescape(r"\x41 \u00e9 é") == r"\x41 \u00e9 é"
+
+
+def test_stop_newline_on_the_command_line_stops_at_the_first_newline(bundled):
+    prompt = "def add(a, b):"
+    eng = Engine(bundled["target"], EngineConfig(SchedulerConfig(max_num_seqs=1), CacheConfig(kv_budget_bytes=64 << 20)))
+    full = eng.generate([prompt], SamplingParams(max_tokens=40, temperature=0.0, repetition_penalty=1.3))[0]["text"]
+    assert "\n" in full
+    r = runtime_cli("generate", str(bundled["target"]), "--max-tokens", "40", "--stop", r"\n", prompt)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == prompt + full[:full.index("\n")] + "\n"
+    assert "finish: stop" in r.stderr
+
+
+def test_a_remote_error_is_one_line_without_the_prompt():
+    r = runtime_cli("generate", "--server", "127.0.0.1:1", "a prompt that should not be printed")
+    assert r.returncode == 2
+    assert r.stdout == ""
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: 127.0.0.1:1: UNAVAILABLE")
+
+
+def test_a_request_whose_penalty_turns_speculation_off_says_so(bundled):
+    eng = Engine(bundled["target"], EngineConfig(SchedulerConfig(max_num_seqs=2), CacheConfig(kv_budget_bytes=64 << 20),
+                                                 speculation="ngram"))
+    out = eng.generate(["x = 1\nx = 1\n"], [SamplingParams(max_tokens=8, repetition_penalty=1.3)])[0]
+    assert out["usage"].spec_off == "its repetition penalty changes the logits speculation verifies against"
+    plain = eng.generate(["x = 1\nx = 1\n"], [SamplingParams(max_tokens=8, repetition_penalty=1.0)])[0]
+    assert plain["usage"].spec_off == ""
+    r = runtime_cli("generate", str(bundled["target"]), "--speculation", "ngram", "--max-tokens", "4", "x = 1")
+    assert r.returncode == 0, r.stderr
+    assert "speculation off: its repetition penalty changes the logits" in r.stderr
+
+
+def test_skipped_speculation_is_counted_in_the_metrics():
+    from runtime.metrics import Metrics
+    from runtime.outputs import Usage
+
+    m = Metrics()
+    m.on_finish("stop", Usage(3, 0, 4, spec_off="its repetition penalty changes the logits speculation verifies against"))
+    m.on_finish("stop", Usage(3, 0, 4))
+    assert m.registry.get_sample_value("quicksilver_spec_skipped_requests_total") == 1.0
