@@ -8,3 +8,7 @@ class QuicksilverError(Exception):
 
 class ArtifactError(QuicksilverError):
     """An engine artifact is missing, corrupted, truncated, foreign or of another format version."""
+
+
+class MissingDependency(QuicksilverError):
+    """An optional extra a chosen feature needs is not installed; the message names the pip command."""

@@ -13,6 +13,8 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 
+from .errors import MissingDependency
+
 SPAN = "quicksilver.request"
 
 
@@ -25,7 +27,7 @@ class Tracing:
             from opentelemetry.sdk.trace.export import BatchSpanProcessor
             from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
         except ImportError:
-            raise SystemExit("--otlp-endpoint needs OpenTelemetry: pip install '.[tracing]'") from None
+            raise MissingDependency("--otlp-endpoint needs OpenTelemetry: pip install '.[tracing]'") from None
         from opentelemetry import trace
 
         insecure = not endpoint.startswith("https://")

@@ -64,3 +64,14 @@ def test_skipped_speculation_is_counted_in_the_metrics():
     m.on_finish("stop", Usage(3, 0, 4, spec_off="its repetition penalty changes the logits speculation verifies against"))
     m.on_finish("stop", Usage(3, 0, 4))
     assert m.registry.get_sample_value("quicksilver_spec_skipped_requests_total") == 1.0
+
+
+def test_a_missing_optional_dependency_is_one_error_line_with_exit_code_2(bundled):
+    """--otlp-endpoint without OpenTelemetry installed (hidden from the import system here) fails as every other
+    missing extra does: `error: ...` naming the pip command, exit code 2 (was: a bare message and exit code 1)."""
+    hide = "import sys; sys.modules['opentelemetry.exporter.otlp.proto.grpc.trace_exporter'] = None; "
+    r = subprocess.run([sys.executable, "-c", hide + "from runtime.cli import main; main()", "serve", str(bundled["target"]),
+                        "--otlp-endpoint", "http://127.0.0.1:1", "--http-port", "0", "--grpc-port", "0"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1] == "error: --otlp-endpoint needs OpenTelemetry: pip install '.[tracing]'"
