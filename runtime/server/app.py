@@ -114,14 +114,21 @@ class Server:
                 await asyncio.sleep(0.01)
             self.http_port = http_sock.getsockname()[1]
         for b in self.bridges:
-            e = b.aengine.engine
-            m = e.runner.manifest
-            log.info("model %s: %s, %s weights, %s KV, context %d, %d slots%s%s", b.model_name,
-                     m["model"]["architecture"], m["precision"]["weights"], m["precision"]["kv_cache"],
-                     e.max_model_len, e.kv.num_slots, f", speculation={e.config.speculation}" if e.speculator else "",
-                     f" per replica, {c.cluster.replicas} replicas" if c.cluster else "")
+            log.info("%s", _model_line(b, c))
+        log.info("features: %s", ", ".join(self.features()) or "none")
         log.info("serving %s on %s grpc=%s http=%s, loaded in %.2f s", ", ".join(self.router.bridges), c.host,
                  self.grpc_port, self.http_port, self.load_s)
+
+    def features(self) -> list[str]:
+        """The optional parts that are on, for the startup log."""
+        c, policy = self.config, self.router.policy
+        on = ["api key" if c.api_key else "", f"tenants ({len(c.tenants)})" if c.tenants else "",
+              f"priority keys ({len(c.priority_keys)})" if c.priority_keys else "",
+              "semantic cache" if self.semantic_cache is not None else "",
+              f"tracing to {c.otlp_endpoint}" if self.tracing is not None else "",
+              f"routes ({len(policy.rules)} rules, {len(policy.fallback)} fallbacks)" if self.router.routes else "",
+              "TLS" if c.tls_cert else "", f"replicas ({c.cluster.replicas})" if c.cluster else ""]
+        return [f for f in on if f]
 
     async def stop(self) -> None:
         """Stop accepting, give in-flight requests `grace_s` to finish, cancel the rest, stop everything."""
@@ -149,6 +156,19 @@ class Server:
             b.aengine.shutdown()
         if self.cluster is not None:
             self.cluster.shutdown()
+
+
+def _model_line(b: Bridge, c: ServerConfig) -> str:
+    """What a hosted model is and how many sequences it runs and queues (slots beyond the running ones keep
+    finished sequences' KV for reuse)."""
+    e = b.aengine.engine
+    m, sched = e.runner.manifest, e.config.scheduler
+    retained = max(0, e.kv.num_slots - sched.max_num_seqs)
+    return (f"model {b.model_name}: {m['model']['architecture']}, {m['precision']['weights']} weights, "
+            f"{m['precision']['kv_cache']} KV, context {e.max_model_len}, {sched.max_num_seqs} running sequences"
+            f"{f' (+{retained} slots kept for prefix reuse)' if retained else ''}, {sched.max_waiting} queued"
+            f"{f', speculation={e.config.speculation}' if e.speculator else ''}"
+            f"{f' per replica, {c.cluster.replicas} replicas' if c.cluster else ''}")
 
 
 def check_config(c: ServerConfig) -> None:

@@ -5,11 +5,16 @@ count them in quicksilver_request_errors, since they also refuse requests before
     InvalidRequest → INVALID_ARGUMENT / 400      Overloaded → RESOURCE_EXHAUSTED / 429 (+ retry hint)
     asyncio.TimeoutError → DEADLINE_EXCEEDED / 504   Unavailable (Draining, ReplicaLost) → UNAVAILABLE / 503
     Failed (the engine step that carried the request failed) → INTERNAL / 500
+    RecursionError (input nested too deeply for a parser) → INVALID_ARGUMENT / 400
+
+Every message a client gets goes through `brief` (at most MAX_ERROR_BYTES); JSON from clients through `load_json`
+(at most MAX_JSON_DEPTH deep).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import secrets
 import sys
@@ -29,6 +34,43 @@ log = logging.getLogger("quicksilver.server")
 MAX_TAG = 256             # longest client-chosen request id (echoed in every message)
 INLINE_CHARS = 512        # most characters tokenized on the event loop (~0.2 ms with the bundled tokenizer)
 INLINE_TEXT_CHARS = 1 << 16   # longest prompt tokenized there at all (reusing its ids is linear in its length)
+MAX_ERROR_BYTES = 1024    # longest error message (UTF-8) a client gets: gRPC sends it as metadata (8 KB by default)
+MAX_JSON_DEPTH = 64       # deepest nesting of arrays and objects in a request body or a JSON schema
+
+
+def brief(message: str) -> str:
+    """An error message as a client gets it: at most MAX_ERROR_BYTES of UTF-8, cut on a character boundary and
+    ended with an ellipsis (messages may echo input, which may be megabytes)."""
+    data = message.encode("utf-8", "replace")
+    if len(data) <= MAX_ERROR_BYTES:
+        return message
+    return data[:MAX_ERROR_BYTES - 3].decode("utf-8", "ignore") + "…"
+
+
+def json_depth(value, stop: int = MAX_JSON_DEPTH) -> int:
+    """How deep arrays and objects nest in `value` (a scalar: 0; `[[]]`: 2), counted level by level without
+    recursion; counting ends past `stop`."""
+    depth, level = 0, [value]
+    while depth <= stop:
+        level = [v for v in level if isinstance(v, (dict, list))]
+        if not level:
+            break
+        depth += 1
+        level = [c for v in level for c in (v.values() if isinstance(v, dict) else v)]
+    return depth
+
+
+def load_json(text: str | bytes, what: str = "the body"):
+    """JSON text → value, nested at most MAX_JSON_DEPTH deep, else InvalidRequest; ValueError where it is not JSON.
+    (The parser recurses: nesting past the interpreter's limit ends it with a RecursionError, caught here.)"""
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        value = None
+    else:
+        if json_depth(value) <= MAX_JSON_DEPTH:
+            return value
+    raise InvalidRequest(f"{what} is nested more than {MAX_JSON_DEPTH} deep (arrays and objects)")
 
 
 if sys.version_info >= (3, 11):
@@ -109,6 +151,21 @@ class Bridge:
     async def decode(self, ids: list[int]) -> str:
         return (await asyncio.to_thread(self.tokenizer.decode_batch, [ids]))[0]
 
+    def check_choices(self, n: int) -> None:
+        """A request for `n` choices queues n requests at once: more than --max-waiting could never all be taken."""
+        if n > 1 and n > self.max_waiting:
+            raise InvalidRequest(f"n={n} is more choices than this server queues at once (--max-waiting "
+                                 f"{self.max_waiting}); ask for at most {self.max_waiting}")
+
+    def _compile(self, constraint) -> None:
+        """Compile a request's constraint (in a worker thread: cached, but a first compile takes milliseconds)."""
+        if constraint.kind == "json_schema":
+            load_json(constraint.spec, "json_schema")
+        try:
+            self.aengine.engine.grammars.compile(constraint)
+        except RecursionError:
+            raise InvalidRequest(f"the {constraint.kind} constraint is nested too deeply to compile") from None
+
     def check_limits(self, prompt: list[int], params: SamplingParams) -> None:
         c = self.config
         if c.max_tokens_limit is not None and params.max_tokens > c.max_tokens_limit:
@@ -135,7 +192,7 @@ class Bridge:
         `tag` is the client's own name for it (a gRPC request_id, an HTTP response id), only logged here.
         `arrival` (time.monotonic) is when the transport received the request: TTFT and queue time count from it.
         `carrier`: the transport's headers or metadata, for the caller's W3C trace context when tracing.
-        `tenant`: the caller's (auth.tenant_of), whose limits the request counts against."""
+        `priority_floor`, `tenant`: the caller's (auth.identify), whose limits the request counts against."""
         if self.draining:
             raise Draining("the server is shutting down")
         if len(tag) > MAX_TAG:
@@ -145,7 +202,7 @@ class Bridge:
             prompt = await self.encode(prompt)
         self.check_limits(prompt, params)
         if params.constraint is not None:   # compiled here (cached), not on the engine thread where it would stall steps
-            await asyncio.to_thread(self.aengine.engine.grammars.compile, params.constraint)
+            await asyncio.to_thread(self._compile, params.constraint)
         if self.draining:             # checked again: the server may have begun to stop while we tokenized
             raise Draining("the server is shutting down")
         tenant_name = tenant.name if tenant is not None else DEFAULT

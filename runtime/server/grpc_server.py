@@ -14,13 +14,21 @@ from ..config import ServerConfig
 from ..constraints import Constraint
 from ..outputs import RequestOutput
 from ..request import SAMPLING_KEYS, InvalidRequest, SamplingParams
-from .auth import BearerAuthInterceptor, priority_floor, tenant_of
-from .bridge import Failed, Overloaded, Unavailable
+from .auth import BearerAuthInterceptor, Unauthenticated, authorization_values, identify
+from .bridge import Failed, Overloaded, Unavailable, brief
 from .proto import quicksilver_pb2 as pb
 from .proto import quicksilver_pb2_grpc as pb_grpc
 from .router import Router
 
 SERVICE = "quicksilver.v1.Generation"
+# A request's failure → (status, the name quicksilver_request_errors counts); the first class that matches.
+_STATUS = ((InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument"),
+           (RecursionError, grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument"),
+           (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED, "unauthenticated"),
+           (Overloaded, grpc.StatusCode.RESOURCE_EXHAUSTED, "overloaded"),
+           (Unavailable, grpc.StatusCode.UNAVAILABLE, "unavailable"),
+           (Failed, grpc.StatusCode.INTERNAL, "internal"),
+           (asyncio.TimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED, "deadline_exceeded"))
 _FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
            "frequency_penalty", "seed", "ignore_eos", "logprobs")
 
@@ -89,7 +97,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 raise InvalidRequest("the request has no prompt (set text or token_ids)")
             prompt = request.text if which == "text" else [int(t) for t in request.token_ids.ids]
             params = sampling_from_pb(request.sampling)
-            metadata = dict(context.invocation_metadata() or ())
+            metadata = context.invocation_metadata() or ()
+            caller = identify(authorization_values(metadata), b.config)    # the interceptor's reading, once more
             named, route = self.router.named(request.model), None
             if named is None:          # "auto": counted with the first model's tokenizer, then routed
                 if which != "text":
@@ -105,8 +114,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
             def open_stream(bridge):
                 return bridge.stream(prompt, params, request.request_id, request.priority, context.time_remaining(),
-                                     priority_floor(metadata.get("authorization"), bridge.config), arrival, metadata,
-                                     tenant_of(metadata.get("authorization"), bridge.config))
+                                     caller.priority_floor, arrival, dict(metadata), caller.tenant)
 
             stream = open_stream(b)
             try:
@@ -133,36 +141,22 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 pass
             finally:
                 await stream.aclose()
-        except InvalidRequest as e:
-            b.metrics.on_error("invalid_argument")
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except Overloaded as e:
-            b.metrics.on_error("overloaded")
-            context.set_trailing_metadata((("retry-after-ms", str(int(e.retry_after_s * 1000))),))
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{e}; retry after {e.retry_after_s:g} s")
-        except Unavailable as e:
-            b.metrics.on_error("unavailable")
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        except Failed as e:
-            b.metrics.on_error("internal")
-            await context.abort(grpc.StatusCode.INTERNAL, str(e))
-        except asyncio.TimeoutError:
-            b.metrics.on_error("deadline_exceeded")
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded; the request was aborted")
+        except tuple(cls for cls, _, _ in _STATUS) as e:
+            await _abort(context, e, b)
 
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
         if isinstance(request, Malformed):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {request.error}")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, brief(f"malformed request: {request.error}"))
         return pb.TokenizeResponse(token_ids=await self.router.primary.encode(request.text))
 
     async def ModelInfo(self, request, context) -> pb.ModelInfoResponse:
         """The first model's, or the one `model` names."""
         if isinstance(request, Malformed):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {request.error}")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, brief(f"malformed request: {request.error}"))
         try:
             bridge = self.router.named(request.model) or self.router.primary
         except InvalidRequest as e:
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+            await context.abort(grpc.StatusCode.NOT_FOUND, brief(str(e)))
         engine = bridge.aengine.engine
         m = engine.runner.manifest
         return pb.ModelInfoResponse(model=bridge.model_name, architecture=m["model"]["architecture"],
@@ -173,12 +167,28 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                                     speculation=engine.config.speculation or "")
 
 
+async def _abort(context, e: Exception, bridge) -> None:
+    """End a call with the status `_STATUS` gives `e`, counted, its details `brief` (gRPC sends them as metadata:
+    an echoed input must not overflow the client's limit) and, when overloaded, a retry hint."""
+    _, code, name = next(entry for entry in _STATUS if isinstance(e, entry[0]))
+    message = str(e)
+    if isinstance(e, Overloaded):
+        context.set_trailing_metadata((("retry-after-ms", str(int(e.retry_after_s * 1000))),))
+        message = f"{e}; retry after {e.retry_after_s:g} s"
+    elif isinstance(e, asyncio.TimeoutError):
+        message = "deadline exceeded; the request was aborted"
+    elif isinstance(e, RecursionError):
+        message = "the request is nested too deeply to process"
+    bridge.metrics.on_error(name)
+    await context.abort(code, brief(message))
+
+
 async def start_grpc(router: Router, config: ServerConfig) -> tuple[grpc.aio.Server, int, health.HealthServicer]:
     """Start the gRPC server; returns (server, bound port, health servicer)."""
     options = [("grpc.max_receive_message_length", config.max_body_bytes),
                ("grpc.max_send_message_length", 16 << 20),
                ("grpc.so_reuseport", 0)]       # gRPC's default lets a second server share the port silently
-    interceptors = [BearerAuthInterceptor(config)] if config.requires_auth else []
+    interceptors = [BearerAuthInterceptor(config)]     # open servers too: it refuses two credentials
     server = grpc.aio.server(options=options, interceptors=interceptors)
     servicer = GenerationServicer(router)
     handlers = {

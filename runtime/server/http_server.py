@@ -22,8 +22,8 @@ from starlette.routing import Route
 from ..metrics import CONTENT_TYPE_LATEST, render
 from ..outputs import RequestOutput, Usage
 from ..request import InvalidRequest, SamplingParams
-from .auth import authorized, priority_floor, tenant_of
-from .bridge import Bridge, Draining, Failed, Overloaded, Unavailable
+from .auth import Unauthenticated, authorization_values, identify
+from .bridge import Bridge, Draining, Failed, Overloaded, Unavailable, brief, load_json
 from . import semantic_cache
 from .router import AUTO, Router
 from .tenants import DEFAULT as DEFAULT_TENANT
@@ -33,6 +33,7 @@ from .token_text import TokenText
 log = logging.getLogger("quicksilver.server")
 OPEN_PATHS = ("/health", "/metrics")
 ARRIVAL = "quicksilver.arrival"   # scope key: time.monotonic() when the request's headers arrived
+CALLER = "quicksilver.caller"     # scope key: the auth.Caller its one credential names (read once, by _Guard)
 MAX_CHOICES = 16          # most completions (n) one request may ask for
 
 
@@ -42,8 +43,12 @@ CODES = {400: "invalid_argument", 401: "unauthenticated", 404: "not_found", 405:
 
 
 def error(status: int, message: str, kind: str = "invalid_request_error", headers: dict | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "code": CODES.get(status, "internal")}}, status,
-                        headers=headers)
+    return JSONResponse(error_json(status, message, kind), status, headers=headers)
+
+
+def error_json(status: int, message: str, kind: str) -> dict:
+    """Every error a client gets, whole or in a stream: OpenAI's shape, the message `brief` (under 1 KB)."""
+    return {"error": {"message": brief(message), "type": kind, "code": CODES.get(status, "internal")}}
 
 
 def flag(body: dict, key: str, default: bool = False) -> bool:
@@ -164,7 +169,7 @@ class HttpApi:
         data = [{"id": name, "object": "model", "created": 0, "owned_by": "quicksilver",
                  "max_model_len": b.max_model_len, "vocab_size": b.aengine.engine.runner.vocab_size}
                 for name, b in self.router.bridges.items()]
-        if self.router.routes:
+        if data:                   # "auto" is accepted with one model too: listed, it routes to that one
             data.append({"id": AUTO, "object": "model", "created": 0, "owned_by": "quicksilver",
                          "routes_to": list(self.router.bridges)})
         return JSONResponse({"object": "list", "data": data})
@@ -195,15 +200,9 @@ class HttpApi:
         return prompt, echo, params
 
     async def _handle(self, request: Request, chat: bool) -> Response:
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            return error(400, f"malformed JSON body: {e}")
-        if not isinstance(body, dict):
-            return error(400, "the body must be a JSON object")
         streams = []
         try:
-            _check_unicode(body)
+            body = await _json_body(request)
             stream = flag(body, "stream")
             options = body.get("stream_options") or {}
             if not isinstance(options, dict):
@@ -228,8 +227,9 @@ class HttpApi:
             prompt, echo, params = (counted if bridge is self.router.primary and counted
                                     else await self._prepare(bridge, body, chat, tools, asked))
             priority = body.get("priority", 0)         # lower is more urgent, as vLLM's
-            floor = priority_floor(request.headers.get("authorization"), bridge.config)  # checked by the bridge
-            tenant = tenant_of(request.headers.get("authorization"), bridge.config)
+            caller = request.scope[CALLER]
+            floor, tenant = caller.priority_floor, caller.tenant      # checked and counted by the bridge
+            bridge.check_choices(n)
             timeout = body.get("timeout")
             if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
                 raise InvalidRequest("timeout must be a positive number of seconds")
@@ -272,7 +272,8 @@ class HttpApi:
                 if isinstance(r, BaseException):
                     raise r
             firsts += rest
-        except (InvalidRequest, Overloaded, Unavailable, Failed, asyncio.TimeoutError, StopAsyncIteration) as e:
+        except (InvalidRequest, Overloaded, Unavailable, Failed, asyncio.TimeoutError, StopAsyncIteration,
+                RecursionError) as e:
             await _close(streams)
             return _error_for(e)
         shape = _Shape(rid, bridge.model_name, chat, self.token_texts[bridge.model_name])
@@ -373,16 +374,15 @@ class HttpApi:
             yield "data: [DONE]\n\n"
         except asyncio.TimeoutError:            # after the 200: the error goes in the stream, and is counted here
             bridge.metrics.on_error(CODES[504])
-            yield _event({"error": {"message": "request timed out and was aborted", "type": "timeout_error",
-                                    "code": CODES[504]}})
+            yield _event(error_json(504, "request timed out and was aborted", "timeout_error"))
             yield "data: [DONE]\n\n"
         except Failed as e:
             bridge.metrics.on_error(CODES[500])
-            yield _event({"error": {"message": str(e), "type": "internal_error", "code": CODES[500]}})
+            yield _event(error_json(500, str(e), "internal_error"))
             yield "data: [DONE]\n\n"
         except Unavailable as e:
             bridge.metrics.on_error(CODES[503])
-            yield _event({"error": {"message": str(e), "type": "unavailable_error", "code": CODES[503]}})
+            yield _event(error_json(503, str(e), "unavailable_error"))
             yield "data: [DONE]\n\n"
         finally:
             await _close(streams)
@@ -474,6 +474,8 @@ async def _http_error(request: Request, e: HTTPException) -> JSONResponse:
 def _error_for(e: Exception) -> JSONResponse:
     if isinstance(e, InvalidRequest):
         return error(400, str(e))
+    if isinstance(e, RecursionError):     # a parser below (a schema's regex pattern, say) met input nested too deeply
+        return error(400, "the request is nested too deeply to process")
     if isinstance(e, Overloaded):
         return error(429, f"{e}; retry later", "overloaded_error", {"Retry-After": str(max(1, round(e.retry_after_s)))})
     if isinstance(e, Unavailable):
@@ -483,6 +485,18 @@ def _error_for(e: Exception) -> JSONResponse:
     if isinstance(e, Failed):
         return error(500, str(e), "internal_error")
     return error(500, "no output", "internal_error")
+
+
+async def _json_body(request: Request) -> dict:
+    """The request's body: a JSON object, nested at most bridge.MAX_JSON_DEPTH deep, of text; else InvalidRequest."""
+    try:
+        body = load_json(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InvalidRequest(f"malformed JSON body: {e}") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("the body must be a JSON object")
+    _check_unicode(body)
+    return body
 
 
 def _prompt(prompt) -> str | list[int]:
@@ -596,10 +610,12 @@ class _Guard:
             await send(message)
 
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        config = self.bridge.config
-        if config.requires_auth and scope["path"] not in OPEN_PATHS and not authorized(headers.get("authorization"), config):
-            refusal = error(401, "missing or wrong bearer token", "authentication_error")
-            return await refusal(scope, receive, counted_send)
+        if scope["path"] not in OPEN_PATHS:
+            try:               # the one reading of the request's credentials; handlers take scope[CALLER]
+                scope[CALLER] = identify(authorization_values(scope["headers"]), self.bridge.config)
+            except Unauthenticated as e:
+                refusal = error(401, str(e), "authentication_error", {"WWW-Authenticate": "Bearer"})   # RFC 6750
+                return await refusal(scope, receive, counted_send)
         limit = self.bridge.config.max_body_bytes
         try:
             declared = int(headers.get("content-length", "0"))

@@ -6,7 +6,8 @@ buckets), concurrent requests, and the most urgent priority they may ask for.
 
 A request is charged its prompt tokens + max_tokens when admitted, and what it did not generate is refunded when
 it ends, so a tenant cannot overrun its token rate by asking long generations at once. Over a limit the answer is
-HTTP 429 / RESOURCE_EXHAUSTED with the seconds after which the bucket will have room (Retry-After). Tenant names
+HTTP 429 / RESOURCE_EXHAUSTED with the seconds after which the bucket will have room (Retry-After); a request that
+no bucket could ever hold (more tokens than a minute's) is HTTP 400 / INVALID_ARGUMENT instead. Tenant names
 label metrics: a bounded set, the configured names (callers without a tenant are "default").
 """
 
@@ -18,6 +19,8 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from ..request import InvalidRequest
 
 NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 DEFAULT = "default"
@@ -102,8 +105,13 @@ class TenantLimits:
         self.running = {t.name: 0 for t in tenants}
 
     def admit(self, tenant: Tenant, tokens: int) -> None:
-        """Count a request of up to `tokens` tokens against `tenant`, or raise RateLimited (nothing counted)."""
+        """Count a request of up to `tokens` tokens against `tenant`, or raise RateLimited (retry later) or
+        InvalidRequest (it can never be admitted); nothing is counted then."""
         name = tenant.name
+        if name in self.tokens and tokens > self.tokens[name].capacity:     # a fixed capacity: no lock needed
+            raise InvalidRequest(f"a request of {tokens} tokens (prompt + max_tokens) exceeds tenant {name}'s "
+                                 f"tokens_per_minute of {self.tokens[name].capacity:g}, so it can never be "
+                                 f"admitted; lower max_tokens")
         with self._lock:
             cap = self.caps.get(name)
             if cap is not None and self.running[name] >= cap:
@@ -116,9 +124,6 @@ class TenantLimits:
                 if wait:
                     if name in self.requests:
                         self.requests[name].give(1)
-                    if wait == float("inf"):
-                        raise RateLimited(f"a request of {tokens} tokens (prompt + max_tokens) exceeds tenant {name}'s "
-                                          f"tokens_per_minute; lower max_tokens", 60.0)
                     raise RateLimited(f"tenant {name} is over its tokens_per_minute", wait)
             self.running[name] += 1
 

@@ -42,11 +42,13 @@ def server(bundled):
 
 @pytest.fixture(scope="module")
 def alone(bundled):
-    """What the engine generates greedily on its own, in process: the truth every replica must match."""
+    """What the engine generates greedily on its own, in process, for a request that gives only the temperature
+    (the rest, as over the API, from the model's generation_config.json): the truth every replica must match."""
     e = Engine(bundled["target"], econf())
 
     def run(prompt: str, max_tokens: int) -> str:
-        return e.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))[0]["text"]
+        params = SamplingParams.from_options({"temperature": 0.0}, max_tokens=max_tokens, ignore_eos=True)
+        return e.generate([prompt], params)[0]["text"]
     return run
 
 
@@ -81,7 +83,7 @@ def test_streams_over_http_and_grpc_equal_the_engines_greedy_output(server, alon
     with Client(server.grpc_target) as grpc_client:
         text = "".join(r.text for r in grpc_client.generate(PROMPTS[0], max_tokens=24, temperature=0, ignore_eos=True))
     assert text == alone(PROMPTS[0], 24)
-    assert [m.id for m in client.models.list()] == ["target"]
+    assert [m.id for m in client.models.list()] == ["target", "auto"]      # "auto" is served, so it is listed
 
 
 def test_a_users_turns_go_to_the_replica_that_holds_their_prefix(server):
