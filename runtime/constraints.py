@@ -77,6 +77,8 @@ def check_schema(schema) -> None:
     except jsonschema.SchemaError as e:
         where = "/".join(str(p) for p in e.absolute_path) or "(root)"
         raise InvalidRequest(f"json_schema is not a valid JSON Schema at {where}: {e.message}") from None
+    except RecursionError:          # a pattern's regex nested thousands deep (the validator parses it)
+        raise InvalidRequest("json_schema nests too deeply (a pattern's groups, or its objects)") from None
 
 
 class GrammarFailed(RuntimeError):
