@@ -62,8 +62,8 @@ def main() -> None:
               help="Text for the accuracy report [default: held-out Python code shipped with Quicksilver].")
 @click.option("--no-report", is_flag=True, help="Skip the accuracy report (faster builds).")
 @click.option("--overwrite", is_flag=True,
-              help="Replace --out if it holds an engine (a folder with manifest.json) or is empty; other folders "
-                   "and files are never replaced.")
+              help="Replace --out if it is empty or a Quicksilver engine holding only the files its manifest.json "
+                   "lists; other folders (and files) are never replaced.")
 def build(model_dir: Path, out_dir: Path, precision: str, target: str, max_seq_len: int | None, block_size: int,
           calib: Path | None, embeddings: str, kv_cache: str, kernels: str, batch_invariant: bool,
           eval_file: Path | None, no_report: bool, overwrite: bool) -> None:
@@ -133,8 +133,9 @@ def inspect(engine_dir: Path, as_json: bool, no_verify: bool) -> None:
 
 @main.command()
 @click.argument("engine_dir", type=click.Path(path_type=Path))
-@click.option("--model", "model_dir", required=True, type=click.Path(path_type=Path),
-              help="The checkpoint the engine was built from.")
+@click.option("--model", "model_dir", default=None, type=click.Path(path_type=Path),
+              help="The checkpoint the engine was built from (its fingerprint must be the one the manifest records) "
+                   "[default: the source path the manifest records].")
 @click.option("--prompt-len", type=click.IntRange(min=1), default=64, show_default=True, help="Random prompt tokens.")
 @click.option("--steps", type=click.IntRange(min=0), default=16, show_default=True,
               help="Single-token decode steps after the prompt (prompt + steps must fit the engine's context).")
@@ -143,7 +144,7 @@ def inspect(engine_dir: Path, as_json: bool, no_verify: bool) -> None:
                    "none when the weights are quantized].")
 @click.option("--device", type=click.Choice(["cuda", "cpu"]), default=None, show_default="cuda if PyTorch sees a GPU",
               help="Where a --target cuda engine runs (the cuda backend's forward; cpu: on PyTorch CPU tensors).")
-def verify(engine_dir: Path, model_dir: Path, prompt_len: int, steps: int, tolerance: float | None,
+def verify(engine_dir: Path, model_dir: Path | None, prompt_len: int, steps: int, tolerance: float | None,
            device: str | None) -> None:
     """Compare the engine's logits with a float64 reference forward pass of the checkpoint.
 
@@ -157,17 +158,22 @@ def verify(engine_dir: Path, model_dir: Path, prompt_len: int, steps: int, toler
     bundled models and the test checkpoints: int8 75 % / 0.18, int4 70 % / 0.17, fp8 92 % / 0.044.
     """
     from runtime.artifact import load
-    from .verify import QUANTIZED_BOUNDS, prompt_ids, verify as run_verify
+    from .verify import QUANTIZED_BOUNDS, prompt_ids, source_checkpoint, verify as run_verify
 
     try:
         manifest = load(engine_dir)
         context = manifest["model"]["max_seq_len"]
         if prompt_len + steps > context:
             fail(f"--prompt-len {prompt_len} + --steps {steps} exceed the engine's context of {context} tokens")
+        model_dir = source_checkpoint(manifest, model_dir)
         result = run_verify(engine_dir, model_dir, prompt_ids(manifest["model"]["vocab_size"], prompt_len), steps,
                             device)
     except QuicksilverError as e:
         fail(str(e))
+    except Exception as e:      # the reference or the runner tripping over a checkpoint: one line, not a traceback
+        first = (str(e).strip().splitlines() or [""])[0]
+        fail(f"cannot verify {engine_dir} against {model_dir}: {type(e).__name__}: {first}; check that the "
+             "checkpoint's config.json matches its weights")
     weights = manifest["precision"]["weights"]
     tol = {"fp32": 1e-3, "fp16": 5e-2}.get(weights, float("inf"))
     if manifest["kv_cache"]["dtype"] in ("int8", "float16"):

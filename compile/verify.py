@@ -14,7 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .hf_source import CheckpointReader, read_spec
+from .errors import CheckpointError
+from .hf_source import CheckpointReader, fingerprint, read_spec
 from .quantize import kv_int8
 from .reference import ReferenceModel
 
@@ -74,10 +75,29 @@ class PagedSteps:
         return self._step([token], position, np.arange(1))
 
 
+def source_checkpoint(manifest: dict, model_dir: Path | None) -> Path:
+    """The checkpoint to compare the engine with: `model_dir`, else the source path its manifest records; its
+    fingerprint must be the recorded one (compile.hf_source.fingerprint). Raises CheckpointError."""
+    source = manifest["source"]
+    if model_dir is None and not Path(source["path"]).is_dir():
+        raise CheckpointError(f"the engine's source checkpoint {source['path']} is not there; pass --model with the "
+                              "checkpoint it was built from")
+    model_dir = Path(model_dir or source["path"])
+    if not model_dir.is_dir():
+        raise CheckpointError(f"--model {model_dir} is not a checkpoint folder; pass the one the engine was built "
+                              f"from ({source['path']})")
+    found = fingerprint(model_dir)
+    if found != source["fingerprint"]:
+        raise CheckpointError(f"{model_dir} is not the checkpoint the engine was built from ({source['path']}): "
+                              f"fingerprint {found[:16]}… differs from the recorded {source['fingerprint'][:16]}…; "
+                              "pass --model with that checkpoint, or rebuild the engine")
+    return model_dir
+
+
 def verify(engine_dir: Path, model_dir: Path, prompt: list[int], decode_steps: int = 16,
            device: str | None = None) -> VerifyResult:
     """device: where a `--target cuda` engine runs (cuda or cpu; None: cuda if PyTorch sees one)."""
-    from runtime.artifact import load
+    from runtime.artifact import graph_path, load
 
     if load(engine_dir, verify=False).get("target") == "cuda":
         return _verify_steps(PagedSteps(engine_dir, device, len(prompt) + decode_steps + 1), model_dir, prompt,
@@ -87,7 +107,7 @@ def verify(engine_dir: Path, model_dir: Path, prompt: list[int], decode_steps: i
     runner = ModelRunner(engine_dir)
     spec = read_spec(model_dir)
     # An int8 (fp16) KV cache is part of the engine's arithmetic: the reference reads the same rounded K/V.
-    scales = (kv_int8.engine_scales(engine_dir / runner.manifest["graph"]["file"], spec.num_layers)
+    scales = (kv_int8.engine_scales(graph_path(engine_dir, runner.manifest), spec.num_layers)
               if runner.kv_layout.dtype == "int8" else None)
     ref = ReferenceModel(spec, CheckpointReader(model_dir), kv_scales=scales,
                          kv_half=runner.kv_layout.dtype == "float16")

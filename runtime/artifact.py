@@ -2,7 +2,8 @@
 
 The manifest is the only contract between compile and runtime. Writing goes to a temporary sibling
 folder that is renamed into place at the end, so a failed build leaves nothing behind; reading checks
-the format, its version and the sha256 of every file before anything else touches them.
+the format, its version and the sha256 of every file before anything else touches them. Every file a stage
+opens in an engine goes through `path` (or `graph_path`): a relative path the manifest lists, inside the folder.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import os
 import shutil
 import tempfile
 from contextlib import contextmanager
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from .errors import ArtifactError
 
@@ -36,6 +37,8 @@ FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "tokenizer": {"files": list, "eos_token_ids": list},
     "source": {"path": str, "fingerprint": str, "dtypes": list},
 }
+# Files the runtime opens by name (tokenizer, chat template, sampling defaults): present, they must be listed.
+NAMED_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 DIMENSIONS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size", "vocab_size",
               "max_seq_len")
 
@@ -49,8 +52,8 @@ def sha256_file(path: Path) -> str:
 
 
 def check_destination(out: Path, overwrite: bool) -> None:
-    """Refuse an `--out` whose replacement could destroy anything but an engine: `--overwrite` replaces only a
-    folder holding a manifest (or an empty one), never a file or an arbitrary folder such as `.`."""
+    """Refuse an `--out` whose replacement could destroy anything but an engine: `--overwrite` replaces only an
+    empty folder or one of our engines that holds nothing its manifest does not list."""
     out = Path(out).resolve()
     if not out.exists():
         return
@@ -58,9 +61,47 @@ def check_destination(out: Path, overwrite: bool) -> None:
         raise ArtifactError(f"--out {out} is a file, not an engine folder")
     if not overwrite:
         raise ArtifactError(f"{out} already exists; pass --overwrite to replace it")
-    if not (out / MANIFEST).is_file() and any(out.iterdir()):
-        raise ArtifactError(f"--out {out} is not a Quicksilver engine (no {MANIFEST}); --overwrite replaces only "
-                            "an engine folder, choose a new or empty folder")
+    if any(out.iterdir()):
+        _check_replaceable(out)
+
+
+def _check_replaceable(out: Path) -> None:
+    """`out` holds a manifest of this format and version, and nothing else it does not list."""
+    choose = "--overwrite replaces only an engine folder, choose a new or empty folder"
+    try:
+        manifest = json.loads((out / MANIFEST).read_text())
+    except FileNotFoundError:
+        raise ArtifactError(f"--out {out} is not a Quicksilver engine (no {MANIFEST}); {choose}") from None
+    except (OSError, ValueError):
+        manifest = None
+    if not isinstance(manifest, dict):
+        manifest = {}
+    fmt, version = manifest.get("format"), manifest.get("format_version")
+    if fmt != FORMAT or version != FORMAT_VERSION or not isinstance(manifest.get("files"), dict):
+        raise ArtifactError(f"--out {out} is not a Quicksilver engine (its {MANIFEST} has format {fmt!r}, format "
+                            f"version {version!r}; ours is {FORMAT!r} version {FORMAT_VERSION}); {choose}")
+    unknown = _unlisted(out, manifest["files"])
+    if unknown:
+        shown = ", ".join(unknown[:3]) + (f" and {len(unknown) - 3} more" if len(unknown) > 3 else "")
+        raise ArtifactError(f"--out {out} holds files its {MANIFEST} does not list ({shown}); move them out "
+                            "first, or choose another folder")
+
+
+def _unlisted(out: Path, files: dict) -> list[str]:
+    """What `out` holds besides manifest.json, the listed files and the folders holding them (a folder as `name/`,
+    not descended into; links are never followed)."""
+    keep = {MANIFEST, *files}
+    parents = {p.as_posix() for rel in files for p in PurePosixPath(rel).parents}
+    unknown = []
+    for folder, dirs, names in os.walk(out):
+        base = PurePosixPath(Path(folder).relative_to(out).as_posix())
+        for d in sorted(dirs):
+            rel = (base / d).as_posix()
+            if rel not in keep and (rel not in parents or (Path(folder) / d).is_symlink()):
+                unknown.append(rel + "/")
+                dirs.remove(d)
+        unknown += [(base / n).as_posix() for n in names if (base / n).as_posix() not in keep]
+    return sorted(unknown)
 
 
 @contextmanager
@@ -109,17 +150,17 @@ def write_manifest(folder: Path, manifest: dict) -> dict:
 
 
 def read_manifest(engine_dir: Path) -> dict:
-    """Parse manifest.json and check its format and version (cheap; no hashing)."""
+    """Parse manifest.json and check its format, version, fields and file paths (cheap; no hashing)."""
     engine_dir = Path(engine_dir)
-    path = engine_dir / MANIFEST
+    manifest_file = engine_dir / MANIFEST
     if not engine_dir.is_dir():
         raise ArtifactError(f"engine directory not found: {engine_dir}")
-    if not path.is_file():
+    if not manifest_file.is_file():
         raise ArtifactError(f"{engine_dir} is not a Quicksilver engine (no {MANIFEST}); build one with `compile build`")
     try:
-        manifest = json.loads(path.read_text())
+        manifest = json.loads(manifest_file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ArtifactError(f"{path} is corrupted: {e}") from None
+        raise ArtifactError(f"{manifest_file} is corrupted: {e}") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise ArtifactError(f"{engine_dir} is not a Quicksilver engine (manifest format is "
                             f"{manifest.get('format') if isinstance(manifest, dict) else None!r})")
@@ -127,14 +168,117 @@ def read_manifest(engine_dir: Path) -> dict:
         raise ArtifactError(f"{engine_dir} has engine format version {manifest.get('format_version')!r}, this "
                             f"Quicksilver reads version {FORMAT_VERSION}; rebuild it with `compile build`")
     if not isinstance(manifest.get("files"), dict) or not manifest["files"]:
-        raise ArtifactError(f"{path} lists no files")
-    _check_fields(manifest, path)
+        raise ArtifactError(f"{manifest_file} lists no files")
+    _check_fields(manifest, manifest_file)
     arch = manifest["model"]["architecture"]
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ArtifactError(f"{engine_dir} holds a {arch!r} model, which this Quicksilver cannot run "
                             f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
-    _check_consistent(manifest, path)
+    _check_consistent(manifest, manifest_file)
+    _check_paths(manifest, engine_dir)
     return manifest
+
+
+def path(engine_dir: Path, manifest: dict, rel: str) -> Path:
+    """The resolved path of `rel`, which must be a file the manifest lists, inside `engine_dir` after symlinks.
+
+    Raises:
+        ArtifactError: `rel` is not listed, or escapes the folder.
+    """
+    if not isinstance(rel, str) or rel not in manifest["files"]:
+        raise ArtifactError(f"{engine_dir}: {rel} is not a file the manifest lists; rebuild the engine")
+    return _resolve(Path(engine_dir), rel)
+
+
+def graph_path(engine_dir: Path, manifest: dict) -> Path:
+    """graph.file, resolved, once every external-data file its tensors name is a listed file too."""
+    graph = path(engine_dir, manifest, manifest["graph"]["file"])
+    for location in _external_locations(graph, engine_dir):
+        data_path(engine_dir, manifest, graph, location)
+    return graph
+
+
+def data_path(engine_dir: Path, manifest: dict, graph: Path, location: str) -> Path:
+    """An external-data `location` of the resolved `graph` (ONNX Runtime reads it relative to the graph's folder),
+    as the resolved path of a listed file."""
+    folder = graph.parent.relative_to(Path(engine_dir).resolve()).as_posix()
+    rel = PurePosixPath(folder, location).as_posix()
+    if rel not in manifest["files"] or ".." in PurePosixPath(location).parts:
+        raise ArtifactError(f"{engine_dir}: the graph's external data {location} is not a file the manifest lists; "
+                            "rebuild the engine")
+    return path(engine_dir, manifest, rel)
+
+
+def _resolve(engine_dir: Path, rel: str) -> Path:
+    """`engine_dir / rel` after symlinks, if `rel` is a plain relative path that stays inside the folder."""
+    root = engine_dir.resolve()
+    pure = PurePosixPath(rel)
+    resolved = None
+    if rel and "\0" not in rel and not pure.is_absolute() and ".." not in pure.parts and pure.as_posix() == rel:
+        try:
+            resolved = (root / rel).resolve()
+        except (OSError, RuntimeError):         # a symlink loop
+            pass
+    if resolved is None or resolved == root or not resolved.is_relative_to(root):
+        raise ArtifactError(f"{engine_dir}: the manifest lists {rel!r}, which is outside the engine folder (files "
+                            "must be relative paths inside it); rebuild the engine")
+    return resolved
+
+
+def _external_locations(graph: Path, engine_dir: Path) -> set[str]:
+    """The external-data locations named by the graph's tensors: initializers, attributes, subgraphs, functions."""
+    import onnx
+
+    try:
+        model = onnx.load(str(graph), load_external_data=False)
+    except Exception as e:                      # protobuf's DecodeError, OSError
+        raise ArtifactError(f"{engine_dir}: {graph.name} is not a readable ONNX graph ({e}); rebuild the "
+                            "engine") from None
+    graphs, tensors = [model.graph, *model.functions], []
+    while graphs:
+        g = graphs.pop()
+        tensors += getattr(g, "initializer", [])
+        tensors += [t for s in getattr(g, "sparse_initializer", []) for t in (s.values, s.indices)]
+        for a in (a for node in g.node for a in node.attribute):
+            sparse = [a.sparse_tensor, *a.sparse_tensors]
+            tensors += [a.t, *a.tensors, *(t for s in sparse for t in (s.values, s.indices))]
+            graphs += [a.g, *a.graphs] if a.HasField("g") or a.graphs else []
+    return {e.value for t in tensors if t.data_location == onnx.TensorProto.EXTERNAL
+            for e in t.external_data if e.key == "location"}
+
+
+def _check_paths(manifest: dict, engine_dir: Path) -> None:
+    """Listed files are relative paths inside the folder; the graph and tokenizer are listed files; nothing in
+    the folder links outside it, and a file the runtime opens by name is listed."""
+    for rel, info in manifest["files"].items():
+        _resolve(engine_dir, rel)
+        if not (isinstance(info, dict) and isinstance(info.get("size"), int) and isinstance(info.get("sha256"), str)):
+            raise ArtifactError(f"{engine_dir}: the manifest records no size and sha256 for {rel}; rebuild the engine")
+    if manifest["graph"]["file"] not in manifest["files"]:
+        raise ArtifactError(f"{engine_dir}: graph.file {manifest['graph']['file']!r} is not a file the manifest "
+                            "lists; rebuild the engine")
+    for rel in manifest["tokenizer"]["files"]:
+        if rel not in manifest["files"]:
+            raise ArtifactError(f"{engine_dir}: tokenizer.files names {rel!r}, which is not a file the manifest "
+                                "lists; rebuild the engine")
+    root = Path(engine_dir).resolve()
+    for name in NAMED_FILES:
+        if name not in manifest["files"] and os.path.lexists(root / name):
+            raise ArtifactError(f"{engine_dir}: {name} is not listed in the manifest but the runtime reads it; "
+                                "remove it or rebuild the engine")
+    for folder, dirs, names in os.walk(root):
+        for name in dirs + names:
+            link = Path(folder) / name
+            if link.is_symlink() and not _points_inside(link, root):
+                raise ArtifactError(f"{engine_dir}: {link.relative_to(root)} links to {os.readlink(link)}, "
+                                    "outside the engine folder; remove it or rebuild the engine")
+
+
+def _points_inside(link: Path, root: Path) -> bool:
+    try:
+        return link.resolve().is_relative_to(root)
+    except (OSError, RuntimeError):             # a symlink loop
+        return False
 
 
 def _check_fields(manifest: dict, path: Path) -> None:
@@ -190,13 +334,13 @@ def check_graph_io(manifest: dict, engine_dir: Path, inputs: list[str], outputs:
 def verify_files(engine_dir: Path, manifest: dict) -> None:
     """Every listed file exists with the recorded size and sha256; raise ArtifactError on the first mismatch."""
     for rel, info in manifest["files"].items():
-        path = Path(engine_dir) / rel
-        if not path.is_file():
+        file = path(engine_dir, manifest, rel)
+        if not file.is_file():
             raise ArtifactError(f"{engine_dir} is incomplete: {rel} is missing; rebuild the engine")
-        if path.stat().st_size != info["size"]:
-            raise ArtifactError(f"{engine_dir} is corrupted: {rel} has {path.stat().st_size} bytes, "
+        if file.stat().st_size != info["size"]:
+            raise ArtifactError(f"{engine_dir} is corrupted: {rel} has {file.stat().st_size} bytes, "
                                 f"manifest says {info['size']} (truncated?); rebuild the engine")
-        if sha256_file(path) != info["sha256"]:
+        if sha256_file(file) != info["sha256"]:
             raise ArtifactError(f"{engine_dir} is corrupted: sha256 of {rel} does not match the manifest; "
                                 "rebuild the engine")
 

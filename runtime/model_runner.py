@@ -34,9 +34,11 @@ def check_same_tokenizer(target: "ModelRunner", draft: "ModelRunner") -> None:
 
 def open_session(engine_dir: Path, manifest: dict, so: ort.SessionOptions, providers: list[str]) -> ort.InferenceSession:
     """The engine's graph as an ONNX Runtime session, checked against the manifest's declared inputs and outputs;
-    any load failure is one ArtifactError line (ORT raises its own exception types for a bad graph)."""
+    the graph and its external data must be listed files inside the engine (artifact.graph_path). Any load
+    failure is one ArtifactError line (ORT raises its own exception types for a bad graph)."""
+    graph = artifact.graph_path(engine_dir, manifest)
     try:
-        session = ort.InferenceSession(str(engine_dir / manifest["graph"]["file"]), so, providers=providers)
+        session = ort.InferenceSession(str(graph), so, providers=providers)
     except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ArtifactError(f"{engine_dir}: ONNX Runtime cannot load the graph: {first}") from None

@@ -37,9 +37,10 @@ PRESETS: dict[str, dict] = {
                          vocab=151936, tied=True, rope_theta=1000000.0, max_pos=32768),
 }
 MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral"}
+TORCH_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}    # config.json's name for --dtype
 
 
-def make_config(p: dict, eos_id: int, rope_scaling: dict | None) -> dict:
+def make_config(p: dict, eos_id: int, rope_scaling: dict | None, dtype: str = "fp32") -> dict:
     cfg = {
         "architectures": [p["arch"]], "model_type": MODEL_TYPES[p["arch"]],
         "hidden_size": p["hidden"], "num_hidden_layers": p["layers"], "num_attention_heads": p["heads"],
@@ -47,7 +48,7 @@ def make_config(p: dict, eos_id: int, rope_scaling: dict | None) -> dict:
         "max_position_embeddings": p.get("max_pos", 512), "rms_norm_eps": 1e-5,
         "rope_theta": p.get("rope_theta", 10000.0), "rope_scaling": rope_scaling,
         "tie_word_embeddings": p["tied"], "hidden_act": "silu", "bos_token_id": eos_id, "eos_token_id": eos_id,
-        "torch_dtype": "float32", "attention_dropout": 0.0,
+        "torch_dtype": TORCH_DTYPES[dtype], "attention_dropout": 0.0,
     }
     if p["arch"] == "MistralForCausalLM":
         cfg["sliding_window"] = p.get("sliding_window")
@@ -113,7 +114,7 @@ def write_checkpoint(preset: str, out: Path, seed: int = 0, dtype: str = "fp32",
     tok.save(str(out / "tokenizer.json"))
     eos_id = tok.token_to_id(corpus.EOS_TOKEN)
     (out / "tokenizer_config.json").write_text(json.dumps(corpus.tokenizer_config(p.get("max_pos", 512)), indent=2))
-    (out / "config.json").write_text(json.dumps(make_config(p, eos_id, rope_scaling), indent=2))
+    (out / "config.json").write_text(json.dumps(make_config(p, eos_id, rope_scaling, dtype), indent=2))
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": eos_id, "eos_token_id": eos_id}))
     weights = make_weights(p, seed)
     if shards == 1:

@@ -28,17 +28,11 @@ class Initializers:
 
     def __init__(self, engine_dir: Path, manifest: dict):
         self.engine_dir = Path(engine_dir).resolve()
-        graph_file = self._inside(manifest["graph"]["file"], manifest)
-        model = onnx.load(str(graph_file), load_external_data=False)
+        self._graph = artifact.graph_path(self.engine_dir, manifest)     # listed, inside, its external data too
+        model = onnx.load(str(self._graph), load_external_data=False)
         self._tensors = {t.name: t for t in model.graph.initializer}
         self._manifest = manifest
         self._maps: dict[str, np.memmap] = {}
-
-    def _inside(self, rel: str, manifest: dict) -> Path:
-        path = (self.engine_dir / rel).resolve()
-        if rel not in manifest["files"] or not path.is_relative_to(self.engine_dir):
-            raise ArtifactError(f"{self.engine_dir}: {rel} is not a file the manifest lists inside the engine")
-        return path
 
     def __contains__(self, name: str) -> bool:
         return name in self._tensors
@@ -56,7 +50,8 @@ class Initializers:
                                 "backend does not read")
         location = info["location"]
         if location not in self._maps:
-            self._maps[location] = np.memmap(self._inside(location, self._manifest), np.uint8, "r")
+            file = artifact.data_path(self.engine_dir, self._manifest, self._graph, location)
+            self._maps[location] = np.memmap(file, np.uint8, "r")
         offset, length = int(info.get("offset", 0)), int(info["length"])
         raw = self._maps[location][offset:offset + length]
         return raw.view(dtype).reshape(tuple(t.dims))
