@@ -7,13 +7,16 @@ tenants, tracing — and both transports run unchanged in front of it. The engin
 same path on every node (the ingress reads its tokenizer and manifest; each replica loads the model).
 
 What crosses to a replica is token ids, sampling parameters and the prompt's prefix keys (the router's); what
-comes back is the engine's RequestOutputs. A replica that dies takes its streams with it: they end with
-ReplicaLost (503 / UNAVAILABLE, retryable) at once, and Serve starts a replacement.
+comes back is the engine's RequestOutputs. A replica that dies takes its streams with it, and Serve starts a
+replacement: a request that had streamed nothing yet (queued or prefilling there) is sent once more, to another
+replica, and its client sees a normal response; one that had streamed ends with ReplicaLost (503 / UNAVAILABLE,
+retryable) at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import secrets
@@ -40,6 +43,7 @@ from .replica import PUBLISH_S, EngineReplica, MetricsBoard
 from .routing import prefix_keys
 
 log = logging.getLogger("quicksilver.cluster")
+RESUBMITS = 1             # times a request whose replica was lost before its first output is sent to another
 ROUTERS = {"prefix": "runtime.cluster.ray_router:PrefixAwareRouter",
            "round-robin": "runtime.cluster.ray_router:RoundRobinRouter"}
 
@@ -143,13 +147,22 @@ class RemoteEngine:
         self.scheduler = waiting
 
 
+class _Lost(ReplicaLost):
+    """The replica streaming a request was lost; `replica`: its actor id (hex) where Ray named it."""
+
+    def __init__(self, reason: str, replica: str | None = None):
+        super().__init__(f"{reason}; retry the request")
+        self.reason, self.replica = reason, replica
+
+
 class RemoteAsyncEngine:
     """AsyncEngine's surface over a Serve deployment handle."""
 
     def __init__(self, engine: RemoteEngine, cluster: Cluster, app: str):
         self.engine, self.cluster, self.app = engine, cluster, app
         self._handle = None
-        self._streams: dict[str, object] = {}
+        self._streams: dict[str, object] = {}        # request id → the response it streams now (None: between two)
+        self._aborted: set[str] = set()
 
     def _stream_handle(self):
         """The handle requests stream through, made at the first request, on the server's event loop: its router
@@ -165,15 +178,46 @@ class RemoteAsyncEngine:
 
     async def generate(self, prompt, params, request_id: str = "", priority: int = 0, arrival: float | None = None):
         """Stream a request from the replica the router picks; raises InvalidRequest / EngineOverloaded before the
-        first output, ReplicaLost if its replica dies, Failed if the replica raised. Closing it early cancels the
-        request on the replica (which aborts it and frees its KV)."""
+        first output, Failed if the replica raised, ReplicaLost if its replica is lost. A request whose replica is
+        lost before its first output (queued or prefilling there: nothing reached the client) is sent again, once,
+        to another replica (the router ranks the lost one last), so its client sees one normal response; once an
+        output went out it fails as ReplicaLost (retryable). Closing it early cancels the request on the replica
+        (which aborts it and frees its KV)."""
         if isinstance(prompt, str):
             prompt = (await asyncio.to_thread(self.engine.tokenizer.encode_batch, [prompt]))[0].ids
-        waited = time.monotonic() - arrival if arrival is not None else 0.0
-        response, finished = None, False
+        start = arrival if arrival is not None else time.monotonic()
+        avoid = None                                  # the lost replica's actor id, for the resubmission's router
+        self._streams[request_id] = None
         try:
-            response = self._stream_handle().generate.remote(list(prompt), params, priority, waited,
-                                                   prefix_keys=prefix_keys(prompt, self.engine.block_size))
+            for attempt in range(1 + RESUBMITS):
+                streamed = False
+                try:
+                    async with contextlib.aclosing(self._attempt(prompt, params, request_id, priority,
+                                                                 time.monotonic() - start, avoid)) as outputs:
+                        async for out in outputs:
+                            streamed = True
+                            yield out
+                    return
+                except _Lost as e:
+                    if streamed or attempt == RESUBMITS or request_id in self._aborted:
+                        raise
+                    avoid = e.replica
+                    log.warning("%s: %s before its first output; resubmitted to another replica",
+                                request_id or "a request", e.reason)
+        finally:
+            self._streams.pop(request_id, None)
+            self._aborted.discard(request_id)
+
+    async def _attempt(self, prompt: list[int], params, request_id: str, priority: int, waited: float,
+                       avoid: str | None):
+        """One submission of a request to a replica (any but `avoid`, where another has room); _Lost if that
+        replica is lost before the request finishes."""
+        response, finished = None, False
+        kwargs = {"prefix_keys": prefix_keys(prompt, self.engine.block_size)}
+        if avoid is not None:
+            kwargs["avoid"] = avoid
+        try:
+            response = self._stream_handle().generate.remote(list(prompt), params, priority, waited, **kwargs)
             self._streams[request_id] = response
             async for kind, payload in response:
                 if kind == "overloaded":
@@ -184,18 +228,17 @@ class RemoteAsyncEngine:
                 yield payload
                 if finished:
                     return
-            raise ReplicaLost("the replica ended the stream early; retry the request")
+            raise _Lost("the replica ended the stream early")
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
-            raise ReplicaLost(f"the replica serving this request stopped ({type(e).__name__}); retry it") from None
+            raise _Lost(f"the replica serving this request stopped ({type(e).__name__})", e.actor_id) from None
         except grpc.aio.AioRpcError as e:     # the transport broke (a replica's errors come as values, below)
-            raise ReplicaLost(f"the stream from the replica broke ({e.code().name}); retry the request") from None
+            raise _Lost(f"the stream from the replica broke ({e.code().name})") from None
         except ray.exceptions.RayTaskError as e:
             raise Failed(f"replica error: {e.cause!r}" if e.cause is not None else str(e).splitlines()[0]) from None
         except BackPressureError as e:     # every replica is full and the handle's queue too: never sent
             response = None                # (cancelling it would raise the refusal again)
             raise EngineOverloaded(str(e).splitlines()[0]) from None
         finally:
-            self._streams.pop(request_id, None)
             if response is not None and not finished:
                 response.cancel()
 
@@ -204,7 +247,10 @@ class RemoteAsyncEngine:
         return {r: text for r, (text, _) in self.cluster.published(self.app).items()}
 
     def abort(self, request_id: str) -> None:
-        response = self._streams.get(request_id)
+        if request_id not in self._streams:
+            return
+        self._aborted.add(request_id)                 # not resubmitted if its replica is lost now
+        response = self._streams[request_id]
         if response is not None:
             response.cancel()
 

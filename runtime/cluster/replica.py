@@ -66,10 +66,11 @@ class EngineReplica:
                 "draft": str(e.draft.engine_dir) if e.draft else None}
 
     async def generate(self, prompt: list[int], params: SamplingParams, priority: int = 0, waited_s: float = 0.0,
-                       prefix_keys: list[int] | None = None):
+                       prefix_keys: list[int] | None = None, avoid: str | None = None):
         """Stream ("out", RequestOutput) messages, or one ("overloaded" | "invalid", reason). `waited_s`: how long
-        the request had waited when the ingress sent it (clocks differ between machines; TTFT counts it).
-        `prefix_keys` is the router's, unused here."""
+        the request had waited when the ingress sent it (clocks differ between machines; TTFT counts it; a
+        resubmitted request's counts its first replica's time too). `prefix_keys` and `avoid` (a resubmitted
+        request's lost replica) are the router's, unused here."""
         arrival = time.monotonic() - max(0.0, waited_s)
         try:
             async for out in self.aengine.generate(prompt, params, "", priority, arrival):

