@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from . import __version__
 from .archs import REGISTRY
-from runtime.artifact import check_destination, staging_dir, write_manifest
+from artifact import check_destination, staging_dir, write_manifest
 from .config import KV_CACHE_NUMPY, CompileConfig, QuantConfig
 from .quantize import report
 from .quantize.awq import awq_reader

@@ -89,7 +89,7 @@ def build(model_dir: Path, out_dir: Path, precision: str, target: str, max_seq_l
 @click.option("--no-verify", is_flag=True, help="Skip the sha256 check of every file.")
 def inspect(engine_dir: Path, as_json: bool, no_verify: bool) -> None:
     """Show an engine's manifest (and check its files)."""
-    from runtime.artifact import load
+    from artifact import load
     from .quantize import report
 
     try:
@@ -157,7 +157,7 @@ def verify(engine_dir: Path, model_dir: Path | None, prompt_len: int, steps: int
     (relative error: ‖engine − reference‖ / ‖reference‖, each position's logits centred). Worst seen on the
     bundled models and the test checkpoints: int8 75 % / 0.18, int4 70 % / 0.17, fp8 92 % / 0.044.
     """
-    from runtime.artifact import load
+    from artifact import load
     from .verify import QUANTIZED_BOUNDS, prompt_ids, source_checkpoint, verify as run_verify
 
     try:

@@ -38,6 +38,14 @@ class QuantConfig:
                 raise ValueError(f"{label} file not found: {path}")
 
 
+def installed_cpu_ops() -> str | None:
+    """The ISA our cpu ops (runtime._native) were built for on this install, or None without them: what
+    `--kernels auto` resolves by (the manifest records the choice: precision.kernels and its scheme)."""
+    from runtime import cpu_ops
+
+    return cpu_ops.isa() if cpu_ops.available() else None
+
+
 @dataclass(frozen=True)
 class CompileConfig:
     model_dir: Path
@@ -60,9 +68,7 @@ class CompileConfig:
             return False
         if self.kernels == "qs":
             return True
-        from runtime import cpu_ops
-
-        return cpu_ops.available()
+        return installed_cpu_ops() is not None
 
     @property
     def own_int4(self) -> bool:
@@ -70,9 +76,7 @@ class CompileConfig:
         compiled with AVX-512 (elsewhere qs.Int4MatMul's portable loop is slower than MLAS's AVX2 kernel)."""
         if not (self.own_kernels and self.precision == "int4" and self.quant.block_size == 32):
             return False
-        from runtime import cpu_ops
-
-        return cpu_ops.isa().startswith("avx512")
+        return (installed_cpu_ops() or "").startswith("avx512")
 
     @property
     def kernels_used(self) -> str:

@@ -1,7 +1,7 @@
 """User-facing errors of the compile stage: the CLI prints them as one line and exits with code 2. The base class
-and ArtifactError live with the artifact format, in runtime/errors.py."""
+and ArtifactError live with the artifact format, in artifact/errors.py."""
 
-from runtime.errors import ArtifactError, QuicksilverError
+from artifact.errors import ArtifactError, QuicksilverError
 
 __all__ = ["ArtifactError", "CheckpointError", "QuicksilverError"]
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from runtime.artifact import SUPPORTED_ARCHITECTURES
+from artifact import SUPPORTED_ARCHITECTURES
 
 from .errors import CheckpointError
 

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from artifact import graph_path
+
 from .errors import CheckpointError
 from .hf_source import CheckpointReader, fingerprint, read_spec
 from .quantize import kv_int8
@@ -49,32 +51,6 @@ def compare(got: np.ndarray, want: np.ndarray) -> tuple[float, float]:
     return float((got.argmax(-1) == want.argmax(-1)).mean()), rel
 
 
-class PagedSteps:
-    """A `--target cuda` engine on the cuda backend's runner (device "cpu": PyTorch CPU tensors, reference ops), one
-    sequence over its own blocks, with the CPU runner's prefill/decode calls."""
-
-    def __init__(self, engine_dir: Path, device: str, tokens: int, block_size: int = 16):
-        from runtime.backends.cuda.runner import CudaModelRunner
-
-        self.block_size = block_size
-        self.blocks = list(range(-(-tokens // block_size)))
-        self.runner = CudaModelRunner(engine_dir, len(self.blocks), block_size, device=device, graphs=False)
-        self.manifest = self.runner.manifest
-        self.kv_layout = None
-
-    def _step(self, tokens: list[int], start: int, rows: np.ndarray) -> np.ndarray:
-        from runtime.kv.paged import build_paged_batch
-
-        batch = build_paged_batch([(self.blocks, start, len(tokens))], self.block_size, self.runner.max_blocks_per_seq)
-        return self.runner.step(np.asarray(tokens, np.int64), batch, rows)
-
-    def prefill(self, tokens: list[int]) -> np.ndarray:
-        return self._step(tokens, 0, np.arange(len(tokens)))
-
-    def decode(self, token: int, position: int) -> np.ndarray:
-        return self._step([token], position, np.arange(1))
-
-
 def source_checkpoint(manifest: dict, model_dir: Path | None) -> Path:
     """The checkpoint to compare the engine with: `model_dir`, else the source path its manifest records; its
     fingerprint must be the recorded one (compile.hf_source.fingerprint). Raises CheckpointError."""
@@ -94,35 +70,29 @@ def source_checkpoint(manifest: dict, model_dir: Path | None) -> Path:
     return model_dir
 
 
+def open_stepper(engine_dir: Path, capacity: int, device: str | None = None, verify: bool = True):
+    """The engine's prefill/decode steps for one sequence (runtime.stepper): the compile stage's one way into the
+    runtime, for this comparison and the accuracy report."""
+    from runtime.stepper import open_stepper as runtime_stepper
+
+    return runtime_stepper(engine_dir, capacity, device, verify)
+
+
 def verify(engine_dir: Path, model_dir: Path, prompt: list[int], decode_steps: int = 16,
            device: str | None = None) -> VerifyResult:
     """device: where a `--target cuda` engine runs (cuda or cpu; None: cuda if PyTorch sees one)."""
-    from runtime.artifact import graph_path, load
-
-    if load(engine_dir, verify=False).get("target") == "cuda":
-        return _verify_steps(PagedSteps(engine_dir, device, len(prompt) + decode_steps + 1), model_dir, prompt,
-                             decode_steps, None)
-    from runtime.model_runner import ModelRunner
-
-    runner = ModelRunner(engine_dir)
+    steps = open_stepper(engine_dir, len(prompt) + decode_steps + 1, device)
     spec = read_spec(model_dir)
     # An int8 (fp16) KV cache is part of the engine's arithmetic: the reference reads the same rounded K/V.
-    scales = (kv_int8.engine_scales(graph_path(engine_dir, runner.manifest), spec.num_layers)
-              if runner.kv_layout.dtype == "int8" else None)
-    ref = ReferenceModel(spec, CheckpointReader(model_dir), kv_scales=scales,
-                         kv_half=runner.kv_layout.dtype == "float16")
-    pool = runner.new_pool(1, capacity=len(prompt) + decode_steps + 1)
-
-    class Steps:
-        prefill = staticmethod(lambda tokens: runner.prefill(pool, 0, tokens, 0, all_logits=True))
-        decode = staticmethod(lambda token, position: runner.decode(pool, [(0, token, position)], set()))
-
-    return _verify_steps(Steps, model_dir, prompt, decode_steps, ref)
+    scales = (kv_int8.engine_scales(graph_path(engine_dir, steps.manifest), spec.num_layers)
+              if steps.kv_dtype == "int8" else None)
+    cpu_half = steps.kv_dtype == "float16" and steps.manifest.get("target") == "cpu"
+    ref = ReferenceModel(spec, CheckpointReader(model_dir), kv_scales=scales, kv_half=cpu_half)
+    return _verify_steps(steps, prompt, decode_steps, ref)
 
 
-def _verify_steps(steps, model_dir: Path, prompt: list[int], decode_steps: int, ref) -> VerifyResult:
+def _verify_steps(steps, prompt: list[int], decode_steps: int, ref: ReferenceModel) -> VerifyResult:
     """Prefill then greedy single-token steps on the engine (`steps`), the reference fed the same tokens."""
-    ref = ref or ReferenceModel(read_spec(model_dir), CheckpointReader(model_dir))
     n = len(prompt)
     got = steps.prefill(prompt)
     want = ref.forward(prompt)

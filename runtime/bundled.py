@@ -65,8 +65,8 @@ def engine_dir(role: str = "target", root: Path | None = None) -> Path:
 def _built_from(engine: Path) -> tuple[str | None, str | None, int | None]:
     """The source fingerprint, kernels and graph revision an engine's manifest records, or None (no engine, an
     unreadable manifest, or a manifest from before the field)."""
-    from .artifact import read_manifest
-    from .errors import ArtifactError
+    from artifact import read_manifest
+    from artifact.errors import ArtifactError
 
     try:
         manifest = read_manifest(engine)

@@ -62,7 +62,7 @@ def generate(args: tuple[str, ...], max_tokens: int, temperature: float | None, 
     """Stream a completion of PROMPT from a local engine (default: the bundled target; --speculation draft adds the
     bundled draft).
     Sampling options left out take the model's own defaults (its generation_config.json), else greedy."""
-    from .errors import QuicksilverError
+    from artifact.errors import QuicksilverError
 
     from .config import CacheConfig, EngineConfig, SchedulerConfig
     from .bundled import engine_dir
@@ -309,7 +309,7 @@ def serve(engine: Path | None, draft: Path | None, speculation: str, host: str, 
     With --model, several engines share the server and requests name one, or "auto" (--route)."""
     import logging
 
-    from .errors import QuicksilverError
+    from artifact.errors import QuicksilverError
 
     from .config import CacheConfig, EngineConfig, SchedulerConfig, ServerConfig
     from .bundled import engine_dir

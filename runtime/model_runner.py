@@ -17,8 +17,10 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from . import artifact, cpu_ops
-from .errors import ArtifactError
+import artifact
+
+from . import cpu_ops
+from artifact.errors import ArtifactError
 
 from .kv.manager import KVLayout
 from .kv.slots import SlotPool, SlotRange

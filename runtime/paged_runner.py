@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from . import artifact
-from .errors import ArtifactError, QuicksilverError
+import artifact
+from artifact.errors import ArtifactError, QuicksilverError
 
 from .kv.paged import PagedBatch
 from .model_runner import open_session

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 
-from .errors import MissingDependency
+from artifact.errors import MissingDependency
 
 SPAN = "quicksilver.request"
 

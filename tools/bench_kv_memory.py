@@ -105,7 +105,7 @@ def rss(args) -> dict:
 
 
 def costs(args) -> dict:
-    from runtime.artifact import read_manifest
+    from artifact import read_manifest
     from runtime.kv.slots import SlotPool
 
     kv = read_manifest(Path(args.engine))["kv_cache"]

@@ -25,16 +25,15 @@ def eval_tokens(engine_dir: Path, text_file: Path | None, max_tokens: int = MAX_
 
 def score(engine_dir: Path, ids: list[int], window: int = WINDOW) -> tuple[np.ndarray, np.ndarray]:
     """(negative log-likelihood [n], argmax prediction [n]) for every predicted token of `ids`."""
-    from runtime.model_runner import ModelRunner
+    from ..verify import open_stepper
 
-    runner = ModelRunner(engine_dir, verify=False)
-    window = min(window, runner.max_seq_len)
-    pool = runner.new_pool(1, capacity=window)
+    steps = open_stepper(engine_dir, window, verify=False)
+    window = min(window, steps.max_seq_len)
     nll, top = [], []
     for start in range(0, len(ids) - 1, window):
         chunk = ids[start:start + window + 1]
         x, y = chunk[:-1], np.asarray(chunk[1:])
-        logits = runner.prefill(pool, 0, x, 0, all_logits=True).astype(np.float64)
+        logits = steps.prefill(x).astype(np.float64)
         m = logits.max(-1, keepdims=True)
         logz = (m + np.log(np.exp(logits - m).sum(-1, keepdims=True)))[:, 0]
         nll.append(logz - logits[np.arange(len(y)), y])

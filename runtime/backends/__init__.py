@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .. import artifact
+import artifact
 from ..config import EngineConfig
 from ..sampler import Sampler
 from .base import Backend, KVManager

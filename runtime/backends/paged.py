@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import artifact
+import artifact
 from ..config import EngineConfig
 from ..kv.manager import KVLayout
 from ..kv.paged import PagedKVManager, build_paged_batch

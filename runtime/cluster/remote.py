@@ -33,7 +33,7 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.exceptions import BackPressureError
 from tokenizers import Tokenizer
 
-from .. import artifact
+import artifact
 from ..config import ClusterConfig, EngineConfig
 from ..constraints import Grammars
 from ..engine import EngineOverloaded

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.artifact import load
+from artifact import load
 from compile.build import build
 from compile.config import CompileConfig
 from runtime.config import CacheConfig, EngineConfig, SchedulerConfig

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from safetensors.numpy import load_file, save_file
 
 from runtime import cpu_ops
-from runtime.artifact import load
+from artifact import load
 from compile.build import build
 from compile.cli import main
 from compile.config import CompileConfig, QuantConfig

@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pytest
 
-from runtime.errors import ArtifactError
+from artifact.errors import ArtifactError
 from runtime.config import CacheConfig, EngineConfig, SchedulerConfig
 from runtime.engine import Engine
 from runtime.request import Request, SamplingParams

@@ -16,7 +16,7 @@ import pytest
 
 from compile.build import build
 from compile.config import CompileConfig
-from runtime.errors import ArtifactError
+from artifact.errors import ArtifactError
 from compile.hf_source import CheckpointReader, read_spec
 from compile.reference import ReferenceModel
 from runtime.kv.paged import PagedKVManager

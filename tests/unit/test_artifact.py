@@ -6,9 +6,9 @@ import shutil
 import pytest
 from click.testing import CliRunner
 
-from runtime.artifact import load
+from artifact import load
 from compile.cli import main as compile_main
-from runtime.errors import ArtifactError
+from artifact.errors import ArtifactError
 from runtime.cli import main as runtime_main
 from runtime.model_runner import ModelRunner
 

@@ -15,10 +15,10 @@ import pytest
 from click.testing import CliRunner
 
 from compile.cli import main as compile_main
-from runtime import artifact
-from runtime.artifact import load, sha256_file
+import artifact
+from artifact import load, sha256_file
 from runtime.cli import main as runtime_main
-from runtime.errors import ArtifactError
+from artifact.errors import ArtifactError
 from runtime.model_runner import ModelRunner
 
 

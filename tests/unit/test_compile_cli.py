@@ -181,7 +181,7 @@ def test_kernels_choice(checkpoint, tmp_path, monkeypatch):
     import onnx
 
     from runtime import cpu_ops
-    from runtime.errors import ArtifactError
+    from artifact.errors import ArtifactError
     from runtime.model_runner import ModelRunner
 
     if not cpu_ops.available():

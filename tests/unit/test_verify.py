@@ -8,7 +8,7 @@ import numpy as np
 import onnx
 from click.testing import CliRunner
 
-from runtime.artifact import MANIFEST, write_manifest
+from artifact import MANIFEST, write_manifest
 from compile.cli import main
 from compile.verify import QUANTIZED_BOUNDS
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from ... import artifact
+import artifact
 from ...config import EngineConfig
 from ...sampler import Sampler
 from ..paged import PagedBackend

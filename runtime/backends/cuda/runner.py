@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ... import artifact
-from ...errors import ArtifactError, QuicksilverError
+import artifact
+from artifact.errors import ArtifactError, QuicksilverError
 from ...kv.paged import PagedBatch
 from .forward import LlamaForward, StepMeta
 from .weights import load_weights

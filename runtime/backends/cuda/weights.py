@@ -16,8 +16,8 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from ... import artifact
-from ...errors import ArtifactError
+import artifact
+from artifact.errors import ArtifactError
 
 _DTYPES = {1: np.float32, 2: np.uint8, 3: np.int8, 6: np.int32, 7: np.int64, 10: np.float16,
            16: ml_dtypes.bfloat16, 17: ml_dtypes.float8_e4m3fn}

@@ -1,5 +1,5 @@
-"""Errors users see as one line (the CLIs print them and exit with code 2), shared by both stages: the runtime
-defines them because the artifact format is the runtime's contract; compile adds its own in compile/errors.py."""
+"""Errors users see as one line (the CLIs print them and exit with code 2), shared by both stages (compile adds its
+own in compile/errors.py)."""
 
 
 class QuicksilverError(Exception):

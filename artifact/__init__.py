@@ -1,6 +1,7 @@
 """The engine artifact: a folder with manifest.json, the graph, its weights and the tokenizer.
 
-The manifest is the only contract between compile and runtime. Writing goes to a temporary sibling
+The manifest is the only contract between compile and runtime, and this package is its one definition: both
+stages import it, it imports neither (compile → artifact ← runtime). Writing goes to a temporary sibling
 folder that is renamed into place at the end, so a failed build leaves nothing behind; reading checks
 the format, its version and the sha256 of every file before anything else touches them. Every file a stage
 opens in an engine goes through `path` (or `graph_path`): a relative path the manifest lists, inside the folder.
