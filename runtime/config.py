@@ -75,7 +75,7 @@ class EngineConfig:
     draft: Path | None = None         # draft engine for speculative decoding
     speculation: str | None = None    # None | "draft" (needs `draft`) | "ngram" (prompt lookup)
     threads: int | None = None        # ONNX Runtime intra-op threads; None: min(2, cores)
-    spin: bool = True                 # ONNX Runtime threads spin between ops and 2 ms after a run (model_runner.SPIN_US)
+    spin: bool = True                 # ONNX Runtime threads spin between ops and 2 ms after a run (backends/cpu/runner.SPIN_US)
     verify_artifact: bool = True
     providers: tuple[str, ...] | None = None   # ONNX Runtime execution providers; None: chosen from the engine's target
     custom_ops_library: str | None = None      # an ONNX Runtime custom-op library to register (own kernels)

@@ -17,7 +17,7 @@ import artifact
 
 class CpuSteps:
     def __init__(self, engine_dir: Path, capacity: int, verify: bool):
-        from .model_runner import ModelRunner
+        from .backends.cpu.runner import ModelRunner
 
         self.runner = ModelRunner(engine_dir, verify=verify)
         self.manifest, self.kv_dtype, self.max_seq_len = self.runner.manifest, self.runner.kv_layout.dtype, self.runner.max_seq_len
@@ -43,7 +43,7 @@ class PagedSteps:
         self.manifest, self.kv_dtype, self.max_seq_len = self.runner.manifest, "float16", self.runner.max_seq_len
 
     def _step(self, tokens: list[int], start: int, rows: np.ndarray) -> np.ndarray:
-        from .kv.paged import build_paged_batch
+        from .backends.paged.kv import build_paged_batch
 
         batch = build_paged_batch([(self.blocks, start, len(tokens))], self.block_size, self.runner.max_blocks_per_seq)
         return self.runner.step(np.asarray(tokens, np.int64), batch, rows)

@@ -63,8 +63,8 @@ def weight_bytes_per_token(engine: Path, manifest: dict) -> int:
 
 def measure(engine: Path, prompt_len: int, decode_steps: int, threads: int | None, spin: bool,
             prompt_file: Path | None = None) -> dict:
-    from runtime.kv.slots import SlotRange
-    from runtime.model_runner import ModelRunner
+    from runtime.backends.cpu.slots import SlotRange
+    from runtime.backends.cpu.runner import ModelRunner
 
     t0 = time.perf_counter()
     runner = ModelRunner(engine, threads=threads, spin=spin)

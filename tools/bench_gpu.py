@@ -148,7 +148,7 @@ def profile(eng: Engine, vocab: int) -> dict:
     import torch
     from dataclasses import replace
 
-    from runtime.kv.paged import build_paged_batch
+    from runtime.backends.paged.kv import build_paged_batch
 
     runner = eng.runner
     out = {}

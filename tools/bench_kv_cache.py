@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from runtime.model_runner import ModelRunner
+from runtime.backends.cpu.runner import ModelRunner
 
 
 def main() -> None:

@@ -106,7 +106,7 @@ def rss(args) -> dict:
 
 def costs(args) -> dict:
     from artifact import read_manifest
-    from runtime.kv.slots import SlotPool
+    from runtime.backends.cpu.slots import SlotPool
 
     kv = read_manifest(Path(args.engine))["kv_cache"]
     capacity = args.max_model_len or read_manifest(Path(args.engine))["model"]["max_seq_len"]

@@ -21,7 +21,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from runtime import cpu_ops, model_runner  # noqa: E402
+from runtime import cpu_ops  # noqa: E402
+from runtime.backends.cpu import runner as model_runner  # noqa: E402
 
 
 def runner(engine: Path, library: str, threads: int) -> model_runner.ModelRunner:

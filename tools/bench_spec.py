@@ -19,7 +19,7 @@ import numpy as np
 
 from runtime.config import CacheConfig, EngineConfig, SchedulerConfig
 from runtime.engine import Engine
-from runtime.model_runner import ModelRunner
+from runtime.backends.cpu.runner import ModelRunner
 from runtime.request import SamplingParams
 from runtime.spec_decode.speculator import SpecConfig
 

@@ -2,7 +2,7 @@
 CPU the process burns when steps are 5 ms apart (what spinning costs a machine that is not saturated).
 
   off   threads sleep between ops (`--no-spin`)
-  spin  threads spin between ops and for 2 ms after a run (the default: model_runner.SPIN_US)
+  spin  threads spin between ops and for 2 ms after a run (the default: runtime.backends.cpu.runner.SPIN_US)
   ort   ONNX Runtime's own spinning (~40 ms after every run)
   stop  spin between ops, stop when a run returns (session.force_spinning_stop)
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-import runtime.model_runner as mr
+import runtime.backends.cpu.runner as mr
 
 POLICIES = {
     "off": {"session.intra_op.allow_spinning": "0"},

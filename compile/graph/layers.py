@@ -162,7 +162,7 @@ def nbits_matmul(ctx: Ctx, x: str, inputs: list[str], k: int, n: int, name: str,
     count are built once per graph (`ctx.shared`); with two or more rows the pad adds nothing. Whether the GEMV
     rounds differently depends on the CPU (it did on an AVX2 EPYC; on AVX-512 VNNI Xeons every M agrees), so the
     least row count is the named initializer MIN_ROWS, which the runtime sets to 1 where a probe of this CPU's
-    kernels finds one row bit-identical to many (runtime.model_runner.one_row_matches).
+    kernels finds one row bit-identical to many (runtime.backends.cpu.runner.one_row_matches).
     """
     b, axis = ctx.b, 1 if rows == "tokens" else 0
     attrs = dict(domain=MS_DOMAIN, K=k, N=n, bits=4, block_size=ctx.block_size, accuracy_level=4)

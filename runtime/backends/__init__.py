@@ -23,18 +23,18 @@ def load_backend(engine_dir: str | Path, config: EngineConfig, sampler: Sampler)
             except ModuleNotFoundError as e:
                 if e.name != "torch":
                     raise
-                from ..paged_runner import BackendUnavailable
+                from .paged.runner import BackendUnavailable
 
                 raise BackendUnavailable(f"{engine_dir} is a --target cuda engine, whose backend runs on PyTorch: "
                                          "pip install 'quicksilver[cuda]' (or '.[cuda]' in the checkout)") from None
             return CudaBackend(Path(engine_dir), config, sampler)
-        from .paged import PagedBackend
+        from .paged.backend import PagedBackend
 
         return PagedBackend(Path(engine_dir), config, sampler)
     if config.device == "cuda":
         raise ValueError(f"{engine_dir} is a --target {target} engine; --device cuda serves --target cuda engines "
                          "(rebuild with compile build --target cuda)")
-    from .cpu import CpuBackend
+    from .cpu.backend import CpuBackend
 
     return CpuBackend(Path(engine_dir), config, sampler)
 

@@ -23,7 +23,7 @@ from ..spec_decode.proposer import Proposer
 class KVManager(Protocol):
     block_size: int
     num_slots: int              # sequences that can hold KV at once (one index each, `req.slot`)
-    stats: object               # kv.manager.CacheStats: prefix-cache queries and hits
+    stats: object               # kv.layout.CacheStats: prefix-cache queries and hits
     draft_may_lag: bool         # blocks are cached without the draft's KV: the draft may skip prompts
 
     @property

@@ -8,6 +8,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from ..request import Request
+from ..sampler import Sampler, filtered_probs
 
 
 @dataclass
@@ -37,3 +38,12 @@ class Proposer(Protocol):
     def rollback(self, req: Request, num_valid: int) -> None:
         """After verification: only the first `num_valid` tokens of `req` are its true sequence."""
         ...
+
+
+def choose(logits: np.ndarray, req: Request, sampler: Sampler, position: int) -> tuple[int, np.ndarray | None]:
+    """A draft guess for the token at `position`: the argmax (greedy), or a sample with the distribution it came
+    from (for verification); seeded requests draw with the noise the target's check will use there."""
+    if req.params.greedy:
+        return int(logits.argmax()), None
+    q = filtered_probs(logits, req)
+    return sampler.draw(q, req, position), q

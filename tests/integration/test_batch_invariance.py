@@ -19,7 +19,7 @@ from compile.config import CompileConfig, QuantConfig
 from compile.graph.layers import MIN_ROWS
 from runtime.config import CacheConfig, EngineConfig, SchedulerConfig
 from runtime.engine import Engine
-from runtime.model_runner import ModelRunner, one_row_matches
+from runtime.backends.cpu.runner import ModelRunner, one_row_matches
 from runtime.request import SamplingParams
 from runtime.spec_decode.speculator import SpecConfig
 

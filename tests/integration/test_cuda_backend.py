@@ -158,7 +158,7 @@ def test_a_step_padded_for_a_cuda_graph_computes_the_same_rows(engines):
     logits of the unpadded step and writes the same KV — the padding semantics the GPU's graphs rely on."""
     from runtime.backends.cuda.forward import StepMeta
     from runtime.backends.cuda.runner import CudaModelRunner, _graph_views, graph_inputs
-    from runtime.kv.paged import PagedBatch, build_paged_batch
+    from runtime.backends.paged.kv import PagedBatch, build_paged_batch
 
     def run(pad_to: int | None):
         runner = CudaModelRunner(engines("llama"), 32, 4, device="cpu", graphs=False)

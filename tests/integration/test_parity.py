@@ -13,8 +13,8 @@ transformers = pytest.importorskip("transformers")
 
 from compile.reference import ReferenceModel  # noqa: E402
 from compile.hf_source import CheckpointReader, read_spec  # noqa: E402
-from runtime.kv.slots import SlotRange  # noqa: E402
-from runtime.model_runner import ModelRunner  # noqa: E402
+from runtime.backends.cpu.slots import SlotRange  # noqa: E402
+from runtime.backends.cpu.runner import ModelRunner  # noqa: E402
 
 PROMPT_LEN, STEPS = 64, 16
 TOLERANCE = {"fp32": 1e-3, "fp16": 5e-3}

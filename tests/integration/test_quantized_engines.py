@@ -18,8 +18,8 @@ from compile.config import CompileConfig, QuantConfig
 from compile.quantize import fp8, int8, kv_int8
 from compile.reference import ReferenceModel
 from compile.hf_source import CheckpointReader, read_spec
-from runtime.kv.slots import SlotRange
-from runtime.model_runner import ModelRunner
+from runtime.backends.cpu.slots import SlotRange
+from runtime.backends.cpu.runner import ModelRunner
 
 PRECISIONS = ["fp16", "int8", "int4", "fp8"]
 

@@ -325,7 +325,7 @@ def test_packed_attention_matches_the_ort_paged_attention_reference(cuda_kernels
     import numpy as np
 
     from paged_reference import ort_paged_attention
-    from runtime.kv.paged import build_paged_batch
+    from runtime.backends.paged.kv import build_paged_batch
 
     heads, kv_heads, dim, bs, num_blocks = 8, 2, 64, 16, 64
     rng = np.random.default_rng(11)

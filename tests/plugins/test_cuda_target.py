@@ -19,9 +19,9 @@ from compile.config import CompileConfig
 from artifact.errors import ArtifactError
 from compile.hf_source import CheckpointReader, read_spec
 from compile.reference import ReferenceModel
-from runtime.kv.paged import PagedKVManager
-from runtime.model_runner import ModelRunner
-from runtime.paged_runner import BackendUnavailable, PagedModelRunner
+from runtime.backends.paged.kv import PagedKVManager
+from runtime.backends.cpu.runner import ModelRunner
+from runtime.backends.paged.runner import BackendUnavailable, PagedModelRunner
 from runtime.request import Request, SamplingParams
 
 from paged_reference import use_reference_op

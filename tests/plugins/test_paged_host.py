@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from runtime.kv.paged import PagedKVManager, build_paged_batch
+from runtime.backends.paged.kv import PagedKVManager, build_paged_batch
 from runtime.request import Request, SamplingParams
 
 from paged_reference import paged_attention, write_kv

@@ -10,7 +10,7 @@ from artifact import load
 from compile.cli import main as compile_main
 from artifact.errors import ArtifactError
 from runtime.cli import main as runtime_main
-from runtime.model_runner import ModelRunner
+from runtime.backends.cpu.runner import ModelRunner
 
 
 @pytest.fixture

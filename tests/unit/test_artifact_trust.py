@@ -19,7 +19,7 @@ import artifact
 from artifact import load, sha256_file
 from runtime.cli import main as runtime_main
 from artifact.errors import ArtifactError
-from runtime.model_runner import ModelRunner
+from runtime.backends.cpu.runner import ModelRunner
 
 
 @pytest.fixture

@@ -182,7 +182,7 @@ def test_kernels_choice(checkpoint, tmp_path, monkeypatch):
 
     from runtime import cpu_ops
     from artifact.errors import ArtifactError
-    from runtime.model_runner import ModelRunner
+    from runtime.backends.cpu.runner import ModelRunner
 
     if not cpu_ops.available():
         pytest.skip("this install was built without the qs ops")

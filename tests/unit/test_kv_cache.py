@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from runtime.kv.block_pool import BlockPool
-from runtime.kv.manager import KVCacheManager, KVLayout
+from runtime.backends.cpu.kv import KVCacheManager
+from runtime.kv.layout import KVLayout
 from runtime.request import Request, SamplingParams
 
 

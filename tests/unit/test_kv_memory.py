@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from runtime.kv import memory
 from runtime.kv.block_pool import BlockPool
 from runtime.kv.memory import PAGE, ReservedArray
-from runtime.kv.slots import SlotPool, SlotRange
+from runtime.backends.cpu.slots import SlotPool, SlotRange
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]

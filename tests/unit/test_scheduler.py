@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from runtime.config import SchedulerConfig
-from runtime.kv.paged import PagedKVManager
+from runtime.backends.paged.kv import PagedKVManager
 from runtime.outputs import SchedulePlan
 from runtime.request import Request, SamplingParams
 from runtime.scheduler import Scheduler, prompt_chunk

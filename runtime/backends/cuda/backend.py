@@ -11,7 +11,7 @@ import torch
 import artifact
 from ...config import EngineConfig
 from ...sampler import Sampler
-from ..paged import PagedBackend
+from ..paged.backend import PagedBackend
 from .runner import CudaModelRunner, resolve_device
 
 GPU_MEMORY_FRACTION = 0.85      # of the device's free memory after the weights, for the KV pool (vLLM: 0.9)

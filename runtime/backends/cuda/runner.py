@@ -18,7 +18,7 @@ import torch
 
 import artifact
 from artifact.errors import ArtifactError, QuicksilverError
-from ...kv.paged import PagedBatch
+from ..paged.kv import PagedBatch
 from .forward import LlamaForward, StepMeta
 from .weights import load_weights
 

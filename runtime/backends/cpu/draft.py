@@ -13,20 +13,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..kv.manager import KVCacheManager
-from ..model_runner import ModelRunner
-from ..request import Request
-from ..sampler import Sampler, filtered_probs
-from .proposer import Proposal
-
-
-def choose(logits: np.ndarray, req: Request, sampler: Sampler, position: int) -> tuple[int, np.ndarray | None]:
-    """A draft guess for the token at `position`: the argmax (greedy), or a sample with the distribution it came
-    from (for verification); seeded requests draw with the noise the target's check will use there."""
-    if req.params.greedy:
-        return int(logits.argmax()), None
-    q = filtered_probs(logits, req)
-    return sampler.draw(q, req, position), q
+from .kv import KVCacheManager
+from .runner import ModelRunner
+from ...request import Request
+from ...sampler import Sampler
+from ...spec_decode.proposer import Proposal, choose
 
 
 class DraftModelProposer:

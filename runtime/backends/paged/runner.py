@@ -3,7 +3,7 @@
 The KV cache is one pair of [num_blocks, block_size, kv_heads, head_dim] fp16 tensors per layer, allocated
 once on the execution provider's device and bound as both the cache inputs and the aliased cache outputs,
 so PagedAttention updates it in place. Each step takes a PagedBatch (block tables, packed offsets, slot
-mapping — built by runtime.kv.paged on the host) and returns logits for the requested rows.
+mapping — built by the backend's kv.py on the host) and returns logits for the requested rows.
 
 The backend is chosen from the engine's target and what is installed: CUDAExecutionProvider from
 onnxruntime-gpu. Without it the runner refuses with what to install or rebuild.
@@ -19,8 +19,8 @@ import onnxruntime as ort
 import artifact
 from artifact.errors import ArtifactError, QuicksilverError
 
-from .kv.paged import PagedBatch
-from .model_runner import open_session
+from .kv import PagedBatch
+from ..onnx_session import open_session
 
 
 class BackendUnavailable(QuicksilverError):

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .memory import PAGE, ReservedArray
+from ...kv.memory import PAGE, ReservedArray
 
 
 @dataclass(frozen=True)

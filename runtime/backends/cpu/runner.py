@@ -19,11 +19,12 @@ import onnxruntime as ort
 
 import artifact
 
-from . import cpu_ops
+from ... import cpu_ops
 from artifact.errors import ArtifactError
 
-from .kv.manager import KVLayout
-from .kv.slots import SlotPool, SlotRange
+from ...kv.layout import KVLayout
+from ..onnx_session import open_session
+from .slots import SlotPool, SlotRange
 
 
 def check_same_tokenizer(target: "ModelRunner", draft: "ModelRunner") -> None:
@@ -32,21 +33,6 @@ def check_same_tokenizer(target: "ModelRunner", draft: "ModelRunner") -> None:
     if a is None or b is None or a["sha256"] != b["sha256"] or target.vocab_size > draft.vocab_size:
         raise ArtifactError(f"draft engine {draft.engine_dir} does not share the target's tokenizer "
                             f"({target.engine_dir}); speculative decoding needs the same tokenizer.json")
-
-
-def open_session(engine_dir: Path, manifest: dict, so: ort.SessionOptions, providers: list[str]) -> ort.InferenceSession:
-    """The engine's graph as an ONNX Runtime session, checked against the manifest's declared inputs and outputs;
-    the graph and its external data must be listed files inside the engine (artifact.graph_path). Any load
-    failure is one ArtifactError line (ORT raises its own exception types for a bad graph)."""
-    graph = artifact.graph_path(engine_dir, manifest)
-    try:
-        session = ort.InferenceSession(str(graph), so, providers=providers)
-    except Exception as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ArtifactError(f"{engine_dir}: ONNX Runtime cannot load the graph: {first}") from None
-    artifact.check_graph_io(manifest, engine_dir, [i.name for i in session.get_inputs()],
-                            [o.name for o in session.get_outputs()])
-    return session
 
 
 SPIN_US = 2000
@@ -114,11 +100,11 @@ class ModelRunner:
         self.manifest = artifact.load(self.engine_dir, verify=verify)
         target = self.manifest.get("target")
         if target != "cpu":
-            from .paged_runner import select_providers
+            from ..paged.runner import select_providers
 
             select_providers(target)        # says what to install when the backend is missing here
             raise ArtifactError(f"{engine_dir} targets {target!r}: the continuous-batching engine runs cpu engines; "
-                                "a cuda engine runs through runtime.paged_runner.PagedModelRunner (the GPU serving "
+                                "a cuda engine runs through runtime.backends (the cuda or paged backend: the GPU serving "
                                 "loop is not wired yet), or rebuild with --target cpu")
         precision = self.manifest["precision"]
         so = session_options(threads, precision.get("session_config"), spin)

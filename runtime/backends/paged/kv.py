@@ -19,10 +19,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..request import Request
-from .block_pool import BlockPool
-from .hashing import extend_keys
-from .manager import CacheStats
+from ...request import Request
+from ...kv.block_pool import BlockPool
+from ...kv.hashing import extend_keys
+from ...kv.layout import CacheStats
 
 
 @dataclass(frozen=True)

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..kv.paged import PagedKVManager, build_paged_batch
-from ..paged_runner import PagedModelRunner
-from ..request import Request
-from ..sampler import Sampler
-from .draft_model import choose
-from .proposer import Proposal
+from .kv import PagedKVManager, build_paged_batch
+from .runner import PagedModelRunner
+from ...request import Request
+from ...sampler import Sampler
+from ...spec_decode.proposer import choose
+from ...spec_decode.proposer import Proposal
 
 
 class PagedDraftProposer:

@@ -14,14 +14,14 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import EngineConfig
-from ..kv.manager import KVCacheManager
-from ..model_runner import ModelRunner, check_same_tokenizer
-from ..outputs import ModelInput, RunnerOutput
-from ..sampler import Sampler
-from ..spec_decode.draft_model import DraftModelProposer
-from ..spec_decode.speculator import CostModel
-from .base import context_length, make_proposer
+from ...config import EngineConfig
+from .kv import KVCacheManager
+from .runner import ModelRunner, check_same_tokenizer
+from ...outputs import ModelInput, RunnerOutput
+from ...sampler import Sampler
+from .draft import DraftModelProposer
+from ...spec_decode.speculator import CostModel
+from ..base import context_length, make_proposer
 
 
 def timed(fn: Callable[[], object], repeat: int = 3) -> float:

@@ -16,21 +16,21 @@ from pathlib import Path
 import numpy as np
 
 import artifact
-from ..config import EngineConfig
-from ..kv.manager import KVLayout
-from ..kv.paged import PagedKVManager, build_paged_batch
-from ..outputs import ModelInput, RunnerOutput
-from ..paged_runner import PagedModelRunner
-from ..sampler import Sampler
-from ..spec_decode.paged_draft import PagedDraftProposer
-from ..spec_decode.speculator import CostModel
-from .base import context_length, make_proposer
+from ...config import EngineConfig
+from ...kv.layout import KVLayout
+from .kv import PagedKVManager, build_paged_batch
+from ...outputs import ModelInput, RunnerOutput
+from .runner import PagedModelRunner
+from ...sampler import Sampler
+from .draft import PagedDraftProposer
+from ...spec_decode.speculator import CostModel
+from ..base import context_length, make_proposer
 
 
 def gpu_kv_budget(models: list[dict]) -> int | None:
     """Paged KV pool for GPU engines: 85 % of the device's free memory less the weights about to load; None
     when libqs_cuda (which can ask the device) is not installed or there is no device."""
-    from ..cuda_kernels import CudaKernels, KernelError
+    from ...cuda_kernels import CudaKernels, KernelError
 
     try:
         free, _ = CudaKernels().device_memory()
