@@ -172,7 +172,6 @@ class Engine:
                 proposals = self.speculator.propose(spec, [plan.gammas[r.request_id] for r in spec])
             inp = ModelInput.from_plan(plan, proposals)
             out = self.backend.run(inp)
-            self._feed_draft(inp)
             results = self._results(inp, out)
         except Exception as e:      # a failed run fails the requests it carried; the others keep running
             log.exception("engine step failed")
@@ -196,18 +195,6 @@ class Engine:
         self.scheduler.observe(plan, self.stats.last_step_s)
         self.stats.last_step_prefill = bool(plan.chunks)
         return outputs
-
-    def _feed_draft(self, inp: ModelInput) -> None:
-        """A paged engine's draft reads the prompt chunks the target just computed, so its first guesses need no
-        catch-up (its prefix cache holds a block only once both models computed it). A CPU engine's draft reads
-        none: it catches up on a sequence when it first proposes for it, so it computes only what speculation
-        uses — where speculation does not pay (4 concurrent 500-token prompts on the bundled pair), prefilling
-        the draft anyway cost 12 ms a prompt, ~14 % of TTFT."""
-        if self.speculator is None or self.kv.draft_may_lag:
-            return
-        chunks = [s for s in inp.seqs if s.proposal is None and not s.is_decode and s.req.num_computed_draft == s.start]
-        if chunks:
-            self.speculator.proposer.feed([s.req for s in chunks], [s.tokens for s in chunks])
 
     def _results(self, inp: ModelInput, out: RunnerOutput) -> dict[str, StepResult]:
         """Tokens from logits: a sample where a sequence caught up, verified guesses where it speculated."""

@@ -206,7 +206,7 @@ class Scheduler:
                     continue
                 aged_served, cap = True, self.MIN_CHUNK
             req.steps_sat_out = 0
-            n = prompt_chunk(req.num_pending, min(cap, budget))
+            n = prompt_chunk(req.num_pending, min(cap, budget), self.kv.min_chunk)
             if n and self._reserve(req, req.num_computed + n, plan):
                 plan.chunks.append((req, n))
                 req.prefill_chunks += 1
@@ -215,12 +215,13 @@ class Scheduler:
         return plan
 
 
-def prompt_chunk(pending: int, cap: int) -> int:
-    """Tokens to prefill of `pending` (≥ 2) within `cap`: never a single token, and never leaving a single
-    token for later (0 if the cap allows neither). ONNX Runtime's GroupQueryAttention computes one query row
-    with MLAS's M=1 kernel, which rounds differently from its multi-row kernel; keeping every prompt token in a
-    chunk of two or more makes its KV and logits independent of how the step budget split the prompt."""
-    if pending <= cap:
-        return pending
+def prompt_chunk(pending: int, cap: int, min_chunk: int = 2) -> int:
+    """Tokens to prefill of `pending` within `cap`. With `min_chunk` 2 (the cpu backend's KV manager says so):
+    never a single token, and never leaving a single token for later (0 if the cap allows neither) — ONNX
+    Runtime's GroupQueryAttention computes one query row with MLAS's M=1 kernel, which rounds differently from
+    its multi-row kernel; keeping every prompt token in a chunk of two or more makes its KV and logits
+    independent of how the step budget split the prompt. Backends without that kernel take any chunk."""
+    if pending <= cap or min_chunk <= 1:
+        return min(pending, cap)
     n = cap if pending - cap >= 2 else cap - 1
     return n if n >= 2 else 0

@@ -24,7 +24,7 @@ class KVManager(Protocol):
     block_size: int
     num_slots: int              # sequences that can hold KV at once (one index each, `req.slot`)
     stats: object               # kv.layout.CacheStats: prefix-cache queries and hits
-    draft_may_lag: bool         # blocks are cached without the draft's KV: the draft may skip prompts
+    min_chunk: int              # fewest prompt tokens a chunk may hold (cpu: 2, see scheduler.prompt_chunk)
 
     @property
     def usage(self) -> float:

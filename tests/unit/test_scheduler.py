@@ -165,6 +165,14 @@ def test_prompt_chunks_are_never_a_single_token():
             assert n > 0 or cap < 2 or (cap == 2 and pending == 3)
 
 
+def test_backends_without_the_one_row_kernel_take_any_chunk():
+    """min_chunk 1 (the paged and cuda backends' KV manager): the chunk is what the cap allows, one token too."""
+    assert PagedKVManager.min_chunk == 1
+    for pending in range(1, 30):
+        for cap in range(1, 30):
+            assert prompt_chunk(pending, cap, 1) == min(pending, cap)
+
+
 def test_prefix_cache_leaves_at_least_two_prompt_tokens_to_compute():
     """A prompt fully covered by cached blocks still computes its last two tokens (not one)."""
     kv = PagedKVManager(num_blocks=64, block_size=16, num_slots=2, max_model_len=256)

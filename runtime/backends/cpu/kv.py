@@ -37,7 +37,7 @@ from ...kv.layout import CacheStats, KVLayout
 
 
 class KVCacheManager:
-    draft_may_lag = True          # the prefix cache keeps the draft's KV per block: the draft may skip prompts
+    min_chunk = 2                 # GroupQueryAttention's one-row kernel rounds apart: see scheduler.prompt_chunk
     # Bytes copied into the prefix cache per step at most: a burst of prompts computed in one step completes ~170
     # blocks (62 MB on a smollm2 shape) whose copy, all before the next step, made every stream's second token
     # 50-100 ms late at the API (22 ms otherwise); spread over steps it costs about a millisecond a step.

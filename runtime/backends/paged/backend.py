@@ -88,11 +88,22 @@ class PagedBackend:
         t0 = time.perf_counter()
         out = self.runner.step(np.asarray(ids, np.int64), batch, np.asarray([i for r in rows for i in r], np.int64))
         self.cost.record("step", end, time.perf_counter() - t0)
+        self._feed_draft(inp)
         logits, at = [], 0
         for r in rows:
             logits.append(out[at:at + len(r)].copy() if len(r) else None)
             at += len(r)
         return RunnerOutput(logits)
+
+    def _feed_draft(self, inp: ModelInput) -> None:
+        """The draft reads the prompt chunks the target just computed, so its first guesses need no catch-up (a
+        block is cached only once both models computed it). (The CPU backend's draft reads none: it catches up
+        on a sequence when it first proposes for it, so it computes only what speculation uses.)"""
+        if not isinstance(self.proposer, PagedDraftProposer):
+            return
+        chunks = [s for s in inp.seqs if s.proposal is None and not s.is_decode and s.req.num_computed_draft == s.start]
+        if chunks:
+            self.proposer.feed([s.req for s in chunks], [s.tokens for s in chunks])
 
     def step_cost(self, num_decodes: int) -> Callable[[Sequence[int]], float]:
         """Verification rides in the step's one packed call: a guess costs the step's marginal time per token."""

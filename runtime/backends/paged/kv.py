@@ -92,7 +92,7 @@ class PagedKVManager:
     the backends' KVManager protocol, as the CPU backend's KVCacheManager does, so the scheduler drives both.
     """
 
-    draft_may_lag = False         # a block is cached once both models computed it: the draft reads every prompt
+    min_chunk = 1                 # paged attention computes a one-token chunk as any other
 
     def __init__(self, num_blocks: int, block_size: int, num_slots: int | None = None, max_model_len: int | None = None,
                  with_draft: bool = False, prefix_cache: bool = True):
