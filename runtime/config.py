@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .spec_decode.speculator import SpecConfig
 
 
 def available_memory_bytes() -> int:
@@ -17,6 +16,21 @@ def available_memory_bytes() -> int:
     except OSError:
         pass
     return 8 << 30
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding: the most guesses a step verifies per sequence, and the adaptive controller's priors."""
+
+    max_gamma: int = 6
+    adaptive: bool = True           # False: always speculate max_gamma tokens (for tests and benchmarks)
+    prior_acceptance: float = 0.7
+    prior_tokens: float = 8.0       # a request's α counts the engine's recent α as this many tried guesses
+    memory: float = 0.8             # weight of a request's earlier guesses each round (recent rounds count most)
+
+    def __post_init__(self):
+        if not 1 <= self.max_gamma <= 16:
+            raise ValueError("max_gamma must be in [1, 16]")
 
 
 @dataclass(frozen=True)

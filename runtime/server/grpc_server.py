@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import grpc
@@ -14,21 +13,14 @@ from ..config import ServerConfig
 from ..constraints import Constraint
 from ..outputs import RequestOutput
 from ..request import SAMPLING_KEYS, InvalidRequest, SamplingParams
-from .auth import BearerAuthInterceptor, Unauthenticated, authorization_values, identify
-from .bridge import Failed, Overloaded, Unavailable, brief
+from .auth import BearerAuthInterceptor, authorization_values, identify
+from .bridge import Overloaded, brief
+from . import errors
 from .proto import quicksilver_pb2 as pb
 from .proto import quicksilver_pb2_grpc as pb_grpc
 from .router import Router
 
 SERVICE = "quicksilver.v1.Generation"
-# A request's failure → (status, the name quicksilver_request_errors counts); the first class that matches.
-_STATUS = ((InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument"),
-           (RecursionError, grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument"),
-           (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED, "unauthenticated"),
-           (Overloaded, grpc.StatusCode.RESOURCE_EXHAUSTED, "overloaded"),
-           (Unavailable, grpc.StatusCode.UNAVAILABLE, "unavailable"),
-           (Failed, grpc.StatusCode.INTERNAL, "internal"),
-           (asyncio.TimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED, "deadline_exceeded"))
 _FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
            "frequency_penalty", "seed", "ignore_eos", "logprobs")
 
@@ -141,7 +133,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 pass
             finally:
                 await stream.aclose()
-        except tuple(cls for cls, _, _ in _STATUS) as e:
+        except errors.HANDLED as e:
             await _abort(context, e, b)
 
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
@@ -168,19 +160,13 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
 
 async def _abort(context, e: Exception, bridge) -> None:
-    """End a call with the status `_STATUS` gives `e`, counted, its details `brief` (gRPC sends them as metadata:
-    an echoed input must not overflow the client's limit) and, when overloaded, a retry hint."""
-    _, code, name = next(entry for entry in _STATUS if isinstance(e, entry[0]))
-    message = str(e)
+    """End a call with the status errors.TABLE gives `e`, counted, its details `brief` (gRPC sends them as
+    metadata: an echoed input must not overflow the client's limit) and, when overloaded, a retry hint."""
+    a = errors.answer(e)
     if isinstance(e, Overloaded):
         context.set_trailing_metadata((("retry-after-ms", str(int(e.retry_after_s * 1000))),))
-        message = f"{e}; retry after {e.retry_after_s:g} s"
-    elif isinstance(e, asyncio.TimeoutError):
-        message = "deadline exceeded; the request was aborted"
-    elif isinstance(e, RecursionError):
-        message = "the request is nested too deeply to process"
-    bridge.metrics.on_error(name)
-    await context.abort(code, brief(message))
+    bridge.metrics.on_error(a.name)
+    await context.abort(a.grpc, brief(errors.message(e)))
 
 
 async def start_grpc(router: Router, config: ServerConfig) -> tuple[grpc.aio.Server, int, health.HealthServicer]:

@@ -24,7 +24,7 @@ from ..outputs import RequestOutput, Usage
 from ..request import InvalidRequest, SamplingParams
 from .auth import Unauthenticated, authorization_values, identify
 from .bridge import Bridge, Draining, Failed, Overloaded, Unavailable, brief, load_json
-from . import semantic_cache
+from . import errors, semantic_cache
 from .router import AUTO, Router
 from .tenants import DEFAULT as DEFAULT_TENANT
 from .structured import ToolRequest, response_format
@@ -472,19 +472,11 @@ async def _http_error(request: Request, e: HTTPException) -> JSONResponse:
 
 
 def _error_for(e: Exception) -> JSONResponse:
-    if isinstance(e, InvalidRequest):
-        return error(400, str(e))
-    if isinstance(e, RecursionError):     # a parser below (a schema's regex pattern, say) met input nested too deeply
-        return error(400, "the request is nested too deeply to process")
-    if isinstance(e, Overloaded):
-        return error(429, f"{e}; retry later", "overloaded_error", {"Retry-After": str(max(1, round(e.retry_after_s)))})
-    if isinstance(e, Unavailable):
-        return error(503, str(e), "unavailable_error", {"Retry-After": "1"})
-    if isinstance(e, asyncio.TimeoutError):
-        return error(504, "request timed out and was aborted", "timeout_error")
-    if isinstance(e, Failed):
-        return error(500, str(e), "internal_error")
-    return error(500, "no output", "internal_error")
+    """The response errors.TABLE gives `e`, with a retry hint where retrying can help."""
+    a = errors.answer(e)
+    headers = ({"Retry-After": str(max(1, round(e.retry_after_s)))} if isinstance(e, Overloaded) else
+               {"Retry-After": "1"} if isinstance(e, Unavailable) else None)
+    return error(a.http, errors.message(e), a.kind, headers)
 
 
 async def _json_body(request: Request) -> dict:

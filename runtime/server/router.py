@@ -27,6 +27,10 @@ from .bridge import Bridge
 AUTO = "auto"
 
 
+class UnknownModel(InvalidRequest):
+    """A request names a model the server does not serve (404 / NOT_FOUND, as vLLM answers)."""
+
+
 @dataclass(frozen=True)
 class Rule:
     model: str
@@ -128,7 +132,7 @@ class Router:
             return None if self.routes else self.primary
         bridge = self.bridges.get(model)
         if bridge is None:
-            raise InvalidRequest(f"unknown model {model!r}; this server serves "
+            raise UnknownModel(f"unknown model {model!r}; this server serves "
                                  f"{', '.join(map(repr, [*self.bridges, AUTO]))}")
         return bridge
 

@@ -34,23 +34,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..config import SpecConfig
 from ..request import Request
 from ..sampler import SampleResult, Sampler, adjusts_logits
 from . import rejection_sampler
 from .proposer import Proposal, Proposer
-
-
-@dataclass(frozen=True)
-class SpecConfig:
-    max_gamma: int = 6
-    adaptive: bool = True           # False: always speculate max_gamma tokens (for tests and benchmarks)
-    prior_acceptance: float = 0.7
-    prior_tokens: float = 8.0       # a request's α counts the engine's recent α as this many tried guesses
-    memory: float = 0.8             # weight of a request's earlier guesses each round (recent rounds count most)
-
-    def __post_init__(self):
-        if not 1 <= self.max_gamma <= 16:
-            raise ValueError("max_gamma must be in [1, 16]")
 
 
 class CostModel:

@@ -156,14 +156,15 @@ def test_deeply_nested_grpc_schema_is_invalid_argument(open_server):
 
 def test_error_messages_stay_under_a_kilobyte(open_server):
     err = grpc_error(open_server, model="m" * 20_000)        # was: RESOURCE_EXHAUSTED (the details overflow metadata)
-    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "unknown model" in err.details()
+    assert err.code() == grpc.StatusCode.NOT_FOUND and "unknown model" in err.details()
     assert len(err.details().encode()) <= MAX_ERROR_BYTES and err.details().endswith("…")
     err = grpc_error(open_server, model="é" * 5_000)          # multi-byte text is cut on a character boundary
-    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and len(err.details().encode()) <= MAX_ERROR_BYTES
+    assert err.code() == grpc.StatusCode.NOT_FOUND and len(err.details().encode()) <= MAX_ERROR_BYTES
     for body in ({"model": "m" * 200_000}, {"priority": "p" * 200_000}):
         r = post(open_server, **body)
         message = r.json()["error"]["message"]
-        assert r.status_code == 400 and len(message.encode()) <= MAX_ERROR_BYTES and message.endswith("…")
+        assert r.status_code == (404 if "model" in body else 400)
+        assert len(message.encode()) <= MAX_ERROR_BYTES and message.endswith("…")
     assert post(open_server, model="gpt-7").json()["error"]["message"].startswith("unknown model 'gpt-7'")
 
 
