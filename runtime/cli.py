@@ -9,6 +9,10 @@ from pathlib import Path
 import click
 
 from . import __version__
+from .config import CacheConfig, SchedulerConfig, ServerConfig
+
+# Every default below is the config field's (one source); the names vLLM and llama.cpp users type are aliases.
+SCHED, CACHE, SERVER = SchedulerConfig(), CacheConfig(), ServerConfig()
 
 
 def unescape(text: str) -> str:
@@ -212,26 +216,29 @@ def _models(values: tuple[str, ...]) -> dict[str, Path]:
 @click.option("--draft", type=click.Path(path_type=Path), default=None, help="Draft engine for speculative decoding.")
 @click.option("--speculation", type=click.Choice(["auto", "draft", "ngram", "off"]), default="auto", show_default=True,
               help="auto: the draft if given, else off; draft: --draft or the bundled draft.")
-@click.option("--host", default="127.0.0.1", show_default=True, help="Interface to listen on (loopback by default).")
-@click.option("--grpc-port", type=click.IntRange(-1, 65535), default=50051, show_default=True,
+@click.option("--host", default=SERVER.host, show_default=True, help="Interface to listen on (loopback by default).")
+@click.option("--grpc-port", type=click.IntRange(-1, 65535), default=SERVER.grpc_port, show_default=True,
               help="gRPC port (0: any free port; -1: no gRPC).")
-@click.option("--http-port", type=click.IntRange(-1, 65535), default=8000, show_default=True,
-              help="HTTP port (0: any free port; -1: no HTTP).")
-@click.option("--max-num-seqs", type=int, default=16, show_default=True, help="Most sequences running at once (each reserves address space for a whole context; memory follows its tokens).")
-@click.option("--max-waiting", type=int, default=64, show_default=True, help="Queued requests before shedding (429).")
-@click.option("--token-budget", type=int, default=4096, show_default=True,
+@click.option("--http-port", "--port", "http_port", type=click.IntRange(-1, 65535), default=SERVER.http_port,
+              show_default=True, help="HTTP port (0: any free port; -1: no HTTP).")
+@click.option("--max-num-seqs", type=int, default=SCHED.max_num_seqs, show_default=True, help="Most sequences running at once (each reserves address space for a whole context; memory follows its tokens).")
+@click.option("--max-waiting", type=int, default=SCHED.max_waiting, show_default=True, help="Queued requests before shedding (429).")
+@click.option("--token-budget", "--max-num-batched-tokens", "token_budget", type=int, default=SCHED.token_budget,
+              show_default=True,
               help="Most tokens computed per engine step (a burst of prompts is computed in one step up to this).")
-@click.option("--prefill-chunk", type=int, default=256, show_default=True,
+@click.option("--prefill-chunk", type=int, default=SCHED.prefill_chunk, show_default=True,
               help="Most prompt tokens a sequence gets per step while as many streams decode.")
-@click.option("--mixed-step-ratio", type=click.FloatRange(1.0), default=2.0,
+@click.option("--mixed-step-ratio", type=click.FloatRange(1.0), default=SCHED.mixed_step_ratio,
               show_default=True,
               help="A step with prompt slices beside decodes costs at most this many decode-only steps (lower: "
                    "shorter stalls of running streams, slower first tokens for prompts arriving among them; inf: "
                    "fixed slices of --prefill-chunk).")
 @click.option("--max-model-len", type=int, default=None, help="Context per sequence [default: the engine's].")
 @click.option("--kv-budget-mib", type=int, default=None, help="KV memory resident at most: running sequences' tokens + the prefix cache (30 %) [default: 25% of RAM, ≤ 8 GiB].")
-@click.option("--no-prefix-cache", is_flag=True, help="Disable automatic prefix caching.")
-@click.option("--retained-slots", type=click.IntRange(0), default=32, show_default=True,
+@click.option("--enable-prefix-caching/--no-enable-prefix-caching", "--prefix-cache/--no-prefix-cache",
+              "prefix_caching", default=CACHE.enable_prefix_cache, show_default=True,
+              help="Automatic prefix caching (vLLM's names, or --no-prefix-cache).")
+@click.option("--retained-slots", type=click.IntRange(0), default=CACHE.retained_slots, show_default=True,
               help="Finished sequences whose KV stays in place, beyond --max-num-seqs, so that a follow-up extending "
                    "one (a chat's next turn) computes only its new tokens; their memory is given back first when "
                    "running sequences or the prefix cache want it.")
@@ -244,12 +251,14 @@ def _models(values: tuple[str, ...]) -> dict[str, Path]:
 @click.option("--tls-cert", type=click.Path(path_type=Path), default=None, help="PEM certificate: serve gRPC and HTTP over TLS.")
 @click.option("--tls-key", type=click.Path(path_type=Path), default=None, help="PEM private key for --tls-cert.")
 @click.option("--served-model-name", default=None, help="Model id clients use [default: the engine folder's name].")
-@click.option("--request-timeout", type=float, default=600.0, show_default=True, help="Seconds any request may take.")
-@click.option("--max-body-bytes", type=int, default=1 << 20, show_default=True, help="Largest request body / message.")
+@click.option("--request-timeout", type=float, default=SERVER.request_timeout_s, show_default=True,
+              help="Seconds any request may take.")
+@click.option("--max-body-bytes", type=int, default=SERVER.max_body_bytes, show_default=True,
+              help="Largest request body / message.")
 @click.option("--max-tokens-limit", type=click.IntRange(1), default=None, show_default="the context length",
               help="Largest max_tokens a request may ask for.")
-@click.option("--grace", type=float, default=10.0, show_default=True, help="Seconds in-flight requests get on SIGTERM.")
-@click.option("--priority-floor", type=click.IntRange(-100, 100), default=0, show_default=True,
+@click.option("--grace", type=float, default=SERVER.grace_s, show_default=True, help="Seconds in-flight requests get on SIGTERM.")
+@click.option("--priority-floor", type=click.IntRange(-100, 100), default=SERVER.priority_floor, show_default=True,
               help="Most urgent priority a caller may request (lower is more urgent; requests range over -100..100); "
                    "more urgent requests are refused (400 / INVALID_ARGUMENT).")
 @click.option("--priority-key", "priority_keys", multiple=True, metavar="TOKEN:FLOOR",
@@ -291,12 +300,18 @@ def _models(values: tuple[str, ...]) -> dict[str, Path]:
 @click.option("--device", type=click.Choice(["cuda", "cpu"]), default=None, show_default="cuda if PyTorch sees a GPU",
               help="Where a --target cuda engine runs: cuda (PyTorch GEMMs + plugins/cuda kernels + CUDA graphs; "
                    "pip install '.[cuda]') or cpu (the same forward on PyTorch CPU tensors).")
+@click.option("--chat-template", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="A Jinja chat template file for /v1/chat/completions [default: each model's own, else a plain "
+                   "transcript].")
+@click.option("--disable-log-requests", is_flag=True, help="No log line per request (vLLM's name).")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
+              show_default=True, help="The server's log level.")
 @click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,
               help="--device cuda: replay decode steps as CUDA graphs captured at start (one per batch size bucket).")
 def serve(engine: Path | None, draft: Path | None, speculation: str, host: str, grpc_port: int, http_port: int,
           max_num_seqs: int, max_waiting: int, token_budget: int, prefill_chunk: int, mixed_step_ratio: float,
           max_model_len: int | None,
-          kv_budget_mib: int | None, no_prefix_cache: bool, retained_slots: int, threads: int | None, spin: bool,
+          kv_budget_mib: int | None, prefix_caching: bool, retained_slots: int, threads: int | None, spin: bool,
           api_key: str | None,
           tls_cert: Path | None, tls_key: Path | None, served_model_name: str | None, request_timeout: float,
           max_body_bytes: int, max_tokens_limit: int | None, grace: float, priority_floor: int,
@@ -304,37 +319,41 @@ def serve(engine: Path | None, draft: Path | None, speculation: str, host: str, 
           models: tuple[str, ...], route_file: Path | None, semantic_cache: bool,
           semantic_cache_threshold: float | None, semantic_cache_ttl: float, semantic_cache_size: int,
           replicas: int | None, replica_routing: str, ray_address: str | None, device: str | None,
-          cuda_graphs: bool) -> None:
+          chat_template: Path | None, disable_log_requests: bool, log_level: str, cuda_graphs: bool) -> None:
     """Serve ENGINE (default: the bundled target) over gRPC and OpenAI-compatible HTTP, with /metrics.
     With --model, several engines share the server and requests name one, or "auto" (--route)."""
     import logging
 
     from artifact.errors import QuicksilverError
 
-    from .config import CacheConfig, EngineConfig, SchedulerConfig, ServerConfig
+    from .config import EngineConfig
     from .bundled import engine_dir
     from .server.app import run, serve as run_server
     from .server.router import load_policy
     from .server.tenants import load_tenants
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=getattr(logging, log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if disable_log_requests:
+        logging.getLogger("quicksilver.server.requests").setLevel(logging.WARNING)
     try:
         engine_path = engine or engine_dir("target")
         draft_path, method = _speculation(draft, speculation)
         econf = EngineConfig(SchedulerConfig(max_num_seqs, token_budget, prefill_chunk, max_waiting, mixed_step_ratio),
-                             CacheConfig(max_model_len=max_model_len, enable_prefix_cache=not no_prefix_cache,
+                             CacheConfig(max_model_len=max_model_len, enable_prefix_cache=prefix_caching,
                                          kv_budget_bytes=kv_budget_mib << 20 if kv_budget_mib else None,
                                          retained_slots=retained_slots),
                              threads=threads, spin=spin, draft=draft_path, speculation=method, device=device,
                              cuda_graphs=cuda_graphs)
-        sconf = ServerConfig(host, grpc_port, http_port, api_key, tls_cert, tls_key, served_model_name, request_timeout,
-                             max_body_bytes, None, max_tokens_limit, grace, priority_floor,
-                             _priority_keys(priority_keys), otlp_endpoint,
-                             load_tenants(tenants_file) if tenants_file else (),
-                             load_policy(route_file) if route_file else None,
-                             _cache_settings(semantic_cache, semantic_cache_threshold, semantic_cache_ttl,
-                                             semantic_cache_size),
-                             _cluster(replicas, threads, replica_routing, ray_address))
+        sconf = ServerConfig(
+            host=host, grpc_port=grpc_port, http_port=http_port, api_key=api_key, tls_cert=tls_cert, tls_key=tls_key,
+            model_name=served_model_name, request_timeout_s=request_timeout, max_body_bytes=max_body_bytes,
+            max_tokens_limit=max_tokens_limit, grace_s=grace, priority_floor=priority_floor,
+            priority_keys=_priority_keys(priority_keys), otlp_endpoint=otlp_endpoint,
+            tenants=load_tenants(tenants_file) if tenants_file else (),
+            route=load_policy(route_file) if route_file else None,
+            semantic_cache=_cache_settings(semantic_cache, semantic_cache_threshold, semantic_cache_ttl,
+                                           semantic_cache_size),
+            cluster=_cluster(replicas, threads, replica_routing, ray_address), chat_template=chat_template)
         if route_file and not models:
             fail("--route chooses between models: add them with --model NAME=ENGINE")
         run(run_server(engine_path, econf, sconf, _models(models)))

@@ -40,7 +40,7 @@ class SchedulerConfig:
                                       # prompts is computed in one step up to this
     prefill_chunk: int = 256          # most tokens one prompt gets per step beside decodes, and the length up
                                       # to which a prompt counts as short (long ones sit out while it prefills)
-    max_waiting: int = 256            # queued requests beyond which submit refuses (backpressure)
+    max_waiting: int = 64             # queued requests beyond which submit refuses (backpressure: 429)
     mixed_step_ratio: float = 2.0     # a step carrying prompt slices beside decodes may cost this many decode-only
                                       # steps (the slices shrink to fit, ≥ 16 tokens); inf: fixed slices
 
@@ -146,6 +146,7 @@ class ServerConfig:
     route: object = None              # runtime.server.router.RoutePolicy for "model": "auto" (None: the first model)
     semantic_cache: object = None     # runtime.server.semantic_cache.CacheSettings: answer near-duplicates (HTTP)
     cluster: ClusterConfig | None = None   # engines as replicas on Ray Serve (runtime serve --replicas)
+    chat_template: Path | None = None # a Jinja chat template file for every model (default: each model's own)
 
     @property
     def requires_auth(self) -> bool:

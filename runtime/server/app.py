@@ -102,7 +102,8 @@ class Server:
             await asyncio.to_thread(self._shutdown_engines)
             raise
         if http_sock is not None:
-            api = HttpApi(self.router, {b.model_name: load_chat_template(b.aengine.engine.runner.engine_dir)
+            api = HttpApi(self.router, {b.model_name: load_chat_template(b.aengine.engine.runner.engine_dir,
+                                                                         template_file=c.chat_template)
                                         for b in self.bridges}, self.semantic_cache)
             tls = dict(ssl_certfile=str(c.tls_cert), ssl_keyfile=str(c.tls_key)) if c.tls_cert else {}
             self.http = _Uvicorn(uvicorn.Config(api.app, host=c.host, port=c.http_port, log_level="warning",

@@ -31,6 +31,8 @@ from ..request import InvalidRequest, SamplingParams
 from .tenants import DEFAULT, RateLimited, TenantLimits
 
 log = logging.getLogger("quicksilver.server")
+# a line per finished, failed, refused or aborted request (runtime serve --disable-log-requests silences it)
+request_log = logging.getLogger("quicksilver.server.requests")
 MAX_TAG = 256             # longest client-chosen request id (echoed in every message)
 INLINE_CHARS = 512        # most characters tokenized on the event loop (~0.2 ms with the bundled tokenizer)
 INLINE_TEXT_CHARS = 1 << 16   # longest prompt tokenized there at all (reusing its ids is linear in its length)
@@ -276,17 +278,17 @@ class Bridge:
             if finished is not None:
                 self.metrics.on_finish(finished.finish_reason, finished.usage)
                 u = finished.usage
-                log.info("%s prompt=%d cached=%d completion=%d ttft_ms=%.1f e2e_ms=%.1f finish=%s", name,
+                request_log.info("%s prompt=%d cached=%d completion=%d ttft_ms=%.1f e2e_ms=%.1f finish=%s", name,
                          u.prompt_tokens, u.cached_tokens, u.completion_tokens, 1e3 * (u.ttft_s or 0),
                          1e3 * (u.e2e_s or 0), finished.finish_reason)
             elif failed is not None:
                 self.metrics.on_finish("error", None)
-                log.info("%s failed: %s", name, failed.error)
+                request_log.info("%s failed: %s", name, failed.error)
             elif refused is not None:
-                log.info("%s refused: %s", name, refused)
+                request_log.info("%s refused: %s", name, refused)
             else:
                 self.metrics.on_finish("abort", None)
-                log.info("%s aborted (client gone, deadline or shutdown)", name)
+                request_log.info("%s aborted (client gone, deadline or shutdown)", name)
             if span is not None:
                 self.tracing.end(span, finished.usage if finished else None,
                                  finished.finish_reason if finished else "error" if failed or refused else "abort",

@@ -14,13 +14,17 @@ from ..request import InvalidRequest
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
-def load_chat_template(engine_dir: Path, max_messages: int = 256):
-    template = None
+def load_chat_template(engine_dir: Path, max_messages: int = 256, template_file: Path | None = None):
+    """The model's chat template as render(messages, tools) → prompt; `template_file` (runtime serve
+    --chat-template) replaces the tokenizer config's."""
+    template, bos, eos = None, "", ""
     config = engine_dir / "tokenizer_config.json"
     if config.is_file():
         cfg = json.loads(config.read_text())
         template = cfg.get("chat_template")
         bos, eos = cfg.get("bos_token") or "", cfg.get("eos_token") or ""
+    if template_file is not None:
+        template = Path(template_file).read_text()
     if isinstance(template, list):   # named templates: take "default"
         template = next((t["template"] for t in template if t.get("name") == "default"), None)
     compiled = None
