@@ -49,7 +49,7 @@ def register(so: ort.SessionOptions) -> None:
     if path is None:
         raise Unavailable(
             "this engine uses Quicksilver's cpu ops (qs.CausalAttention, qs.Int8MatMul, ...), and this install was "
-            "built without them (ONNX Runtime's headers were not found at build time): reinstall where "
-            "deb.debian.org is reachable or with -C cmake.define.QS_ORT_INCLUDE_DIR=DIR, or rebuild the engine "
+            "built without them (ONNX Runtime's headers were not found at build time): reinstall from a full "
+            "checkout (plugins/cpu/onnxruntime) or with -C cmake.define.QS_ORT_INCLUDE_DIR=DIR, or rebuild the engine "
             "with `compile build ... --kernels ort`")
     so.register_custom_ops_library(path)

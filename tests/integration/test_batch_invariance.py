@@ -19,7 +19,7 @@ from compile.config import CompileConfig, QuantConfig
 from compile.graph.layers import MIN_ROWS
 from runtime.config import CacheConfig, EngineConfig, SchedulerConfig
 from runtime.engine import Engine
-from runtime.backends.cpu.runner import ModelRunner, one_row_matches
+from runtime.backends.cpu.runner import ModelRunner
 from runtime.request import SamplingParams
 from runtime.spec_decode.speculator import SpecConfig
 
@@ -196,11 +196,9 @@ def test_no_batch_invariant_int4_build_drops_the_one_row_pad(engines):
 
 
 def test_int4_pads_one_row_steps_exactly_where_this_cpu_needs_it(engines):
-    """The runner keeps the pad iff the probe finds a one-row MatMulNBits rounding differently here; either way a
-    sequence decoded alone gives bitwise the logits it gets beside a neighbour (the probe is checked, not trusted)."""
+    """Whether or not the runner kept the pad (its probe of this CPU decides), a sequence decoded alone gives bitwise
+    the logits it gets beside a neighbour: the probe's decision is checked by its consequence, not recomputed."""
     runner = ModelRunner(engines("target", "int4", kernels="ort"))
-    m = runner.manifest
-    assert runner.one_row_padded == (not one_row_matches(m["model"], m["precision"]["block_size"]))
     pool = runner.new_pool(2, 64)
     prompts = [[5, 17, 99, 3, 250, 7], [8, 40, 41, 42, 43, 44]]
     for slot, prompt in enumerate(prompts):
