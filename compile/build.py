@@ -13,9 +13,10 @@ from tokenizers import Tokenizer
 
 from tqdm import tqdm
 
+from artifact import check_destination, staging_dir, write_manifest
+
 from . import __version__
 from .archs import REGISTRY
-from artifact import check_destination, staging_dir, write_manifest
 from .config import KV_CACHE_NUMPY, CompileConfig, QuantConfig
 from .quantize import report
 from .quantize.awq import awq_reader
@@ -213,22 +214,7 @@ def build(cfg: CompileConfig, log=print) -> dict:
                                              spec.num_kv_heads, spec.head_dim, log)
             plan = {"plan": tensorrt_plan.PLAN_FILE if built else None, "plugin": "QsPagedAttention v1",
                     "block_size": tensorrt_plan.BLOCK_SIZE}
-        manifest = write_manifest(tmp, {
-            "compiler_version": __version__,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "target": cfg.target,
-            "precision": _precision_record(cfg, attention),
-            "model": {**spec.to_dict(), "max_seq_len": max_len,
-                      "num_parameters": reader.num_parameters()},
-            "graph": {"file": GRAPH_FILE, "data": DATA_FILE, "opset": OPSET, "revision": GRAPH_REVISION,
-                      **builder.interface()},
-            "kv_cache": _kv_record(spec, cfg, max_len),
-            "tokenizer": {"files": [f.name for f in tok_files], "eos_token_ids": _eos_ids(spec, cfg.model_dir),
-                          "bos_token_id": spec.bos_token_id},
-            "source": {"path": str(cfg.model_dir.resolve()), "fingerprint": fingerprint(cfg.model_dir),
-                       "dtypes": sorted(reader.dtypes())},
-            **({"tensorrt": plan} if plan is not None else {}),
-        })
+        manifest = write_manifest(tmp, _manifest(cfg, spec, reader, builder, tok_files, attention, max_len, plan))
         if cfg.report and cfg.target != "cpu":
             log(f"accuracy report skipped: a --target {cfg.target} engine runs only on its GPU execution provider")
         elif cfg.report:
@@ -237,6 +223,26 @@ def build(cfg: CompileConfig, log=print) -> dict:
             manifest = write_manifest(tmp, manifest)
     manifest["build_seconds"] = round(time.time() - t0, 2)
     return manifest
+
+
+def _manifest(cfg: CompileConfig, spec, reader: CheckpointReader, builder: GraphBuilder, tok_files: list[Path],
+              attention: str, max_len: int, plan: dict | None) -> dict:
+    """The manifest's records of a built graph (write_manifest adds the format and every file's sha256)."""
+    return {
+        "compiler_version": __version__,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "target": cfg.target,
+        "precision": _precision_record(cfg, attention),
+        "model": {**spec.to_dict(), "max_seq_len": max_len, "num_parameters": reader.num_parameters()},
+        "graph": {"file": GRAPH_FILE, "data": DATA_FILE, "opset": OPSET, "revision": GRAPH_REVISION,
+                  **builder.interface()},
+        "kv_cache": _kv_record(spec, cfg, max_len),
+        "tokenizer": {"files": [f.name for f in tok_files], "eos_token_ids": _eos_ids(spec, cfg.model_dir),
+                      "bos_token_id": spec.bos_token_id},
+        "source": {"path": str(cfg.model_dir.resolve()), "fingerprint": fingerprint(cfg.model_dir),
+                   "dtypes": sorted(reader.dtypes())},
+        **({"tensorrt": plan} if plan is not None else {}),
+    }
 
 
 def summary(manifest: dict, out_dir: Path) -> str:

@@ -275,21 +275,26 @@ class Bridge:
         finally:
             self.active.discard(rid)
             await gen.aclose()        # aborts the request (and frees its KV) if it did not finish
-            if finished is not None:
-                self.metrics.on_finish(finished.finish_reason, finished.usage)
-                u = finished.usage
-                request_log.info("%s prompt=%d cached=%d completion=%d ttft_ms=%.1f e2e_ms=%.1f finish=%s", name,
-                         u.prompt_tokens, u.cached_tokens, u.completion_tokens, 1e3 * (u.ttft_s or 0),
-                         1e3 * (u.e2e_s or 0), finished.finish_reason)
-            elif failed is not None:
-                self.metrics.on_finish("error", None)
-                request_log.info("%s failed: %s", name, failed.error)
-            elif refused is not None:
-                request_log.info("%s refused: %s", name, refused)
-            else:
-                self.metrics.on_finish("abort", None)
-                request_log.info("%s aborted (client gone, deadline or shutdown)", name)
-            if span is not None:
-                self.tracing.end(span, finished.usage if finished else None,
-                                 finished.finish_reason if finished else "error" if failed or refused else "abort",
-                                 failed.error if failed else str(refused) if refused else None)
+            self._ended(name, span, finished, failed, refused)
+
+    def _ended(self, name: str, span, finished, failed, refused) -> None:
+        """A request's end in the metrics, the request log and its trace: finished, failed (an engine error),
+        refused (before it ran) or aborted (the client went away, a deadline, shutdown)."""
+        if finished is not None:
+            self.metrics.on_finish(finished.finish_reason, finished.usage)
+            u = finished.usage
+            request_log.info("%s prompt=%d cached=%d completion=%d ttft_ms=%.1f e2e_ms=%.1f finish=%s", name,
+                             u.prompt_tokens, u.cached_tokens, u.completion_tokens, 1e3 * (u.ttft_s or 0),
+                             1e3 * (u.e2e_s or 0), finished.finish_reason)
+        elif failed is not None:
+            self.metrics.on_finish("error", None)
+            request_log.info("%s failed: %s", name, failed.error)
+        elif refused is not None:
+            request_log.info("%s refused: %s", name, refused)
+        else:
+            self.metrics.on_finish("abort", None)
+            request_log.info("%s aborted (client gone, deadline or shutdown)", name)
+        if span is not None:
+            self.tracing.end(span, finished.usage if finished else None,
+                             finished.finish_reason if finished else "error" if failed or refused else "abort",
+                             failed.error if failed else str(refused) if refused else None)

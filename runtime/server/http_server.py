@@ -203,18 +203,8 @@ class HttpApi:
         streams = []
         try:
             body = await _json_body(request)
-            stream = flag(body, "stream")
-            options = body.get("stream_options") or {}
-            if not isinstance(options, dict):
-                raise InvalidRequest("stream_options must be an object")
-            include_usage = flag(options, "include_usage")
+            stream, include_usage, asked, n, tools = _options(body, chat)
             bridge = self.router.named(body.get("model"))          # None: "auto", routed once the prompt is counted
-            asked, n = sampling_from_json(body, chat)
-            tools = ToolRequest(body) if chat else None
-            if tools is not None and tools.mode in ("named", "required"):
-                if asked.constraint is not None:
-                    raise InvalidRequest("response_format cannot be combined with a required or named tool_choice")
-                asked = replace(asked, constraint=tools.constraint())
             route = counted = None
             if bridge is None:
                 if not chat and not isinstance(_prompt(body.get("prompt")), str):
@@ -245,33 +235,11 @@ class HttpApi:
                     shape = _Shape(rid, bridge.model_name, chat, self.token_texts[bridge.model_name])
                     return self._cached(shape, hit, len(prompt), stream, include_usage,
                                         {**(route.headers if route else {}), **cache_headers})
-
-            def open_choice(i: int):
-                seeded = replace(params, seed=params.seed + i) if params.seed is not None and i else params
-                streams.append(bridge.stream(prompt, seeded, rid if n == 1 else f"{rid}-{i}", priority, timeout,
-                                             floor, request.scope.get(ARRIVAL), request.headers, tenant))
-                return streams[-1].__anext__()    # surfaces validation, shedding and deadline errors as statuses
-
-            # Choice 0 first: once it has a token its prompt blocks are in the prefix cache, so the other
-            # choices prefill only the last partial block instead of the whole prompt again.
-            try:
-                firsts = [await open_choice(0)]
-            except Overloaded as e:
-                fallback = route and e.shed and self.router.fallback_after(bridge, len(prompt))
-                if not fallback:
-                    raise
-                await _close(streams)       # it filled between the check and admission: the fallback takes it
-                streams.clear()
-                route, bridge = fallback, fallback.bridge
-                if query is not None:       # its answer will be this model's
-                    query.namespace = (query.namespace[0], bridge.model_name)
-                prompt, echo, params = await self._prepare(bridge, body, chat, tools, asked)
-                firsts = [await open_choice(0)]
-            rest = await asyncio.gather(*(open_choice(i) for i in range(1, n)), return_exceptions=True)
-            for r in rest:                  # all settled first: a stream cannot be closed while it is awaited
-                if isinstance(r, BaseException):
-                    raise r
-            firsts += rest
+            choices = _Choices(streams, bridge, prompt, params, n, rid, priority, timeout, floor, tenant, request)
+            firsts = await choices.open(route, lambda b: self._prepare(b, body, chat, tools, asked), query,
+                                        self.router.fallback_after)
+            route, bridge = choices.route, choices.bridge
+            echo = echo if choices.echo is None else choices.echo
         except (InvalidRequest, Overloaded, Unavailable, Failed, asyncio.TimeoutError, StopAsyncIteration,
                 RecursionError) as e:
             await _close(streams)
@@ -477,6 +445,63 @@ def _error_for(e: Exception) -> JSONResponse:
     headers = ({"Retry-After": str(max(1, round(e.retry_after_s)))} if isinstance(e, Overloaded) else
                {"Retry-After": "1"} if isinstance(e, Unavailable) else None)
     return error(a.http, errors.message(e), a.kind, headers)
+
+
+def _options(body: dict, chat: bool):
+    """(stream, include_usage, sampling params as asked, n, tools) of a completion or chat body."""
+    stream = flag(body, "stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise InvalidRequest("stream_options must be an object")
+    asked, n = sampling_from_json(body, chat)
+    tools = ToolRequest(body) if chat else None
+    if tools is not None and tools.mode in ("named", "required"):
+        if asked.constraint is not None:
+            raise InvalidRequest("response_format cannot be combined with a required or named tool_choice")
+        asked = replace(asked, constraint=tools.constraint())
+    return stream, flag(options, "include_usage"), asked, n, tools
+
+
+class _Choices:
+    """Opening a request's n choices on its bridge: choice 0 first (once it has a token its prompt blocks are in
+    the prefix cache, so the others prefill only the last partial block), then the rest at once; when choice 0 is
+    shed from an "auto"-routed model, the route's fallback takes the request."""
+
+    def __init__(self, streams: list, bridge, prompt, params, n, rid, priority, timeout, floor, tenant, request):
+        self.streams, self.bridge, self.prompt, self.params, self.n = streams, bridge, prompt, params, n
+        self.rid, self.priority, self.timeout, self.floor, self.tenant = rid, priority, timeout, floor, tenant
+        self.request, self.route, self.echo = request, None, None
+
+    def _open(self, i: int):
+        p = self.params
+        seeded = replace(p, seed=p.seed + i) if p.seed is not None and i else p
+        self.streams.append(self.bridge.stream(self.prompt, seeded, self.rid if self.n == 1 else f"{self.rid}-{i}",
+                                               self.priority, self.timeout, self.floor,
+                                               self.request.scope.get(ARRIVAL), self.request.headers, self.tenant))
+        return self.streams[-1].__anext__()    # surfaces validation, shedding and deadline errors as statuses
+
+    async def open(self, route, prepare, query, fallback_after) -> list:
+        """The first output of every choice; `prepare(bridge)` → (prompt, echo, params) for a fallback model,
+        `fallback_after(bridge, prompt_tokens)` → the route's fallback (Router.fallback_after)."""
+        self.route = route
+        try:
+            firsts = [await self._open(0)]
+        except Overloaded as e:
+            fallback = route and e.shed and fallback_after(self.bridge, len(self.prompt))
+            if not fallback:
+                raise
+            await _close(self.streams)       # it filled between the check and admission: the fallback takes it
+            self.streams.clear()
+            self.route, self.bridge = fallback, fallback.bridge
+            if query is not None:            # its answer will be this model's
+                query.namespace = (query.namespace[0], self.bridge.model_name)
+            self.prompt, self.echo, self.params = await prepare(self.bridge)
+            firsts = [await self._open(0)]
+        rest = await asyncio.gather(*(self._open(i) for i in range(1, self.n)), return_exceptions=True)
+        for r in rest:                       # all settled first: a stream cannot be closed while it is awaited
+            if isinstance(r, BaseException):
+                raise r
+        return firsts + rest
 
 
 async def _json_body(request: Request) -> dict:

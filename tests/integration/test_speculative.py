@@ -120,7 +120,8 @@ def test_sampled_speculation_matches_plain_sampling_statistics(engine):
 
 
 def test_abort_and_preemption_mid_speculation(engine):
-    eng = spec_engine(engine("llama"), engine("qwen2"), max_num_seqs=3, prefill_chunk=16, token_budget=40)
+    eng = spec_engine(engine("llama"), engine("qwen2"), max_num_seqs=3, prefill_chunk=16, token_budget=40,
+                      max_waiting=256)           # the random walk queues up to ~200 at once
     rng = random.Random(1)
     live = []
     for op in range(600):

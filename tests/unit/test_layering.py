@@ -82,3 +82,16 @@ def test_the_checker_reports_each_kind_of_violation():
         ["runtime/server/app.py:2 imports ray: only runtime/cluster imports Ray (an optional extra)"]
     assert violations("runtime/cluster/replica.py", "import ray\n") == []
     assert violations("compile/verify.py", "from runtime.stepper import open_stepper\n") == []   # compile → runtime
+
+
+def test_no_function_in_the_stages_is_over_60_lines():
+    """A function that does not fit a screen does more than one thing (#46): runtime/, compile/ and artifact/."""
+    long = []
+    for d in ("runtime", "compile", "artifact"):
+        for p in (ROOT / d).rglob("*.py"):
+            if "proto" in p.parts:          # generated gRPC code
+                continue
+            for n in ast.walk(ast.parse(p.read_text())):
+                if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > 60:
+                    long.append(f"{p.relative_to(ROOT)}:{n.lineno} {n.name} ({n.end_lineno - n.lineno + 1} lines)")
+    assert not long, "\n".join(long)
