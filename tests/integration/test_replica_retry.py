@@ -9,7 +9,6 @@ engine's greedy output, its streams end with the retryable error."""
 import asyncio
 import json
 import threading
-import time
 from types import SimpleNamespace
 
 import httpx
@@ -22,6 +21,7 @@ from runtime.request import SamplingParams
 from runtime.server.bridge import ReplicaLost
 
 from server_harness import ServerThread
+from test_replicas import replica_values, wait_for
 
 ray = pytest.importorskip("ray", reason="pip install '.[cluster]'")
 from ray.exceptions import ActorUnavailableError  # noqa: E402
@@ -147,25 +147,6 @@ def server(bundled):
                      cluster=ClusterConfig(replicas=2, threads=1))
     yield s
     s.stop()
-
-
-def replica_values(server, name: str) -> dict[str, float]:
-    """replica → value of an engine metric, as the replicas last published it (twice a second)."""
-    values = {}
-    for line in httpx.get(f"{server.http_url}/metrics").text.splitlines():
-        if line.startswith(name + "{") and 'replica="' in line:
-            values[line.split('replica="')[1].split('"')[0]] = float(line.rsplit(" ", 1)[1])
-    return values
-
-
-def wait_for(condition, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 class Held:
