@@ -39,6 +39,7 @@ class AsyncEngine:
     def __init__(self, engine: Engine, on_step=None):
         """`on_step(engine)`, if given, runs on the loop thread after every step (metrics)."""
         self.engine, self.on_step = engine, on_step
+        self.info, self.tokenizer, self.grammars = engine.info, engine.tokenizer, engine.grammars
         self._inbox: list = []
         self._wake = threading.Condition()
         self._queues: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
@@ -69,6 +70,11 @@ class AsyncEngine:
         finally:
             if not finished:          # also when the caller gave up before the engine took the request
                 self._post(("cancel", sub))
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued for a slot (read from another thread: a snapshot, which is all routing needs)."""
+        return self.engine.num_waiting
 
     @property
     def alive(self) -> bool:

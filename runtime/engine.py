@@ -26,6 +26,7 @@ from .backends import load_backend
 from .config import EngineConfig
 from .constraints import Constraint, GrammarFailed, Grammars, Matcher
 from .detokenizer import IncrementalDetokenizer, StopStringFilter
+from .engine_client import EngineInfo
 from .outputs import ModelInput, RequestOutput, RunnerOutput, StepResult, Usage
 from .request import InvalidRequest, Request, RequestStatus, SamplingParams, generation_defaults
 from .sampler import Sampler, logit_adjustments
@@ -87,6 +88,10 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._streams: dict[str, _Stream] = {}
         self.stats = EngineStats()
+        self.info = EngineInfo(Path(engine_dir), manifest, self.runner.vocab_size, self.max_model_len,
+                               config.cache.block_size, config.scheduler.max_num_seqs, config.scheduler.max_waiting,
+                               self.kv.num_slots, config.speculation if self.speculator else None,
+                               Path(self.draft.engine_dir).resolve().name if self.draft is not None else None)
         backend.warm_up()
 
     # -- requests ---------------------------------------------------------------------------------
@@ -154,6 +159,10 @@ class Engine:
                 out.error = message
                 outs.append(out)
         return outs
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
 
     def has_work(self) -> bool:
         return bool(self.scheduler.running or self.scheduler.waiting)

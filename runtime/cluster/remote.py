@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import secrets
@@ -24,7 +25,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
-from types import SimpleNamespace
 
 import grpc
 import ray
@@ -37,6 +37,7 @@ import artifact
 from ..config import ClusterConfig, EngineConfig
 from ..constraints import Grammars
 from ..engine import EngineOverloaded
+from ..engine_client import EngineInfo
 from ..request import InvalidRequest
 from ..server.bridge import Failed, ReplicaLost
 from .replica import PUBLISH_S, EngineReplica, MetricsBoard
@@ -95,7 +96,7 @@ class Cluster:
         with ThreadPoolExecutor(1) as pool:     # a handle's blocking result() refuses to run on an event loop
             info = pool.submit(lambda: handle.describe.remote().result()).result()
         log.info("model %s: %d replicas x %d threads on Ray (%s routing)", name, c.replicas, c.threads, c.routing)
-        return RemoteAsyncEngine(RemoteEngine(Path(engine_dir), config, info, _Waiting(self, app)), self, app)
+        return RemoteAsyncEngine(remote_info(Path(engine_dir), info), _Waiting(self, app), self, app)
 
     def published(self, app: str) -> dict[str, tuple[bytes, int]]:
         """replica → (metrics exposition, requests waiting), as the app's replicas last published them."""
@@ -129,22 +130,10 @@ class _Waiting:
         return self._value
 
 
-class RemoteEngine:
-    """What the server reads of an engine (Bridge, /v1/models, ModelInfo), for engines that run on replicas."""
-
-    def __init__(self, engine_dir: Path, config: EngineConfig, info: dict, waiting: _Waiting):
-        manifest = artifact.load(engine_dir, verify=False)
-        self.config = config
-        self.runner = SimpleNamespace(engine_dir=engine_dir, manifest=manifest,
-                                      vocab_size=manifest["model"]["vocab_size"])
-        self.max_model_len, self.block_size = info["max_model_len"], info["block_size"]
-        self.kv = SimpleNamespace(num_slots=info["num_slots"])
-        self.speculator = info["speculation"]
-        self.draft = SimpleNamespace(engine_dir=Path(info["draft"])) if info["draft"] else None
-        self.tokenizer = Tokenizer.from_file(str(engine_dir / "tokenizer.json"))
-        self.grammars = Grammars(self.tokenizer.to_str(), manifest["model"]["vocab_size"],
-                                 frozenset(manifest["tokenizer"]["eos_token_ids"]))
-        self.scheduler = waiting
+def remote_info(engine_dir: Path, described: dict) -> EngineInfo:
+    """The engine-client info of an engine on replicas: the folder's manifest here, the rest as a replica
+    described its engine (Replica.describe: EngineInfo's other fields)."""
+    return EngineInfo(engine_dir=engine_dir, manifest=artifact.load(engine_dir, verify=False), **described)
 
 
 class _Lost(ReplicaLost):
@@ -158,11 +147,25 @@ class _Lost(ReplicaLost):
 class RemoteAsyncEngine:
     """AsyncEngine's surface over a Serve deployment handle."""
 
-    def __init__(self, engine: RemoteEngine, cluster: Cluster, app: str):
-        self.engine, self.cluster, self.app = engine, cluster, app
+    def __init__(self, info: EngineInfo, waiting: _Waiting | None, cluster: Cluster | None, app: str):
+        self.info, self._waiting, self.cluster, self.app = info, waiting, cluster, app
         self._handle = None
         self._streams: dict[str, object] = {}        # request id → the response it streams now (None: between two)
         self._aborted: set[str] = set()
+
+    @functools.cached_property
+    def tokenizer(self) -> Tokenizer:
+        return Tokenizer.from_file(str(artifact.path(self.info.engine_dir, self.info.manifest, "tokenizer.json")))
+
+    @functools.cached_property
+    def grammars(self) -> Grammars:
+        return Grammars(self.tokenizer.to_str(), self.info.vocab_size,
+                        frozenset(self.info.manifest["tokenizer"]["eos_token_ids"]))
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued on all replicas, as they last published it."""
+        return self._waiting.num_waiting
 
     def _stream_handle(self):
         """The handle requests stream through, made at the first request, on the server's event loop: its router
@@ -184,7 +187,7 @@ class RemoteAsyncEngine:
         output went out it fails as ReplicaLost (retryable). Closing it early cancels the request on the replica
         (which aborts it and frees its KV)."""
         if isinstance(prompt, str):
-            prompt = (await asyncio.to_thread(self.engine.tokenizer.encode_batch, [prompt]))[0].ids
+            prompt = (await asyncio.to_thread(self.tokenizer.encode_batch, [prompt]))[0].ids
         start = arrival if arrival is not None else time.monotonic()
         avoid = None                                  # the lost replica's actor id, for the resubmission's router
         self._streams[request_id] = None
@@ -213,7 +216,7 @@ class RemoteAsyncEngine:
         """One submission of a request to a replica (any but `avoid`, where another has room); _Lost if that
         replica is lost before the request finishes."""
         response, finished = None, False
-        kwargs = {"prefix_keys": prefix_keys(prompt, self.engine.block_size)}
+        kwargs = {"prefix_keys": prefix_keys(prompt, self.info.block_size)}
         if avoid is not None:
             kwargs["avoid"] = avoid
         try:

@@ -9,6 +9,7 @@ queue to the cluster's MetricsBoard twice a second, which the ingress's /metrics
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -60,10 +61,8 @@ class EngineReplica:
 
     def describe(self) -> dict:
         """What the ingress needs to know of the engine and cannot read from the engine folder alone."""
-        e = self.engine
-        return {"replica": self.name, "max_model_len": e.max_model_len, "num_slots": e.kv.num_slots,
-                "block_size": e.config.cache.block_size, "speculation": e.config.speculation if e.speculator else None,
-                "draft": str(e.draft.engine_dir) if e.draft else None}
+        info = dataclasses.asdict(self.engine.info)
+        return {k: v for k, v in info.items() if k not in ("engine_dir", "manifest")}
 
     async def generate(self, prompt: list[int], params: SamplingParams, priority: int = 0, waited_s: float = 0.0,
                        prefix_keys: list[int] | None = None, avoid: str | None = None):
@@ -89,7 +88,7 @@ class EngineReplica:
         while not self._stop.wait(PUBLISH_S):
             try:
                 self._board.put.remote(self.app, self.name, self.metrics.exposition(),
-                                       self.engine.scheduler.num_waiting)
+                                       self.engine.num_waiting)
             except Exception as e:      # the board is gone: the cluster is shutting down
                 log.debug("metrics not published: %s", e)
 

@@ -64,12 +64,14 @@ class Server:
             if config.cluster is not None:     # engines as Ray Serve replicas; Ray is imported only here
                 from ..cluster.remote import Cluster
                 self.cluster = Cluster(config.cluster)
+            self.engines: list[Engine] = []      # the local engines (tests reach into them; serving never does)
             for name, path, econf in hosted:
                 metrics = Metrics()
                 if self.cluster is not None:
                     aengine = self.cluster.deploy(name or Path(path).resolve().name, Path(path), econf)
                 else:
-                    aengine = AsyncEngine(Engine(path, econf), on_step=metrics.on_step)
+                    self.engines.append(Engine(path, econf))
+                    aengine = AsyncEngine(self.engines[-1], on_step=metrics.on_step)
                 self.bridges.append(Bridge(aengine, metrics, config, self.tracing, name, limits))
             self.router = Router(self.bridges, config.route)
             self.semantic_cache = None
@@ -80,7 +82,8 @@ class Server:
             self._shutdown_engines()
             raise
         self.bridge = self.bridges[0]
-        self.engine, self.aengine, self.metrics = self.bridge.aengine.engine, self.bridge.aengine, self.bridge.metrics
+        self.engine = self.engines[0] if self.engines else None
+        self.aengine, self.metrics = self.bridge.aengine, self.bridge.metrics
         self.load_s = time.perf_counter() - t0
         self.grpc = self.http = self._http_task = None
         self.grpc_port = self.http_port = None
@@ -102,7 +105,7 @@ class Server:
             await asyncio.to_thread(self._shutdown_engines)
             raise
         if http_sock is not None:
-            api = HttpApi(self.router, {b.model_name: load_chat_template(b.aengine.engine.runner.engine_dir,
+            api = HttpApi(self.router, {b.model_name: load_chat_template(b.info.engine_dir,
                                                                          template_file=c.chat_template)
                                         for b in self.bridges}, self.semantic_cache)
             tls = dict(ssl_certfile=str(c.tls_cert), ssl_keyfile=str(c.tls_key)) if c.tls_cert else {}
@@ -162,13 +165,12 @@ class Server:
 def _model_line(b: Bridge, c: ServerConfig) -> str:
     """What a hosted model is and how many sequences it runs and queues (slots beyond the running ones keep
     finished sequences' KV for reuse)."""
-    e = b.aengine.engine
-    m, sched = e.runner.manifest, e.config.scheduler
-    retained = max(0, e.kv.num_slots - sched.max_num_seqs)
+    i = b.info
+    m, retained = i.manifest, max(0, i.num_slots - i.max_num_seqs)
     return (f"model {b.model_name}: {m['model']['architecture']}, {m['precision']['weights']} weights, "
-            f"{m['precision']['kv_cache']} KV, context {e.max_model_len}, {sched.max_num_seqs} running sequences"
-            f"{f' (+{retained} slots kept for prefix reuse)' if retained else ''}, {sched.max_waiting} queued"
-            f"{f', speculation={e.config.speculation}' if e.speculator else ''}"
+            f"{m['precision']['kv_cache']} KV, context {i.max_model_len}, {i.max_num_seqs} running sequences"
+            f"{f' (+{retained} slots kept for prefix reuse)' if retained else ''}, {i.max_waiting} queued"
+            f"{f', speculation={i.speculation}' if i.speculation else ''}"
             f"{f' per replica, {c.cluster.replicas} replicas' if c.cluster else ''}")
 
 

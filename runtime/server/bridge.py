@@ -118,12 +118,11 @@ class Bridge:
         `limits`: the tenants' buckets, shared by every model a server hosts (default: built from config)."""
         self.aengine, self.metrics, self.config, self.tracing = aengine, metrics, config, tracing
         self.limits = limits if limits is not None else TenantLimits(config.tenants) if config.tenants else None
-        engine = aengine.engine
-        self.model_name = model_name or config.model_name or engine.runner.engine_dir.resolve().name
-        self.max_model_len = engine.max_model_len
-        self.max_waiting = engine.config.scheduler.max_waiting
-        self.tokenizer = engine.tokenizer
-        self.prompts = PrefixTokenizer(engine.tokenizer)     # a chat's next turn tokenizes only what is new
+        info = self.info = aengine.info
+        self.model_name = model_name or config.model_name or info.name
+        self.max_model_len, self.max_waiting = info.max_model_len, info.max_waiting
+        self.tokenizer = aengine.tokenizer
+        self.prompts = PrefixTokenizer(aengine.tokenizer)    # a chat's next turn tokenizes only what is new
         self.draining = False
         self.active: set[str] = set()   # engine ids of the requests being streamed (touched on the event loop only)
 
@@ -134,7 +133,7 @@ class Bridge:
     @property
     def waiting(self) -> int:
         """Requests queued for a slot (read from another thread: a snapshot, which is all routing needs)."""
-        return self.aengine.engine.scheduler.num_waiting
+        return self.aengine.num_waiting
 
     def abort_all(self) -> None:
         """Abort every request being streamed (through the engine's inbox: no engine state is read here)."""
@@ -164,7 +163,7 @@ class Bridge:
         if constraint.kind == "json_schema":
             load_json(constraint.spec, "json_schema")
         try:
-            self.aengine.engine.grammars.compile(constraint)
+            self.aengine.grammars.compile(constraint)
         except RecursionError:
             raise InvalidRequest(f"the {constraint.kind} constraint is nested too deeply to compile") from None
 

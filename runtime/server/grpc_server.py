@@ -149,14 +149,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             bridge = self.router.named(request.model) or self.router.primary
         except InvalidRequest as e:
             await context.abort(grpc.StatusCode.NOT_FOUND, brief(str(e)))
-        engine = bridge.aengine.engine
-        m = engine.runner.manifest
+        i = bridge.info
+        m = i.manifest
         return pb.ModelInfoResponse(model=bridge.model_name, architecture=m["model"]["architecture"],
-                                    precision=m["precision"]["weights"], max_model_len=engine.max_model_len,
-                                    vocab_size=engine.runner.vocab_size,
-                                    # the draft's name only: its path is the server's business
-                                    draft_model=engine.draft.engine_dir.resolve().name if engine.draft else "",
-                                    speculation=engine.config.speculation or "")
+                                    precision=m["precision"]["weights"], max_model_len=i.max_model_len,
+                                    vocab_size=i.vocab_size, draft_model=i.draft or "",
+                                    speculation=i.speculation or "")
 
 
 async def _abort(context, e: Exception, bridge) -> None:

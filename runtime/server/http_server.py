@@ -167,7 +167,7 @@ class HttpApi:
 
     async def models(self, request: Request) -> Response:
         data = [{"id": name, "object": "model", "created": 0, "owned_by": "quicksilver",
-                 "max_model_len": b.max_model_len, "vocab_size": b.aengine.engine.runner.vocab_size}
+                 "max_model_len": b.max_model_len, "vocab_size": b.info.vocab_size}
                 for name, b in self.router.bridges.items()]
         if data:                   # "auto" is accepted with one model too: listed, it routes to that one
             data.append({"id": AUTO, "object": "model", "created": 0, "owned_by": "quicksilver",

@@ -63,7 +63,7 @@ class Handle:
 
 
 def remote(handle: Handle) -> RemoteAsyncEngine:
-    r = RemoteAsyncEngine(SimpleNamespace(block_size=4), cluster=None, app="test")
+    r = RemoteAsyncEngine(SimpleNamespace(block_size=4), waiting=None, cluster=None, app="test")
     r._handle = handle
     return r
 

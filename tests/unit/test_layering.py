@@ -95,3 +95,16 @@ def test_no_function_in_the_stages_is_over_60_lines():
                 if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > 60:
                     long.append(f"{p.relative_to(ROOT)}:{n.lineno} {n.name} ({n.end_lineno - n.lineno + 1} lines)")
     assert not long, "\n".join(long)
+
+
+def test_transports_and_the_cluster_read_no_engine_internals():
+    """runtime/server and runtime/cluster know an engine through the engine-client protocol (runtime.engine_client:
+    info, tokenizer, grammars, num_waiting, generate, abort), never through its runner, scheduler, config, draft
+    or KV blocks (#46) — so an engine on replicas needs no stand-in for them."""
+    import re
+
+    chains = re.compile(r"\.runner\b|aengine\.engine\b|engine\.(scheduler|config|draft)\b|kv\.blocks\b")
+    found = [f"{p.relative_to(ROOT)}:{n}: {line.strip()}" for d in ("runtime/server", "runtime/cluster")
+             for p in (ROOT / d).rglob("*.py") for n, line in enumerate(p.read_text().splitlines(), 1)
+             if chains.search(line.split("#")[0])]
+    assert not found, "\n".join(found)
