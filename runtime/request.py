@@ -124,6 +124,12 @@ class RequestStatus(enum.Enum):
 _ids = itertools.count()
 
 
+def new_id(prefix: str, nbytes: int = 12) -> str:
+    """A unique, unguessable id: the engine's request ids (req-), OpenAI's response (cmpl-, chatcmpl-) and tool
+    call (call_) ids — one generator for all of them."""
+    return f"{prefix}{secrets.token_hex(nbytes)}"
+
+
 @dataclass(eq=False)
 class Request:
     """One generation. The scheduler only looks at token counts: `num_computed` tokens of `all_ids` have KV."""
@@ -152,7 +158,7 @@ class Request:
 
     def __post_init__(self):
         if not self.request_id:     # unguessable: a client cannot name (or collide with) another client's request
-            self.request_id = f"req-{secrets.token_hex(12)}"
+            self.request_id = new_id("req-")
 
     @property
     def all_ids(self) -> list[int]:

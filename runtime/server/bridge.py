@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import secrets
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -27,7 +26,7 @@ from ..engine import MAX_PRIORITY, MIN_PRIORITY, EngineOverloaded
 from ..metrics import Metrics
 from ..outputs import RequestOutput
 from ..prefix_tokenizer import PrefixTokenizer
-from ..request import InvalidRequest, SamplingParams
+from ..request import InvalidRequest, SamplingParams, new_id
 from .tenants import DEFAULT, RateLimited, TenantLimits
 
 log = logging.getLogger("quicksilver.server")
@@ -232,7 +231,7 @@ class Bridge:
                       timeout_s: float | None, arrival: float | None, carrier) -> AsyncIterator[RequestOutput]:
         timeout = min(timeout_s or self.config.request_timeout_s, self.config.request_timeout_s)
         deadline = time.monotonic() + timeout
-        rid = f"req-{secrets.token_hex(12)}"
+        rid = new_id("req-")
         span = None
         if self.tracing is not None:
             span = self.tracing.start(carrier, arrival or time.monotonic(), {

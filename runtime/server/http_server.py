@@ -9,7 +9,6 @@ import json
 import logging
 import math
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
@@ -21,7 +20,7 @@ from starlette.routing import Route
 
 from ..metrics import CONTENT_TYPE_LATEST, render
 from ..outputs import RequestOutput, Usage
-from ..request import InvalidRequest, SamplingParams
+from ..request import InvalidRequest, SamplingParams, new_id
 from .auth import Unauthenticated, authorization_values, identify
 from .bridge import Bridge, Draining, Failed, Overloaded, Unavailable, brief, load_json
 from . import errors, semantic_cache
@@ -223,7 +222,7 @@ class HttpApi:
             timeout = body.get("timeout")
             if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
                 raise InvalidRequest("timeout must be a positive number of seconds")
-            rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:16]}"
+            rid = new_id("chatcmpl-" if chat else "cmpl-", 8)
             query, cache_headers = None, {}
             if self.cache is not None:
                 if bridge.draining:     # what the bridge checks before admission holds for an answer from the cache

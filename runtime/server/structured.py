@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 
 from ..constraints import Constraint, check_schema
-from ..request import InvalidRequest
+from ..request import InvalidRequest, new_id
 
 TAG_OPEN, TAG_CLOSE = "<tool_call>", "</tool_call>"
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -96,7 +95,7 @@ class ToolRequest:
 
 
 def _call(name: str, arguments: str) -> dict:
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": arguments}}
+    return {"id": new_id("call_"), "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 class ToolCallOutput:
