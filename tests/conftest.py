@@ -1,19 +1,16 @@
-"""Shared fixtures: deterministic tiny checkpoints written by tools/make_checkpoint.py and engines built from them."""
+"""Shared fixtures: deterministic tiny checkpoints written by compile.synthetic and engines built from them."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
+from compile import synthetic as make_checkpoint
+from compile.build import build
+from compile.config import CompileConfig
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tools"))
-
-import make_checkpoint  # noqa: E402
-
-from compile.build import build  # noqa: E402
-from compile.config import CompileConfig  # noqa: E402
 
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 64}

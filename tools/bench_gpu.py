@@ -33,7 +33,6 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tools"))
 
 from compile.build import build  # noqa: E402
 from compile.config import CompileConfig  # noqa: E402
@@ -387,7 +386,7 @@ def main() -> None:
     DEVICE, OUT_PATH = args.device, args.out
     args.out.parent.mkdir(parents=True, exist_ok=True)
 
-    import make_checkpoint
+    from compile import synthetic as make_checkpoint
 
     RESULTS["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
     RESULTS["torch"] = torch.__version__

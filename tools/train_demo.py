@@ -34,8 +34,8 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import corpus  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from compile import corpus  # noqa: E402
 
 EVAL_TEXT = Path(__file__).resolve().parents[1] / "compile" / "data" / "heldout_code.txt"
 SAMPLE_PROMPTS = ["def fibonacci(n):", "class Stack:", "import os\n\ndef list_files(path):",

@@ -142,7 +142,7 @@ def test_abort_and_preemption_mid_speculation(engine):
 
 
 def test_mismatched_tokenizer_rejected(checkpoint, engine, tmp_path):
-    import make_checkpoint
+    from compile import synthetic as make_checkpoint
     from compile.build import build
     from compile.config import CompileConfig
 

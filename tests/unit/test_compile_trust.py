@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from compile.cli import main
 
-import make_checkpoint
+from compile import synthetic as make_checkpoint
 
 
 def run_build(model, out, *extra):

@@ -97,6 +97,7 @@ def test_a_plan_takes_whole_prompts_in_a_burst_and_one_bounded_slice_otherwise(d
     share one slice of at most `mixed_tokens`."""
     chunk = min(128, budget)
     kv = PagedKVManager(num_blocks=4096, block_size=16, num_slots=16, max_model_len=4096)
+    kv.min_chunk = 2            # the cpu backend's capability (no one-token chunk), which this property checks
     sched = _decoding(Scheduler(SchedulerConfig(max_num_seqs=16, token_budget=budget, prefill_chunk=chunk), kv),
                       decoding)
     prompts = [Request(list(range(n)), SamplingParams(max_tokens=4), request_id=f"p{i}") for i, n in enumerate(lengths)]
