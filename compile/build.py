@@ -216,7 +216,9 @@ def build(cfg: CompileConfig, log=print) -> dict:
                     "block_size": tensorrt_plan.BLOCK_SIZE}
         manifest = write_manifest(tmp, _manifest(cfg, spec, reader, builder, tok_files, attention, max_len, plan))
         if cfg.report and cfg.target != "cpu":
-            log(f"accuracy report skipped: a --target {cfg.target} engine runs only on its GPU execution provider")
+            log(f"accuracy report skipped for --target cuda: check the engine with `compile verify {cfg.out_dir} "
+                "--device cpu` (its forward on PyTorch CPU tensors)" if cfg.target == "cuda" else
+                f"accuracy report skipped: a --target {cfg.target} engine runs only under TensorRT")
         elif cfg.report:
             manifest["accuracy"] = _accuracy(tmp, cfg, log)
             log(report.describe(manifest["accuracy"]))
