@@ -101,20 +101,31 @@ def test_a_users_turns_go_to_the_replica_that_holds_their_prefix(server):
     # with the answer's text)
     assert cached[0] == 0 and all(c >= prev - 16 for c, prev in zip(cached[1:], prompt_tokens)), \
         (cached, prompt_tokens)
-    time.sleep(1.2)                                   # the replicas publish their metrics twice a second
-    gained = {r: v - before.get(r, 0) for r, v in replica_values(server, "quicksilver_prefix_cache_hits_tokens_total").items()}
-    assert len(gained) == 2 and sorted(gained.values())[0] == 0 and sorted(gained.values())[1] >= sum(cached)
+    def gained():               # published twice a second: wait until the hits these turns made are in
+        now = replica_values(server, "quicksilver_prefix_cache_hits_tokens_total")
+        g = {r: v - before.get(r, 0) for r, v in now.items()}
+        return g if len(g) == 2 and sum(g.values()) >= sum(cached) else None
+    g = wait_for(gained, 15, "the replicas to publish this conversation's prefix hits")
+    assert sorted(g.values())[0] == 0 and sorted(g.values())[1] >= sum(cached)
 
 
 def test_new_users_behind_a_shared_prefix_spread_over_both_replicas(server):
     time.sleep(1.2)
     before = replica_values(server, "quicksilver_prompt_tokens_total")
     shared = SYSTEM[:SYSTEM.index("# rule 2")]        # ~40 tokens every user's prompt starts with, ~100 of its own
+    computed = 0
     for i in range(16):       # each branches off the shared part, which the first went on from: the least cached
-        httpx.post(f"{server.http_url}/v1/completions", timeout=60,
-                   json={"prompt": shared + f"# user {i} " * 20, "max_tokens": 1}).raise_for_status()
-    time.sleep(1.2)
-    gained = {r: v - before.get(r, 0) for r, v in replica_values(server, "quicksilver_prompt_tokens_total").items()}
+        r = httpx.post(f"{server.http_url}/v1/completions", timeout=60,
+                       json={"prompt": shared + f"# user {i} " * 20, "max_tokens": 1})
+        r.raise_for_status()
+        usage = r.json()["usage"]
+        computed += usage["prompt_tokens"] - usage["prompt_tokens_details"]["cached_tokens"]
+
+    def published():          # wait until the replicas published every prompt token they computed for these
+        now = replica_values(server, "quicksilver_prompt_tokens_total")
+        g = {r: v - before.get(r, 0) for r, v in now.items()}
+        return g if len(g) == 2 and sum(g.values()) >= computed else None
+    gained = wait_for(published, 15, "the replicas to publish these prompts' tokens")
     # both took a fair share (following the shared line would send every user to the replica that took it first)
     assert len(gained) == 2 and min(gained.values()) >= 0.25 * sum(gained.values()), gained
 
