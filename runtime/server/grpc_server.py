@@ -16,6 +16,7 @@ from ..request import SAMPLING_KEYS, InvalidRequest, SamplingParams
 from .auth import BearerAuthInterceptor, authorization_values, identify
 from .bridge import Overloaded, brief
 from . import errors
+from .frontend import choose_model
 from .proto import quicksilver_pb2 as pb
 from .proto import quicksilver_pb2_grpc as pb_grpc
 from .router import Router
@@ -91,18 +92,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             params = sampling_from_pb(request.sampling)
             metadata = context.invocation_metadata() or ()
             caller = identify(authorization_values(metadata), b.config)    # the interceptor's reading, once more
-            named, route = self.router.named(request.model), None
-            if named is None:          # "auto": counted with the first model's tokenizer, then routed
-                if which != "text":
-                    raise InvalidRequest("token-id prompts belong to one model's vocabulary: name the model "
-                                         "(\"auto\" routes text prompts)")
-                counted = await b.encode(prompt)
-                route = self.router.auto(len(counted), params.max_tokens)
+            b, route, counted = await choose_model(self.router, request.model, which == "text",
+                                                   lambda bridge: bridge.encode(prompt), len, params.max_tokens)
+            if counted is not None:
                 prompt_tokens = len(counted)
-                b = route.bridge
                 prompt = counted if b is self.router.primary else prompt
-            else:
-                b = named
 
             def open_stream(bridge):
                 return bridge.stream(prompt, params, request.request_id, request.priority, context.time_remaining(),

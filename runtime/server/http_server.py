@@ -24,6 +24,7 @@ from ..request import InvalidRequest, SamplingParams, new_id
 from .auth import Unauthenticated, authorization_values, identify
 from .bridge import Bridge, Draining, Failed, Overloaded, Unavailable, brief, load_json
 from . import errors, semantic_cache
+from .frontend import choose_model
 from .router import AUTO, Router
 from .tenants import DEFAULT as DEFAULT_TENANT
 from .structured import ToolRequest, response_format
@@ -203,16 +204,11 @@ class HttpApi:
         try:
             body = await _json_body(request)
             stream, include_usage, asked, n, tools = _options(body, chat)
-            bridge = self.router.named(body.get("model"))          # None: "auto", routed once the prompt is counted
-            route = counted = None
-            if bridge is None:
-                if not chat and not isinstance(_prompt(body.get("prompt")), str):
-                    raise InvalidRequest("token-id prompts belong to one model's vocabulary: name the model "
-                                         "(\"auto\" routes text prompts)")
-                counted = await self._prepare(self.router.primary, body, chat, tools, asked)
-                chat_default = chat and body.get("max_tokens") is None and body.get("max_completion_tokens") is None
-                route = self.router.auto(len(counted[0]), None if chat_default else asked.max_tokens)
-                bridge = route.bridge
+            chat_default = chat and body.get("max_tokens") is None and body.get("max_completion_tokens") is None
+            bridge, route, counted = await choose_model(
+                self.router, body.get("model"), chat or isinstance(_prompt(body.get("prompt")), str),
+                lambda b: self._prepare(b, body, chat, tools, asked), lambda c: len(c[0]),
+                None if chat_default else asked.max_tokens)
             prompt, echo, params = (counted if bridge is self.router.primary and counted
                                     else await self._prepare(bridge, body, chat, tools, asked))
             priority = body.get("priority", 0)         # lower is more urgent, as vLLM's
