@@ -1,43 +1,9 @@
 """Token-budget scheduler: continuous batching, chunked prefill, speculation inside the budget, admission and
 KV growth through the backend's KV manager, preemption.
 
-The scheduler is the one place a request's `num_computed` (tokens with KV) is written: at admission (its cached
-prefix), after each step (`update`) and at preemption (back to 0).
-
-There are no prefill or decode phases, only requests catching up: each step, every running request with
-one pending token joins the decode batch, requests with more pending tokens (new prompts, recompute after
-preemption) get prompt chunks, and the step never exceeds `token_budget`. How much prompt a step carries
-beside the decodes is a choice between two latencies. Either way the decoding streams wait for the prompts'
-compute (a slice lengthens each step they take); a whole prompt makes that one stall and gives the prompt its
-first token soonest, slices make it many small ones and stretch the prompt's TTFT (at a step cost of r decode
-steps, by r / (r − 1)). So:
-
-- a burst — the waiting prompts are at least half as many as the decoding streams (or nobody decodes):
-  prompts are computed whole, up to the token budget. The streams decoding stall once, and streams of one
-  burst start in the same step or one apart, so they stay in step (a burst in slices started its streams a
-  few at a time and each later slice stalled all that had started: 34 gaps over 100 ms in a burst of 8
-  prompts where whole prompts left none, tools/bench_burst.py).
-- a prompt arriving among many decoding streams gets slices that keep a step at most `mixed_step_ratio`
-  decode-only steps (measured; attention makes a slice slower as a prompt's context grows, so after each step
-  that the bound cut, the slice is scaled by target / measured time, at most doubling), at most
-  `prefill_chunk` tokens a prompt: one request's TTFT does not stall many streams.
-
-Prefills go shortest-remaining first, and in a step where a short prompt (at most one `prefill_chunk`) is
-prefilling, long prompts sit out: a short request arriving behind a 4k-token prompt waits for at most the step
-in progress, then gets its first token from a step without the long prompt's chunk. Sitting out ages a long
-prompt: after `MAX_SAT_OUT` consecutive steps one aged prompt gets a `MIN_CHUNK` beside the short ones (after
-them, from what budget they leave), so a steady stream of short requests slows it down but cannot starve it.
-
-Speculative guesses count against the same budget: after the decodes, the speculation planner may spend what is
-left on guesses (priced by the backend's measured step costs), and prompt chunks get the rest — but not while a
-prompt is prefilling: its TTFT comes first, and a step that carries prompt chunks is no cheap place to verify
-guesses.
-
-Order: lower `priority` first, then arrival (FCFS). A waiting request that finds no room (no free sequence index
-or not enough KV memory) may take the room of the running request of the lowest priority (strictly lower than
-its own). A running request whose KV cannot grow takes memory from the running requests behind it (lower
-priority, or later arrival), else gives its own back and waits. A victim is preempted — its computed blocks go
-to the prefix cache, its KV is freed, and it is recomputed (mostly from that cache) when readmitted.
+The one place a request's `num_computed` (tokens with KV) is written: at admission (its cached prefix), after
+each step (`update`) and at preemption (back to 0). How it sizes prompt chunks, orders requests and picks
+victims: docs/design.md, "Scheduler".
 """
 
 from __future__ import annotations

@@ -1,29 +1,8 @@
 """Speculator: decides who speculates and how far (from measured costs and acceptance), asks the proposer for
 guesses, and verifies them against the target's logits (rolling the proposer back).
 
-Costs are the backend's (`Backend.step_cost`: seconds of a decode step as a function of the guesses of the
-sequences that speculate, from measurements at warm-up refreshed by every step). With acceptance α (per
-sequence: the chance that a guess is accepted once those before it were) a round of γ guesses yields on average
-E(α, γ) = (1 − α^(γ+1)) / (1 − α) tokens. α is estimated from accepted guesses over guesses *tried*: a round
-that accepts a of γ tried a + 1 (a < γ) or γ — accepted over proposed would count the guesses after a rejection,
-which are never tried, as failures (α = 0.7 at γ = 4 reads as 0.44, and a round's worth as 1.8 tokens, not 2.8).
-Sequences join the speculating set, best acceptance first, each with the γ that maximises the step's expected
-tokens per second, only while joining raises it; so speculation switches itself off where it does not pay
-(low acceptance, or large batches where a plain decode step is cheap per token).
-
-The cost model prices ONNX Runtime calls; it cannot see everything a speculating step costs (the rejection
-sampler, the draft's Python steps, its prompt chunks). So the decision is also checked against what steps
-actually delivered: `RateCheck` keeps the measured tokens per second of decode-only steps with and without
-speculation, per batch size, and stops speculation at a batch size where it delivers clearly less than plain
-decoding. One step in EXPLORE_EVERY runs the other way, so both figures stay current and a change of traffic is noticed
-(exploring a losing speculation backs off, since such a step costs several plain ones). A request that has not
-speculated yet starts from the engine's recent acceptance (a moving average that starts at the configured prior).
-
-Estimates that keep speculation off are never re-measured by themselves: one round at acceptance 0 would stop
-every later request from speculating. So after `explore_after` plans that chose no one, a plan uses at least the
-configured prior (optimism where nothing recent was measured). Such a round is dear — the draft first catches up
-on the whole sequence (14 ms for a 500-token prompt on the bundled draft) — so each one that does not bring
-speculation back doubles the wait (EXPLORE_EVERY up to EXPLORE_MAX plans).
+The cost model, the acceptance estimate, the check against measured rates and exploration: docs/design.md,
+"Speculation".
 """
 
 from __future__ import annotations

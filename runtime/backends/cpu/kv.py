@@ -1,23 +1,9 @@
 """KVCacheManager: the CPU backend's one owner of KV memory — running sequences' slots and the prefix cache's blocks.
 
-Running sequences each own one slot of the SlotPool (what GroupQueryAttention reads and writes in place). A
-slot is reserved address space for a whole context; its memory becomes resident as the sequence grows
-(`reserve`, a granule ahead of the writes) and goes back to the OS when it ends, and the budget counts resident
-tokens — so concurrency follows the tokens actually held, not slots × context. Full blocks of computed tokens
-are copied into the BlockPool under their chained hash; a new sequence whose prompt starts with cached blocks
-gets them copied into its slot (a memcpy instead of a prefill) and starts computing after them.
-
-With a draft model, the draft computes a sequence's tokens only when it proposes for it (speculation is off at
-batch sizes where it does not pay), so the draft may lag the target: a block is cached as soon as the
-target has computed it, with the draft's KV added when (if ever) the draft computes it too, and a hit gives the
-draft the leading blocks that hold its KV (`req.num_computed_draft`); the draft catches up on the rest itself.
-
-A finished sequence's slot may stay resident with its KV ("retained", as llama.cpp's server slots keep theirs): a
-follow-up whose prompt continues it (shares at least half of it: a chat's next turn, the same document with a new
-question) takes that slot and starts after the longest common prefix, copying nothing and recomputing no partial
-block. Retained slots are free slots, fenced off from batched decodes: the least recently used is given back
-first whenever a slot or memory is wanted. No other
-module frees or copies KV.
+Each running sequence owns a slot of the SlotPool whose memory becomes resident as it grows; full blocks of
+computed tokens go into the BlockPool under their chained hash; a finished sequence's slot may be retained for a
+follow-up that continues it. No other module frees or copies KV. How and why: docs/design.md, "KV memory on the
+CPU".
 """
 
 from __future__ import annotations
