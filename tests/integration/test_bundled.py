@@ -92,7 +92,7 @@ def test_readme_first_command_defaults(tmp_path):
     assert (root / "engines" / "target" / "manifest.json").is_file() and not (root / "engines" / "draft").exists()
     # `--speculation draft` builds the bundled draft and decodes with it beside the target: greedy (a penalty would
     # turn speculation off), the text is the plain run's, token for token. Whether a step guesses is adaptive
-    # speculation's choice from measured step costs (on this machine it often declines, README: Performance), so
+    # speculation's choice from measured step costs (on this machine it often declines, docs/performance.md), so
     # a count of guesses is not asserted: with 16 and then 64 tokens it was the machine's noise in clean-clone CI.
     plain = generate("--repetition-penalty", "1", max_tokens=64)
     spec = generate("--speculation", "draft", "--repetition-penalty", "1", max_tokens=64)
