@@ -14,14 +14,14 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from runtime.config import CacheConfig, ClusterConfig, EngineConfig, SchedulerConfig
+from runtime.config import ClusterConfig
 from runtime.engine import Engine
 from runtime.outputs import RequestOutput
 from runtime.request import SamplingParams
 from runtime.server.bridge import ReplicaLost
 
 from server_harness import ServerThread
-from test_replicas import replica_values, wait_for
+from test_replicas import econf, replica_values, wait_for
 
 ray = pytest.importorskip("ray", reason="pip install '.[cluster]'")
 from ray.exceptions import ActorUnavailableError  # noqa: E402
@@ -135,10 +135,6 @@ def test_the_replica_to_avoid_is_ranked_last():
 HELD = 8              # long streams: 4 running on each replica
 QUEUED = 4            # then these wait in the replicas' queues
 HOLD_TOKENS = 1900    # the held streams outlast the test (the model's context is 2048)
-
-
-def econf() -> EngineConfig:
-    return EngineConfig(SchedulerConfig(max_num_seqs=4, max_waiting=8), CacheConfig(kv_budget_bytes=64 << 20))
 
 
 @pytest.fixture(scope="module")

@@ -27,17 +27,18 @@ class CudaBackend(PagedBackend):
             return CudaModelRunner(d, num_blocks, block_size, device=device.type, verify=config.verify_artifact,
                                    graphs=config.cuda_graphs, max_model_len=config.cache.max_model_len)
 
+        dirs = [engine_dir] + ([config.draft] if config.draft is not None else [])
+        token_bytes = sum(_token_bytes(artifact.load(Path(d), verify=False), itemsize) for d in dirs)
+
         def budget(models: list[dict]) -> int:
-            token = sum(_token_bytes(m, itemsize) for m in models)
             if device.type == "cpu":
                 longest = min(config.cache.max_model_len or 1 << 30, *(m["model"]["max_seq_len"] for m in models))
-                return CPU_POOL_SEQUENCES * config.scheduler.max_num_seqs * (longest + config.cache.block_size) * token
+                return (CPU_POOL_SEQUENCES * config.scheduler.max_num_seqs * (longest + config.cache.block_size)
+                        * token_bytes)
             free, _ = torch.cuda.mem_get_info(device)
             weights = sum(2 * m["model"]["num_parameters"] for m in models)     # widened to fp16 at load
             return max(int(free * GPU_MEMORY_FRACTION) - weights, 0) or 1
 
-        dirs = [engine_dir] + ([config.draft] if config.draft is not None else [])
-        token_bytes = sum(_token_bytes(artifact.load(Path(d), verify=False), itemsize) for d in dirs)
         super().__init__(engine_dir, config, sampler, runner, budget, token_bytes)
 
     def warm_up(self) -> None:

@@ -106,11 +106,16 @@ class CudaModelRunner:
         """One int32 host array to the device in one copy (through a pinned buffer on the GPU)."""
         if self.device.type != "cuda":
             return torch.from_numpy(flat)
+        return self._pinned_host(flat).to(self.device, non_blocking=True)
+
+    def _pinned_host(self, flat: np.ndarray) -> torch.Tensor:
+        """`flat` in the runner's pinned buffer (grown as needed), which a non-blocking copy can read from; the step's
+        synchronization comes before the next step writes it again."""
         if self._pinned.numel() < flat.size:
             self._pinned = torch.empty(2 * flat.size, dtype=torch.int32, pin_memory=True)
         host = self._pinned[:flat.size]
         host.numpy()[:] = flat
-        return host.to(self.device, non_blocking=True)
+        return host
 
     def _upload(self, input_ids: np.ndarray, batch: PagedBatch, rows: np.ndarray, max_seq_len: int):
         """Every per-step array in one int32 host buffer, one copy to the device, views into it."""
@@ -133,11 +138,7 @@ class CudaModelRunner:
         size = self._bucket(len(input_ids))
         graph, static_in, static_out, _ = self._graphs.get(size) or self._capture(size)
         flat = graph_inputs(input_ids, batch, size, self.max_blocks_per_seq, rows)
-        if self._pinned.numel() < flat.size:
-            self._pinned = torch.empty(2 * flat.size, dtype=torch.int32, pin_memory=True)
-        host = self._pinned[:flat.size]
-        host.numpy()[:] = flat
-        static_in.copy_(host, non_blocking=True)
+        static_in.copy_(self._pinned_host(flat), non_blocking=True)
         graph.replay()
         return static_out.index_select(0, static_in[flat.size - size:flat.size - size + len(rows)].long())
 
