@@ -35,9 +35,12 @@ def test_build_inspect_verify_generate(checkpoint, tmp_path, precision):
     assert "TTFT" in gen.stderr
 
 
-def test_verify_fails_against_another_checkpoint(engine, checkpoint):
+def test_verify_refuses_another_checkpoint(engine, checkpoint):
+    """The checkpoint's fingerprint is not the one the engine recorded: one error line, exit 2 (#45 item 11; was a
+    comparison that failed, or a traceback when the shapes differed)."""
     result = run("compile", "verify", engine("llama"), "--model", checkpoint("llama-llama3-rope"), check=False)
-    assert result.returncode == 1 and "FAIL" in result.stdout
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.count("\n") == 1 and "is not the checkpoint the engine was built from" in result.stderr
 
 
 def test_generate_rejects_too_long_request(engine):
