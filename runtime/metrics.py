@@ -57,11 +57,15 @@ class Metrics:
                                        "rate_limited)", ["tenant", "outcome"], registry=r)
         self.tenant_tokens = Counter("quicksilver_tenant_tokens", "Tokens by tenant and kind (prompt, generated)",
                                      ["tenant", "kind"], registry=r)
-        # semantic cache (runtime serve --semantic-cache; HTTP)
+        # semantic cache (runtime serve --semantic-cache; HTTP and gRPC)
         self.semantic_lookups = Counter("quicksilver_semantic_cache_lookups", "Semantic-cache lookups by result: "
                                         "exact, semantic (hits), miss, bypass (not cacheable)", ["result"], registry=r)
         self.semantic_lookup = h("quicksilver_semantic_cache_lookup_seconds", "Semantic-cache lookup (exact layer, "
-                                 "embedding, vector search)")
+                                 "embedding, vector search, verification)")
+        self.semantic_candidates = Counter("quicksilver_semantic_cache_candidates", "Semantic-cache candidates "
+                                           "above the similarity threshold by outcome: verified (served), "
+                                           "literals (numbers, code or quotes differ), verifier (rejected by it)",
+                                           ["result"], registry=r)
         self.semantic_entries = Gauge("quicksilver_semantic_cache_entries", "Answers the semantic cache holds",
                                       registry=r)
         # What the engine (not a transport) observes: under `runtime serve --replicas` these come from each replica,
@@ -123,6 +127,9 @@ class Metrics:
         self.semantic_lookups.labels(result=result).inc()
         if seconds is not None:
             self.semantic_lookup.observe(seconds)
+
+    def on_semantic_candidate(self, result: str) -> None:
+        self.semantic_candidates.labels(result=result).inc()
 
     def on_finish(self, finish_reason: str, usage) -> None:
         self.finished.labels(finish_reason=finish_reason).inc()

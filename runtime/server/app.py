@@ -20,6 +20,7 @@ from ..config import EngineConfig, ServerConfig
 from ..engine import Engine
 from ..metrics import Metrics
 from .bridge import Bridge
+from .frontend import Frontend
 from .chat import load_chat_template
 from .grpc_server import start_grpc
 from .http_server import HttpApi
@@ -81,6 +82,7 @@ class Server:
         except BaseException:
             self._shutdown_engines()
             raise
+        self.frontend = Frontend(self.router, self.semantic_cache)
         self.bridge = self.bridges[0]
         self.engine = self.engines[0] if self.engines else None
         self.aengine, self.metrics = self.bridge.aengine, self.bridge.metrics
@@ -98,16 +100,16 @@ class Server:
             if c.grpc_port > 0:
                 listen_socket(c.host, c.grpc_port, "gRPC").close()
             if c.grpc_port >= 0:
-                self.grpc, self.grpc_port, self._health = await start_grpc(self.router, c)
+                self.grpc, self.grpc_port, self._health = await start_grpc(self.frontend, c)
         except BaseException:
             if http_sock is not None:
                 http_sock.close()
             await asyncio.to_thread(self._shutdown_engines)
             raise
         if http_sock is not None:
-            api = HttpApi(self.router, {b.model_name: load_chat_template(b.info.engine_dir,
+            api = HttpApi(self.frontend, {b.model_name: load_chat_template(b.info.engine_dir,
                                                                          template_file=c.chat_template)
-                                        for b in self.bridges}, self.semantic_cache)
+                                        for b in self.bridges})
             tls = dict(ssl_certfile=str(c.tls_cert), ssl_keyfile=str(c.tls_key)) if c.tls_cert else {}
             self.http = _Uvicorn(uvicorn.Config(api.app, host=c.host, port=c.http_port, log_level="warning",
                                                 lifespan="off", access_log=False, timeout_graceful_shutdown=1, **tls))

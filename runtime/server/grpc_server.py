@@ -12,14 +12,15 @@ from grpc_reflection.v1alpha import reflection
 from ..config import ServerConfig
 from ..constraints import Constraint
 from ..outputs import RequestOutput
-from ..request import SAMPLING_KEYS, InvalidRequest, SamplingParams
+from ..request import SAMPLING_KEYS, InvalidRequest, SamplingParams, new_id
 from .auth import BearerAuthInterceptor, authorization_values, identify
 from .bridge import Overloaded, brief
 from . import errors
-from .frontend import choose_model
+from .frontend import Frontend
+from . import semantic_cache
+from .tenants import DEFAULT as DEFAULT_TENANT
 from .proto import quicksilver_pb2 as pb
 from .proto import quicksilver_pb2_grpc as pb_grpc
-from .router import Router
 
 SERVICE = "quicksilver.v1.Generation"
 _FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
@@ -77,8 +78,8 @@ def lenient(message_type):
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
-    def __init__(self, router: Router):
-        self.router = router
+    def __init__(self, frontend: Frontend):
+        self.frontend, self.router = frontend, frontend.router
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         arrival, b = time.monotonic(), self.router.primary          # TTFT counts from here
@@ -88,47 +89,72 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             which = request.WhichOneof("prompt")
             if which is None:
                 raise InvalidRequest("the request has no prompt (set text or token_ids)")
-            prompt = request.text if which == "text" else [int(t) for t in request.token_ids.ids]
+            text = request.text if which == "text" else None
+            prompt = text if text is not None else [int(t) for t in request.token_ids.ids]
             params = sampling_from_pb(request.sampling)
             metadata = context.invocation_metadata() or ()
             caller = identify(authorization_values(metadata), b.config)    # the interceptor's reading, once more
-            b, route, counted = await choose_model(self.router, request.model, which == "text",
-                                                   lambda bridge: bridge.encode(prompt), len, params.max_tokens)
-            if counted is not None:
-                prompt_tokens = len(counted)
-                prompt = counted if b is self.router.primary else prompt
-
-            def open_stream(bridge):
-                return bridge.stream(prompt, params, request.request_id, request.priority, context.time_remaining(),
-                                     caller.priority_floor, arrival, dict(metadata), caller.tenant)
-
-            stream = open_stream(b)
-            try:
-                try:
-                    first = await stream.__anext__()   # admission (and shedding) happen here, before any reply
-                except Overloaded as e:
-                    fallback = route and e.shed and self.router.fallback_after(b, prompt_tokens)
-                    if not fallback:
-                        raise
-                    await stream.aclose()
-                    route, b = fallback, fallback.bridge
-                    prompt = request.text                  # re-tokenized by this model
-                    stream = open_stream(b)
-                    first = await stream.__anext__()
-                if route is not None:
-                    await context.send_initial_metadata(tuple(route.headers.items()))
-                out = first
-                while True:
-                    yield response_to_pb(out, request.request_id or out.request_id)   # the client's tag, if any
-                    if out.finished:
-                        break
-                    out = await stream.__anext__()
-            except StopAsyncIteration:
-                pass
-            finally:
-                await stream.aclose()
+            b, route, counted = await self.frontend.choose(request.model, text is not None,
+                                                           lambda bridge: bridge.encode(prompt), len,
+                                                           params.max_tokens)
+            ids = counted if counted is not None and b is self.router.primary else None
+            query, caching = self._query(b, request, text, params, caller.tenant), self.frontend.cache is not None
+            if caching:
+                if query is not None and ids is None:
+                    ids = await b.encode(text)
+                hit, headers = await self.frontend.lookup(b, query, ids, params, request.priority,
+                                                          caller.priority_floor)
+                await context.send_initial_metadata(tuple({**(route.headers if route else {}), **headers}.items()))
+                if hit is not None:
+                    yield _cached(hit, request.request_id or new_id("req-"), len(ids))
+                    return
+            async for msg in self._generated(b, route, ids or prompt, len(counted or ()), params, request, context,
+                                             arrival, caller, query, sent_metadata=caching):
+                yield msg
         except errors.HANDLED as e:
             await _abort(context, e, b)
+
+    def _query(self, bridge, request, text, params, tenant):
+        """The semantic cache's key for a text prompt, or None (no cache, a token-id prompt, not cacheable)."""
+        if self.frontend.cache is None or text is None:
+            return None
+        asked = request.semantic_cache if request.HasField("semantic_cache") else None
+        return semantic_cache.query_for_text(text, asked, params, tenant.name if tenant else DEFAULT_TENANT,
+                                             bridge.model_name)
+
+    async def _generated(self, b, route, prompt, prompt_tokens: int, params, request, context, arrival, caller,
+                         query, sent_metadata: bool):
+        """The request's responses as the engine streams them (admission, with fallback, at the first);
+        `prompt_tokens`: the prompt's length as routing counted it (for the fallback's context check)."""
+        metadata = dict(context.invocation_metadata() or ())
+
+        def open_stream(bridge):
+            p = prompt if bridge is b else request.text        # a fallback model tokenizes the text itself
+            return bridge.stream(p, params, request.request_id, request.priority, context.time_remaining(),
+                                 caller.priority_floor, arrival, metadata, caller.tenant)
+
+        async def on_fallback(bridge):
+            if query is not None:                              # its answer will be this model's
+                query.namespace = (query.namespace[0], bridge.model_name)
+
+        b, route, stream, out = await self.frontend.first_output(b, route, prompt_tokens, open_stream, on_fallback)
+        keep, texts, ids = self.frontend.keeper(query), [], []
+        try:
+            if route is not None and not sent_metadata:
+                await context.send_initial_metadata(tuple(route.headers.items()))
+            while True:
+                yield response_to_pb(out, request.request_id or out.request_id)   # the client's tag, if any
+                texts.append(out.text)
+                ids.extend(out.token_ids)
+                if out.finished:
+                    break
+                out = await stream.__anext__()
+            if keep is not None:
+                await keep("".join(texts), ids, out)
+        except StopAsyncIteration:
+            pass
+        finally:
+            await stream.aclose()
 
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
         if isinstance(request, Malformed):
@@ -151,6 +177,18 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                                     speculation=i.speculation or "")
 
 
+def _cached(hit, request_id: str, prompt_tokens: int) -> pb.GenerateResponse:
+    """A semantic-cache hit as the one message that carries a whole answer."""
+    a = hit.answer
+    msg = pb.GenerateResponse(request_id=request_id, token_ids=a.token_ids, text=a.text,
+                              finish_reason=a.finish_reason,
+                              usage=pb.Usage(prompt_tokens=prompt_tokens, completion_tokens=a.completion_tokens),
+                              cache=pb.CacheHit(kind=hit.kind, similarity=hit.similarity))
+    if hit.verifier_score is not None:
+        msg.cache.verifier_score = hit.verifier_score
+    return msg
+
+
 async def _abort(context, e: Exception, bridge) -> None:
     """End a call with the status errors.TABLE gives `e`, counted, its details `brief` (gRPC sends them as
     metadata: an echoed input must not overflow the client's limit) and, when overloaded, a retry hint."""
@@ -161,14 +199,14 @@ async def _abort(context, e: Exception, bridge) -> None:
     await context.abort(a.grpc, brief(errors.message(e)))
 
 
-async def start_grpc(router: Router, config: ServerConfig) -> tuple[grpc.aio.Server, int, health.HealthServicer]:
+async def start_grpc(frontend: Frontend, config: ServerConfig) -> tuple[grpc.aio.Server, int, health.HealthServicer]:
     """Start the gRPC server; returns (server, bound port, health servicer)."""
     options = [("grpc.max_receive_message_length", config.max_body_bytes),
                ("grpc.max_send_message_length", 16 << 20),
                ("grpc.so_reuseport", 0)]       # gRPC's default lets a second server share the port silently
     interceptors = [BearerAuthInterceptor(config)]     # open servers too: it refuses two credentials
     server = grpc.aio.server(options=options, interceptors=interceptors)
-    servicer = GenerationServicer(router)
+    servicer = GenerationServicer(frontend)
     handlers = {
         "Generate": grpc.unary_stream_rpc_method_handler(servicer.Generate, lenient(pb.GenerateRequest),
                                                          pb.GenerateResponse.SerializeToString),

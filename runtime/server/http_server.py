@@ -24,7 +24,7 @@ from ..request import InvalidRequest, SamplingParams, new_id
 from .auth import Unauthenticated, authorization_values, identify
 from .bridge import Bridge, Draining, Failed, Overloaded, Unavailable, brief, load_json
 from . import errors, semantic_cache
-from .frontend import choose_model
+from .frontend import Frontend
 from .router import AUTO, Router
 from .tenants import DEFAULT as DEFAULT_TENANT
 from .structured import ToolRequest, response_format
@@ -133,11 +133,11 @@ def sampling_from_json(body: dict, chat: bool) -> tuple[SamplingParams, int]:
 
 
 class HttpApi:
-    def __init__(self, router: Router, chat_templates: dict, cache=None):
-        """`chat_templates`: each model's, by name (runtime.server.chat.load_chat_template); `cache`: a
-        runtime.server.semantic_cache.SemanticCache that answers near-duplicate requests, or None."""
-        self.router, self.bridge, self.chat_templates, self.cache = router, router.primary, chat_templates, cache
-        self.token_texts = {name: TokenText(b.tokenizer) for name, b in router.bridges.items()}
+    def __init__(self, frontend: Frontend, chat_templates: dict):
+        """`chat_templates`: each model's, by name (runtime.server.chat.load_chat_template)."""
+        self.frontend, self.router, self.chat_templates = frontend, frontend.router, chat_templates
+        self.bridge = self.router.primary
+        self.token_texts = {name: TokenText(b.tokenizer) for name, b in self.router.bridges.items()}
         self.app = Starlette(routes=[
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
@@ -205,12 +205,13 @@ class HttpApi:
             body = await _json_body(request)
             stream, include_usage, asked, n, tools = _options(body, chat)
             chat_default = chat and body.get("max_tokens") is None and body.get("max_completion_tokens") is None
-            bridge, route, counted = await choose_model(
-                self.router, body.get("model"), chat or isinstance(_prompt(body.get("prompt")), str),
-                lambda b: self._prepare(b, body, chat, tools, asked), lambda c: len(c[0]),
-                None if chat_default else asked.max_tokens)
-            prompt, echo, params = (counted if bridge is self.router.primary and counted
-                                    else await self._prepare(bridge, body, chat, tools, asked))
+
+            def prepare(b):
+                return self._prepare(b, body, chat, tools, asked)
+            bridge, route, counted = await self.frontend.choose(
+                body.get("model"), chat or isinstance(_prompt(body.get("prompt")), str), prepare,
+                lambda c: len(c[0]), None if chat_default else asked.max_tokens)
+            prompt, echo, params = counted if bridge is self.router.primary and counted else await prepare(bridge)
             priority = body.get("priority", 0)         # lower is more urgent, as vLLM's
             caller = request.scope[CALLER]
             floor, tenant = caller.priority_floor, caller.tenant      # checked and counted by the bridge
@@ -219,20 +220,14 @@ class HttpApi:
             if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
                 raise InvalidRequest("timeout must be a positive number of seconds")
             rid = new_id("chatcmpl-" if chat else "cmpl-", 8)
-            query, cache_headers = None, {}
-            if self.cache is not None:
-                if bridge.draining:     # what the bridge checks before admission holds for an answer from the cache
-                    raise Draining("the server is shutting down")
-                bridge.check_priority(priority, floor)
-                bridge.check_limits(prompt, params)
-                query, hit, cache_headers = await self._lookup(bridge, body, chat, asked, n, tenant)
-                if hit is not None:
-                    shape = _Shape(rid, bridge.model_name, chat, self.token_texts[bridge.model_name])
-                    return self._cached(shape, hit, len(prompt), stream, include_usage,
-                                        {**(route.headers if route else {}), **cache_headers})
+            query = self._query(bridge, body, chat, asked, n, tenant)
+            hit, cache_headers = await self.frontend.lookup(bridge, query, prompt, params, priority, floor)
+            if hit is not None:
+                shape = _Shape(rid, bridge.model_name, chat, self.token_texts[bridge.model_name])
+                return self._cached(shape, hit, len(prompt), stream, include_usage,
+                                    {**(route.headers if route else {}), **cache_headers})
             choices = _Choices(streams, bridge, prompt, params, n, rid, priority, timeout, floor, tenant, request)
-            firsts = await choices.open(route, lambda b: self._prepare(b, body, chat, tools, asked), query,
-                                        self.router.fallback_after)
+            firsts = await choices.open(self.frontend, route, prepare, query)
             route, bridge = choices.route, choices.bridge
             echo = echo if choices.echo is None else choices.echo
         except (InvalidRequest, Overloaded, Unavailable, Failed, asyncio.TimeoutError, StopAsyncIteration,
@@ -242,46 +237,23 @@ class HttpApi:
         shape = _Shape(rid, bridge.model_name, chat, self.token_texts[bridge.model_name])
         shape.tool_outputs = [tools.output() for _ in firsts] if chat and tools.mode else None
         headers = {**(route.headers if route else {}), **cache_headers}
-        keep = self._keeper(query) if query is not None else None
+        keep = self.frontend.keeper(query)
         if stream:
             return StreamingResponse(self._sse(bridge, streams, firsts, shape, include_usage, echo, keep),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache", **headers})
         return await self._collect(request, streams, firsts, shape, echo, headers, keep)
 
-    async def _lookup(self, bridge: Bridge, body: dict, chat: bool, asked: SamplingParams, n: int, tenant):
-        """(query or None, hit or None, response headers): the semantic cache's answer for this request, if any.
-        `asked`: the parameters as the client gave them (the chat default for max_tokens depends on the prompt's
-        length, so it would keep a paraphrase from matching)."""
+    def _query(self, bridge: Bridge, body: dict, chat: bool, asked: SamplingParams, n: int, tenant):
+        """The semantic cache's key for this request, or None (no cache, or not cacheable). `asked`: the
+        parameters as the client gave them (the chat default for max_tokens depends on the prompt's length, so it
+        would keep a paraphrase from matching)."""
+        if self.frontend.cache is None:
+            return None
         try:
-            query = semantic_cache.query_for(body, chat, asked, n, tenant.name if tenant else DEFAULT_TENANT,
-                                             bridge.model_name)
+            return semantic_cache.query_for(body, chat, asked, n, tenant.name if tenant else DEFAULT_TENANT,
+                                            bridge.model_name)
         except ValueError as e:
             raise InvalidRequest(str(e)) from None
-        if query is None:
-            bridge.metrics.on_semantic_lookup("bypass")
-            return None, None, {"x-quicksilver-cache": "bypass"}
-        t0 = time.perf_counter()
-        hit = await asyncio.to_thread(self.cache.lookup, query)
-        bridge.metrics.on_semantic_lookup(hit.kind if hit else "miss", time.perf_counter() - t0)
-        if hit is None:
-            return query, None, {"x-quicksilver-cache": "miss"}
-        how = "hit; exact" if hit.kind == "exact" else f"hit; semantic; similarity={hit.similarity:.3f}"
-        return query, hit, {"x-quicksilver-cache": how}
-
-    def _keeper(self, query):
-        """The callback that stores a finished answer (choice 0 of one) in the semantic cache."""
-
-        async def keep(text: str, out) -> None:
-            if out.finish_reason not in ("stop", "length") or out.usage is None:
-                return
-            try:
-                answer = semantic_cache.Answer(text, out.finish_reason, out.usage.completion_tokens)
-                await asyncio.to_thread(self.cache.store, query, answer)
-            except Exception:     # noqa: BLE001  (the answer was generated and goes out; only caching failed)
-                log.exception("semantic cache: storing an answer failed")
-            for name, b in self.router.bridges.items():     # a store may have evicted other models' entries
-                b.metrics.semantic_entries.set(self.cache.count(name))
-        return keep
 
     def _cached(self, shape: "_Shape", hit, prompt_tokens: int, stream: bool, include_usage: bool,
                 headers: dict) -> Response:
@@ -289,7 +261,7 @@ class HttpApi:
         saying where it came from."""
         a = hit.answer
         usage = _usage([Usage(prompt_tokens, 0, a.completion_tokens)])
-        usage["semantic_cache"] = {"hit": hit.kind, "similarity": round(hit.similarity, 4)}
+        usage["semantic_cache"] = hit.usage()
         if not stream:
             return JSONResponse({**shape.full([(a.text, a.finish_reason, None)], [None]), "usage": usage},
                                 headers=headers)
@@ -309,9 +281,9 @@ class HttpApi:
 
     async def _sse(self, bridge: Bridge, streams, firsts, shape, include_usage: bool, echo: str = "", keep=None):
         """Server-sent events, the choices' chunks interleaved as they come; if the client goes away Starlette
-        cancels this generator and every choice is aborted. `keep(text, last output)`: given the whole answer of a
+        cancels this generator and every choice is aborted. `keep(text, token ids, last output)`: given the whole answer of a
         single choice once it finished (the semantic cache)."""
-        usages, kept = {}, []
+        usages, kept, kept_ids = {}, [], []
         try:
             for i, out in enumerate(firsts):
                 if shape.chat:
@@ -328,8 +300,9 @@ class HttpApi:
                         yield _event(shape.chunk(out.text, out.finish_reason, out.logprobs, index=i))
                     if keep is not None:
                         kept.append(out.text)
+                        kept_ids.extend(out.token_ids)
                         if out.finished:
-                            await keep("".join(kept), out)
+                            await keep("".join(kept), kept_ids, out)
                     if out.finished:
                         usages[i] = out.usage
             if include_usage:
@@ -354,7 +327,9 @@ class HttpApi:
                        keep=None) -> Response:
         texts = [[echo, f.text] for f in firsts]
         logprobs = [list(f.logprobs or []) for f in firsts]
-        tasks = [asyncio.ensure_future(_drain(s, texts[i], logprobs[i], firsts[i])) for i, s in enumerate(streams)]
+        ids = [list(f.token_ids) for f in firsts]
+        tasks = [asyncio.ensure_future(_drain(s, texts[i], logprobs[i], ids[i], firsts[i]))
+                 for i, s in enumerate(streams)]
         consume = asyncio.gather(*tasks)
         try:
             while not consume.done():      # a non-streaming client that disconnects also aborts its request
@@ -368,17 +343,18 @@ class HttpApi:
             await _cancel(tasks)
             await _close(streams)
         if keep is not None:
-            await keep("".join(texts[0]), outs[0])
+            await keep("".join(texts[0][1:]), ids[0], outs[0])
         return JSONResponse(shape.full([("".join(t), o.finish_reason, lp) for t, o, lp in zip(texts, outs, logprobs)],
                                        [o.usage for o in outs]), headers=headers)
 
 
-async def _drain(stream, text: list, logprobs: list, out):
+async def _drain(stream, text: list, logprobs: list, ids: list, out):
     if out.finished:
         return out
     async for out in stream:
         text.append(out.text)
         logprobs.extend(out.logprobs or [])
+        ids.extend(out.token_ids)
     return out
 
 
@@ -467,36 +443,33 @@ class _Choices:
         self.rid, self.priority, self.timeout, self.floor, self.tenant = rid, priority, timeout, floor, tenant
         self.request, self.route, self.echo = request, None, None
 
-    def _open(self, i: int):
+    def _stream(self, i: int):
         p = self.params
         seeded = replace(p, seed=p.seed + i) if p.seed is not None and i else p
-        self.streams.append(self.bridge.stream(self.prompt, seeded, self.rid if self.n == 1 else f"{self.rid}-{i}",
-                                               self.priority, self.timeout, self.floor,
-                                               self.request.scope.get(ARRIVAL), self.request.headers, self.tenant))
+        return self.bridge.stream(self.prompt, seeded, self.rid if self.n == 1 else f"{self.rid}-{i}",
+                                  self.priority, self.timeout, self.floor, self.request.scope.get(ARRIVAL),
+                                  self.request.headers, self.tenant)
+
+    def _open(self, i: int):
+        self.streams.append(self._stream(i))
         return self.streams[-1].__anext__()    # surfaces validation, shedding and deadline errors as statuses
 
-    async def open(self, route, prepare, query, fallback_after) -> list:
-        """The first output of every choice; `prepare(bridge)` → (prompt, echo, params) for a fallback model,
-        `fallback_after(bridge, prompt_tokens)` → the route's fallback (Router.fallback_after)."""
-        self.route = route
-        try:
-            firsts = [await self._open(0)]
-        except Overloaded as e:
-            fallback = route and e.shed and fallback_after(self.bridge, len(self.prompt))
-            if not fallback:
-                raise
-            await _close(self.streams)       # it filled between the check and admission: the fallback takes it
-            self.streams.clear()
-            self.route, self.bridge = fallback, fallback.bridge
+    async def open(self, frontend: Frontend, route, prepare, query) -> list:
+        """The first output of every choice; `prepare(bridge)` → (prompt, echo, params) for a fallback model."""
+        async def on_fallback(bridge):
+            self.bridge = bridge
             if query is not None:            # its answer will be this model's
-                query.namespace = (query.namespace[0], self.bridge.model_name)
-            self.prompt, self.echo, self.params = await prepare(self.bridge)
-            firsts = [await self._open(0)]
+                query.namespace = (query.namespace[0], bridge.model_name)
+            self.prompt, self.echo, self.params = await prepare(bridge)
+
+        self.bridge, self.route, first_stream, first = await frontend.first_output(
+            self.bridge, route, len(self.prompt), lambda bridge: self._stream(0), on_fallback)
+        self.streams.append(first_stream)
         rest = await asyncio.gather(*(self._open(i) for i in range(1, self.n)), return_exceptions=True)
         for r in rest:                       # all settled first: a stream cannot be closed while it is awaited
             if isinstance(r, BaseException):
                 raise r
-        return firsts + rest
+        return [first] + rest
 
 
 async def _json_body(request: Request) -> dict:

@@ -5,11 +5,15 @@ Two layers, both keyed by a namespace (tenant, model: one tenant never sees anot
 earlier turns, as a hash):
 
 - exact: the same question text → the answer (a dict lookup, no embedding);
-- semantic: the question's sentence embedding (runtime.server.embedder) against an HNSW index (hnswlib, chosen by
-  `tools/bench_semantic_cache.py index`) of earlier questions; the nearest of the CANDIDATES nearest with the same
-  context key and a cosine similarity ≥ the threshold is a hit. Only short questions (≤ SEMANTIC_MAX_TOKENS word
-  pieces) take part: the threshold was measured on questions, and a long text's embedding is dominated by what
-  two texts share (or cut at the model's 256 tokens), so long prompts are matched exactly or not at all.
+- semantic: the embedding proposes, a verifier decides. The question's sentence embedding (runtime.server.embedder)
+  is searched in an HNSW index (hnswlib, chosen by `tools/bench_semantic_cache.py index`) of earlier questions;
+  of the CANDIDATES nearest, those with the same context key and a cosine ≥ the threshold are candidates. A
+  candidate that is a near miss of the question (runtime.server.near_miss: other numbers, code, quotes, negation,
+  a swapped direction or slot) is turned down; the VERIFIED most similar of the rest go to the verifier
+  (runtime.server.verifier, a pair classifier reading both questions), and the most similar it accepts is the hit.
+  Misses cost no verification unless a candidate passed the embedding threshold. Only short questions
+  (≤ SEMANTIC_MAX_TOKENS word pieces) take part: a long text's embedding is dominated by what two texts share (or
+  cut at the model's 256 tokens), so long prompts are matched exactly or not at all.
 
 Entries live `ttl_s` and at most `max_entries` are kept (expired entries go first, then the least recently used;
 an index label freed by either is reused for the next vector). Thread-safe: the servers call it from worker
@@ -29,21 +33,28 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .embedder import DIM, Embedder
+from . import near_miss
+from .verifier import Verifier
 
-DEFAULT_THRESHOLD = 0.91      # the best precision at recall ≥ 0.5 on tools/data/paraphrase_pairs.jsonl (0.912)
+DEFAULT_THRESHOLD = 0.80      # embedding cosine that makes a candidate (the near-miss rules and verifier decide)
+VERIFY_THRESHOLD = 0.2        # the verifier's P(same question) that accepts one (tools/bench_semantic_cache.py)
 CANDIDATES = 8                # nearest questions examined for one with the same context key
+VERIFIED = 2                  # of those above the threshold, the most similar the verifier reads (one batch)
 SEMANTIC_MAX_TOKENS = 64      # longer questions are cached and matched exactly only
 
 
 @dataclass(frozen=True)
 class CacheSettings:
     threshold: float = DEFAULT_THRESHOLD
+    verify_threshold: float = VERIFY_THRESHOLD
     ttl_s: float = 600.0
     max_entries: int = 10_000
 
     def __post_init__(self):
         if not 0.0 < self.threshold <= 1.0:
             raise ValueError(f"semantic cache threshold {self.threshold} is not a cosine similarity in (0, 1]")
+        if not 0.0 <= self.verify_threshold <= 1.0:
+            raise ValueError(f"semantic cache verify threshold {self.verify_threshold} is not a probability")
         if self.ttl_s <= 0 or self.max_entries < 1:
             raise ValueError("semantic cache ttl and size must be positive")
 
@@ -53,6 +64,7 @@ class Answer:
     text: str
     finish_reason: str
     completion_tokens: int
+    token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -60,6 +72,18 @@ class Hit:
     answer: Answer
     kind: str                 # "exact" or "semantic"
     similarity: float
+    verifier_score: float | None = None     # the verifier's probability that both questions ask the same
+
+    def describe(self) -> str:
+        """The x-quicksilver-cache value of a hit."""
+        if self.kind == "exact":
+            return "hit; exact"
+        return f"hit; semantic; similarity={self.similarity:.3f}; verifier={self.verifier_score:.3f}"
+
+    def usage(self) -> dict:
+        """The usage field's `semantic_cache` object."""
+        return {"hit": self.kind, "similarity": round(self.similarity, 4),
+                "verifier_score": None if self.verifier_score is None else round(self.verifier_score, 4)}
 
 
 @dataclass
@@ -69,6 +93,7 @@ class Query:
     context: str                  # hash of what besides the question shapes the answer
     question: str
     vector: np.ndarray | None = None
+    rejected: list[str] = field(default_factory=list)   # why candidates were turned down (near_miss.reason, "verifier")
 
 
 @dataclass
@@ -91,11 +116,13 @@ class _Index:
 
 
 class SemanticCache:
-    def __init__(self, settings: CacheSettings = CacheSettings(), embedder: Embedder | None = None, clock=time.monotonic):
+    def __init__(self, settings: CacheSettings = CacheSettings(), embedder: Embedder | None = None,
+                 verifier: Verifier | None = None, clock=time.monotonic):
         if importlib.util.find_spec("hnswlib") is None:     # at startup, not on the first request
             raise FileNotFoundError("the semantic cache needs the package 'hnswlib': pip install '.[semantic-cache]'")
         self.settings, self.clock = settings, clock
         self.embedder = embedder or Embedder()
+        self.verifier = verifier or Verifier()
         self._lock = threading.Lock()
         self._entries: OrderedDict[tuple, _Entry] = OrderedDict()   # (namespace, context, question) → entry, LRU
         self._by_label: dict[tuple, tuple] = {}                     # (namespace, label) → entry key
@@ -127,19 +154,37 @@ class SemanticCache:
             if live <= 0:
                 return None
             labels, distances = idx.index.knn_query(q.vector, k=min(CANDIDATES, live))
-            best = None
+            candidates = []
             for label, distance in zip(labels[0], distances[0]):
                 found = self._by_label.get((q.namespace, int(label)))
                 entry = self._entries.get(found) if found else None
-                if entry is None or entry.context != q.context:
-                    continue
                 similarity = 1.0 - float(distance)           # hnswlib's "ip" space: distance = 1 - dot
-                if similarity >= self.settings.threshold and (best is None or similarity > best[1]):
-                    best = (found, similarity)
-            if best is None:
-                return None
-            self._entries.move_to_end(best[0])
-            return Hit(self._entries[best[0]].answer, "semantic", best[1])
+                if entry is not None and entry.context == q.context and similarity >= self.settings.threshold:
+                    candidates.append((similarity, found, entry))
+        return self._verified(q, sorted(candidates, key=lambda c: -c[0]))
+
+    def _verified(self, q: Query, candidates: list) -> Hit | None:
+        """The most similar candidate that is no near miss of the question (runtime.server.near_miss) and that the
+        verifier accepts (scored together in one batch, outside the lock), or None; each turned-down candidate's
+        reason goes in q.rejected."""
+        kept = []
+        for c in candidates[:VERIFIED]:
+            why = near_miss.reason(q.question, c[2].question)
+            if why is None:
+                kept.append(c)
+            else:
+                q.rejected.append(why)
+        if not kept:
+            return None
+        scores = self.verifier.score(q.question, [c[2].question for c in kept])
+        for (similarity, key, entry), score in zip(kept, scores):
+            if score >= self.settings.verify_threshold:
+                with self._lock:
+                    if self._entries.get(key) is entry:
+                        self._entries.move_to_end(key)
+                return Hit(entry.answer, "semantic", similarity, float(score))
+            q.rejected.append("verifier")
+        return None
 
     def store(self, q: Query, answer: Answer) -> None:
         """Keep this answer for the question (replacing an equal question's): expired entries go first, then the
@@ -208,16 +253,12 @@ class SemanticCache:
             idx.free.append(entry.label)
 
 def query_for(body: dict, chat: bool, params, n: int, tenant: str, model: str) -> Query | None:
-    """The cache key of an OpenAI request body, or None when it is not cacheable: n > 1, sampled (temperature > 0)
-    unless `"semantic_cache": true`, `"semantic_cache": false`, logprobs, echo, tools, a token-id prompt, or a chat
-    whose last message is not the user's text. The question is the prompt (completions) or the last user message
-    (chat); the earlier messages, tools, response format and sampling parameters make the context."""
+    """The cache key of an OpenAI request body, or None when it is not cacheable (see `bypassed`; also a
+    token-id prompt, or a chat whose last message is not the user's text). The question is the prompt
+    (completions) or the last user message (chat); the earlier messages, tools, response format and sampling
+    parameters make the context."""
     asked = body.get("semantic_cache")
-    if asked is not None and not isinstance(asked, bool):
-        raise ValueError("semantic_cache must be true or false")
-    if asked is False or n != 1 or params.logprobs is not None or body.get("echo") or body.get("tools"):
-        return None
-    if params.temperature > 0 and asked is not True:
+    if bypassed(asked, n, params) or body.get("echo") or body.get("tools"):
         return None
     if chat:
         messages = body.get("messages")
@@ -236,5 +277,26 @@ def query_for(body: dict, chat: bool, params, n: int, tenant: str, model: str) -
         if not isinstance(prompt, str):
             return None
         question, context = prompt, None
+    return _query(chat, question, context, params, tenant, model)
+
+
+def query_for_text(text: str, asked: bool | None, params, tenant: str, model: str) -> Query | None:
+    """The cache key of a text prompt (gRPC Generate), or None when it is not cacheable: the same key an HTTP
+    completion of that prompt has, so both transports share answers."""
+    if bypassed(asked, 1, params) or not text:
+        return None
+    return _query(False, text, None, params, tenant, model)
+
+
+def bypassed(asked: bool | None, n: int, params) -> bool:
+    """Whether a request must be generated: `semantic_cache` false, n > 1, logprobs, or sampled (temperature > 0)
+    unless the request asks for the cache (`semantic_cache` true)."""
+    if asked is not None and not isinstance(asked, bool):
+        raise ValueError("semantic_cache must be true or false")
+    return (asked is False or n != 1 or params.logprobs is not None
+            or (params.temperature > 0 and asked is not True))
+
+
+def _query(chat: bool, question: str, context, params, tenant: str, model: str) -> Query:
     digest = hashlib.sha256(json.dumps([chat, context, repr(params)], sort_keys=True, default=str).encode())
     return Query((tenant, model), digest.hexdigest(), question)

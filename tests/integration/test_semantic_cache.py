@@ -15,18 +15,24 @@ from openai import OpenAI
 
 from runtime.server.embedder import DIM, Embedder, _package_dir
 from runtime.server.semantic_cache import Answer, CacheSettings, Query, SemanticCache
+from runtime.server.verifier import Verifier
 from runtime.server.tenants import Tenant
 
 from server_harness import ServerThread
 
 QUESTION = "How do I reverse a list in Python?"
-PARAPHRASE = "What's the way to reverse a Python list?"          # cosine 0.97 with QUESTION
+PARAPHRASE = "Reverse a Python list"          # cosine 0.964 with QUESTION; the verifier: P(same) 1.0
 UNRELATED = "What is the capital of Spain?"
 
 
 @pytest.fixture(scope="module")
 def embedder():
     return Embedder()
+
+
+@pytest.fixture(scope="module")
+def verifier():
+    return Verifier()
 
 
 def test_embeddings_match_the_reference_sentence_transformer(embedder, tmp_path):
@@ -60,16 +66,17 @@ def ask(question, tenant="default", context="ctx"):
     return Query((tenant, "m"), context, question)
 
 
-def test_exact_then_semantic_then_miss_with_ttl_and_isolation(embedder):
+def test_exact_then_semantic_then_miss_with_ttl_and_isolation(embedder, verifier):
     clock = Clock()
-    cache = SemanticCache(CacheSettings(ttl_s=60, max_entries=100), embedder, clock)
+    cache = SemanticCache(CacheSettings(ttl_s=60, max_entries=100), embedder, verifier, clock=clock)
     answer = Answer("use reversed() or list.reverse()", "stop", 7)
     assert cache.lookup(ask(QUESTION)) is None
     cache.store(ask(QUESTION), answer)
     exact = cache.lookup(ask(QUESTION))
     assert exact.kind == "exact" and exact.answer == answer and exact.similarity == 1.0
     near = cache.lookup(ask(PARAPHRASE))
-    assert near.kind == "semantic" and near.answer == answer and 0.91 <= near.similarity < 1.0
+    assert near.kind == "semantic" and near.answer == answer and 0.95 <= near.similarity < 1.0
+    assert near.verifier_score > 0.9
     assert cache.lookup(ask(UNRELATED)) is None
     assert cache.lookup(ask(QUESTION, tenant="other")) is None               # tenants never share answers
     assert cache.lookup(ask(PARAPHRASE, context="other parameters")) is None  # nor do different contexts
@@ -79,9 +86,9 @@ def test_exact_then_semantic_then_miss_with_ttl_and_isolation(embedder):
     assert cache.lookup(ask(QUESTION)) is None and cache.lookup(ask(PARAPHRASE)) is None and len(cache) == 0
 
 
-def test_expired_entries_go_before_live_ones_and_labels_survive_churn(embedder):
+def test_expired_entries_go_before_live_ones_and_labels_survive_churn(embedder, verifier):
     clock = Clock()
-    cache = SemanticCache(CacheSettings(ttl_s=50, max_entries=2), embedder, clock)
+    cache = SemanticCache(CacheSettings(ttl_s=50, max_entries=2), embedder, verifier, clock=clock)
     q0, q1, q2 = "Who wrote Hamlet?", "What is photosynthesis?", "How far is the Sun from the Earth?"
     cache.store(ask(q0), Answer("a0", "stop", 1))
     clock.now = 30
@@ -90,7 +97,7 @@ def test_expired_entries_go_before_live_ones_and_labels_survive_churn(embedder):
     clock.now = 55                                          # q0 expired, q1 live: q0 goes, not q1
     cache.store(ask(q2), Answer("a2", "stop", 1))
     assert [cache.lookup(ask(q)) is not None for q in (q0, q1, q2)] == [False, True, True]
-    big = SemanticCache(CacheSettings(ttl_s=10, max_entries=40), embedder, clock)
+    big = SemanticCache(CacheSettings(ttl_s=10, max_entries=40), embedder, verifier, clock=clock)
     words = ["lists", "files", "threads", "sockets", "dates", "strings", "regexes", "classes", "tests", "dicts"]
     for rnd in range(3):                                    # fill, let all expire, fill again: labels reused
         for i, w in enumerate(words * 4):
@@ -100,8 +107,8 @@ def test_expired_entries_go_before_live_ones_and_labels_survive_churn(embedder):
     assert big._indexes[("default", "m")].next_label <= 40
 
 
-def test_long_questions_are_matched_exactly_only(embedder):
-    cache = SemanticCache(CacheSettings(), embedder, Clock())
+def test_long_questions_are_matched_exactly_only(embedder, verifier):
+    cache = SemanticCache(CacheSettings(), embedder, verifier, clock=Clock())
     log = "Traceback (most recent call last):\n" + "  File \"app.py\", line 12, in main\n" * 30
     cache.store(ask(log + "why does this crash?"), Answer("because", "stop", 1))
     assert cache.lookup(ask(log + "why does this crash?")).kind == "exact"
@@ -109,8 +116,8 @@ def test_long_questions_are_matched_exactly_only(embedder):
     assert cache._entries[next(iter(cache._entries))].label is None
 
 
-def test_size_bound_evicts_least_recently_used_and_reuses_index_slots(embedder):
-    cache = SemanticCache(CacheSettings(ttl_s=1e9, max_entries=3), embedder, Clock())
+def test_size_bound_evicts_least_recently_used_and_reuses_index_slots(embedder, verifier):
+    cache = SemanticCache(CacheSettings(ttl_s=1e9, max_entries=3), embedder, verifier, clock=Clock())
     questions = ["What is the boiling point of water?", "Who wrote Hamlet?", "How far is the Sun from the Earth?",
                  "What is photosynthesis?", "Translate 'good night' into French"]
     for i, q in enumerate(questions[:3]):
@@ -152,11 +159,11 @@ ops = st.lists(st.one_of(
 
 @settings(max_examples=500, deadline=None)
 @given(ops, st.integers(1, 5))
-def test_cache_agrees_with_a_plain_lru_with_expiry(operations, size):
+def test_cache_agrees_with_a_plain_lru_with_expiry(verifier, operations, size):
     """Against a reference LRU: every lookup returns exactly the answer the reference holds (or none), entries
     never exceed the bound, and the index holds as many live vectors as there are entries."""
     clock = Clock()
-    cache = SemanticCache(CacheSettings(ttl_s=50, max_entries=size), _HashEmbedder(), clock)
+    cache = SemanticCache(CacheSettings(ttl_s=50, max_entries=size), _HashEmbedder(), verifier, clock=clock)
     ref: dict = {}                  # key → (answer, expires), insertion order = LRU order
     for n, (op, arg, tenant) in enumerate(operations):
         if op == "tick":
@@ -223,10 +230,12 @@ def test_server_answers_repeats_and_paraphrases_from_the_cache(server):
     again = chat(server, QUESTION)
     assert again.headers["x-quicksilver-cache"] == "hit; exact"
     assert again.json()["choices"][0]["message"]["content"] == generated
-    assert again.json()["usage"]["semantic_cache"] == {"hit": "exact", "similarity": 1.0}
+    assert again.json()["usage"]["semantic_cache"] == {"hit": "exact", "similarity": 1.0, "verifier_score": None}
     assert again.json()["choices"][0]["finish_reason"] == first.json()["choices"][0]["finish_reason"]
     near = chat(server, PARAPHRASE)
-    assert near.headers["x-quicksilver-cache"].startswith("hit; semantic; similarity=0.9")
+    assert near.headers["x-quicksilver-cache"].startswith("hit; semantic; similarity=0.96")
+    assert float(near.headers["x-quicksilver-cache"].split("verifier=")[1]) > 0.9
+    assert near.json()["usage"]["semantic_cache"]["verifier_score"] > 0.9
     assert near.json()["choices"][0]["message"]["content"] == generated
     assert chat(server, UNRELATED).headers["x-quicksilver-cache"] == "miss"
     assert chat(server, QUESTION, key=BOB.key).headers["x-quicksilver-cache"] == "miss"   # another tenant
@@ -260,8 +269,8 @@ def test_server_bypasses_what_must_be_generated(server):
     assert completion.headers["x-quicksilver-cache"] == "bypass"                        # token ids: no text
 
 
-def test_concurrent_lookups_and_stores_keep_the_cache_consistent(embedder):
-    cache = SemanticCache(CacheSettings(ttl_s=1e9, max_entries=50), embedder)
+def test_concurrent_lookups_and_stores_keep_the_cache_consistent(embedder, verifier):
+    cache = SemanticCache(CacheSettings(ttl_s=1e9, max_entries=50), embedder, verifier)
     errors = []
 
     def worker(k):

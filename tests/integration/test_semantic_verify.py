@@ -1,0 +1,187 @@
+"""A semantic hit means the same question: every near-miss kind is turned down (by the near-miss rules or the
+verifier, each checked on its own), paraphrases still hit, the verifier's score is reported, and gRPC answers from
+the cache with HTTP's bypass rules. The cache before the verifier served each of these near misses (an embedding
+reads them as near-identical); they run at a low embedding threshold so that every one reaches the checks."""
+
+import asyncio
+
+import grpc
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from runtime.server import near_miss
+from runtime.server.embedder import Embedder
+from runtime.server.proto import quicksilver_pb2 as pb
+from runtime.server.proto import quicksilver_pb2_grpc as pb_grpc
+from runtime.server.semantic_cache import Answer, CacheSettings, Query, SemanticCache
+from runtime.server.verifier import Verifier
+
+from server_harness import ServerThread
+
+NEAR_MISSES = [   # (kind, stored question, asked question, the rule that turns it down)
+    ("direction", "How do I convert Celsius to Fahrenheit?", "How do I convert Fahrenheit to Celsius?", "direction"),
+    ("direction", "Is Python faster than Java?", "Is Java faster than Python?", "direction"),
+    ("direction", "How do I convert a list to a string?", "How do I convert a string to a list?", "direction"),
+    ("word", "How do I sort a list in ascending order?", "How do I sort a list in descending order?",
+     "substitution"),
+    ("number", "Give me 3 ideas for a birthday party", "Give me 10 ideas for a birthday party", "literals"),
+    ("number", "Write a 100-word story about a dragon", "Write a 500-word story about a dragon", "literals"),
+    ("negation", "Is coffee good for your health?", "Is coffee not good for your health?", "negation"),
+    ("negation", "Which animals can swim?", "Which animals cannot swim?", "negation"),
+    ("entity", "What is the capital of France?", "What is the capital of Spain?", "substitution"),
+    ("entity", "How do I reverse a list in Python?", "How do I reverse a list in JavaScript?", "substitution"),
+    ("unit", "What is the distance to the Moon in miles?", "What is the distance to the Moon in kilometers?",
+     "substitution"),
+    ("unit", "How many megabytes are in a gigabyte?", "How many kilobytes are in a gigabyte?", "substitution"),
+    ("code", 'What does "git reset --hard" do?', 'What does "git reset --soft" do?', "literals"),
+    ("code", "What does `a[1:]` do in Python?", "What does `a[:1]` do in Python?", "literals"),
+]
+PARAPHRASES = [("How do I reverse a list in Python?", "Reverse a Python list"),
+               ("Who wrote Romeo and Juliet?", "Who is the author of Romeo and Juliet?"),
+               ("What are the first 10 prime numbers?", "What are the first ten prime numbers?")]
+
+
+@pytest.fixture(scope="module")
+def models():
+    return Embedder(), Verifier()
+
+
+def ask(question):
+    return Query(("default", "m"), "ctx", question)
+
+
+@pytest.mark.parametrize("kind,stored,asked,rule", NEAR_MISSES, ids=[f"{k}-{i}" for i, (k, *_) in
+                                                                     enumerate(NEAR_MISSES)])
+def test_each_near_miss_kind_is_turned_down(models, kind, stored, asked, rule):
+    cache = SemanticCache(CacheSettings(threshold=0.5), *models)
+    cache.store(ask(stored), Answer("the stored question's answer", "stop", 5))
+    q = ask(asked)
+    assert cache.lookup(q) is None
+    assert q.rejected == [rule]
+    assert near_miss.reason(asked, stored) == rule          # either way round
+
+
+def test_the_verifier_turns_down_what_the_rules_let_through(models):
+    embedder, verifier = models
+    stored, asked = "How do I show hidden files on a Mac?", "How do I hide files on a Mac?"
+    assert near_miss.reason(stored, asked) is None
+    cache = SemanticCache(CacheSettings(threshold=0.5), embedder, verifier)
+    cache.store(ask(stored), Answer("defaults write …", "stop", 5))
+    q = ask(asked)
+    assert cache.lookup(q) is None and q.rejected == ["verifier"]
+    assert verifier.score(asked, [stored])[0] < 0.05
+
+
+@pytest.mark.parametrize("stored,asked", PARAPHRASES)
+def test_paraphrases_still_hit_with_the_verifiers_score(models, stored, asked):
+    cache = SemanticCache(CacheSettings(), *models)
+    answer = Answer("an answer", "stop", 3, (5, 6, 7))
+    cache.store(ask(stored), answer)
+    hit = cache.lookup(ask(asked))
+    assert hit is not None and hit.kind == "semantic" and hit.answer == answer
+    assert hit.similarity >= 0.8 and hit.verifier_score >= 0.2
+    assert hit.describe() == (f"hit; semantic; similarity={hit.similarity:.3f}; "
+                              f"verifier={hit.verifier_score:.3f}")
+
+
+def test_the_most_similar_accepted_candidate_wins(models):
+    cache = SemanticCache(CacheSettings(threshold=0.5), *models)
+    cache.store(ask("How do I reverse a list in JavaScript?"), Answer("js", "stop", 1))
+    cache.store(ask("How do I reverse a list in Python?"), Answer("py", "stop", 1))
+    q = ask("Reverse a Python list")
+    assert cache.lookup(q).answer.text == "py"
+
+
+def test_unpadded_verification_matches_the_graph_as_exported(models):
+    """The verifier drops the export's fixed 256-token padding (a tenth of the cost): its decisions stay those of
+    the padded graph, its probabilities within 0.15 (the int8 graph quantizes activations per tensor, so padding
+    moves them; the threshold was chosen on the unpadded scores, which are what runs)."""
+    import numpy as np
+    import onnxruntime as ort
+
+    from runtime.server.embedder import packaged_file
+    from runtime.server.semantic_cache import VERIFY_THRESHOLD
+    from runtime.server.verifier import JUDGE, _readout
+
+    verifier = models[1]
+    padded = ort.InferenceSession(str(packaged_file(*JUDGE.model)), providers=["CPUExecutionProvider"])
+    for a, b in PARAPHRASES + [(s, q) for _, s, q, _ in NEAR_MISSES[:4]]:
+        enc = verifier.tokenizer.encode(a, b)
+        n = len(enc.ids)
+        feed = {k: np.zeros((1, 256), np.int64) for k in ("input_ids", "attention_mask", "token_type_ids")}
+        feed["input_ids"][0, :n], feed["attention_mask"][0, :n], feed["token_type_ids"][0, :n] = \
+            enc.ids, 1, enc.type_ids
+        before = _readout(padded.run(None, feed)[0], JUDGE.readout)[0]
+        now = _readout(verifier._logits([(a, b)]), JUDGE.readout)[0]
+        assert abs(before - now) <= 0.15 and (before >= VERIFY_THRESHOLD) == (now >= VERIFY_THRESHOLD), (a, b)
+
+
+words = st.sampled_from("how do i sort list reverse file python java the a to from in of convert".split())
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(words, min_size=1, max_size=12), st.integers(0, 999), st.integers(0, 999))
+def test_near_miss_rules_are_symmetric_and_numbers_always_count(ws, m, n):
+    text = " ".join(ws)
+    assert near_miss.reason(text, text) is None
+    a, b = f"{text} {m}", f"{text} {n}"
+    assert (near_miss.reason(a, b) is None) == (m == n) == (near_miss.reason(b, a) is None)
+    other = " ".join(reversed(ws))
+    assert (near_miss.reason(text, other) is None) == (near_miss.reason(other, text) is None)
+
+
+# -- gRPC serves from the cache, with HTTP's bypass rules -------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def server(engine):
+    s = ServerThread(engine("llama"), semantic_cache=CacheSettings(ttl_s=600, max_entries=100))
+    yield s
+    s.stop()
+
+
+def generate(server, text=None, ids=None, **sampling):
+    """(responses, initial metadata) of one Generate call."""
+    semantic = sampling.pop("semantic_cache", None)
+
+    async def call():
+        async with grpc.aio.insecure_channel(server.grpc_target) as ch:
+            req = pb.GenerateRequest(sampling=pb.SamplingParams(**{"max_tokens": 8, "temperature": 0, **sampling}))
+            if text is not None:
+                req.text = text
+            else:
+                req.token_ids.ids.extend(ids)
+            if semantic is not None:
+                req.semantic_cache = semantic
+            stream = pb_grpc.GenerationStub(ch).Generate(req)
+            out = [m async for m in stream]
+            return out, dict(await stream.initial_metadata())
+    return asyncio.run(call())
+
+
+def test_grpc_answers_from_the_cache_and_bypasses_like_http(server):
+    first, meta = generate(server, "How do I reverse a list in Python?")
+    assert meta["x-quicksilver-cache"] == "miss" and not first[-1].HasField("cache")
+    text = "".join(m.text for m in first)
+    ids = [t for m in first for t in m.token_ids]
+    again, meta = generate(server, "How do I reverse a list in Python?")
+    assert meta["x-quicksilver-cache"] == "hit; exact" and len(again) == 1
+    assert again[0].text == text and list(again[0].token_ids) == ids
+    assert again[0].cache.kind == "exact" and not again[0].cache.HasField("verifier_score")
+    assert again[0].finish_reason == first[-1].finish_reason
+    near, meta = generate(server, "Reverse a Python list")
+    assert meta["x-quicksilver-cache"] == "hit; semantic; similarity=0.964; verifier=1.000"
+    assert near[0].text == text and near[0].cache.kind == "semantic" and near[0].cache.verifier_score > 0.9
+    for other in ("How do I reverse a string in Python?", "How do I reverse a list in Python 3?"):   # cosine 0.83,
+        swapped, meta = generate(server, other)                                                       # 0.99
+        assert meta["x-quicksilver-cache"] == "miss" and not swapped[-1].HasField("cache")
+    for kwargs, why in (({"temperature": 0.8}, "sampled"), ({"semantic_cache": False}, "asked not to"),
+                        ({"logprobs": 1}, "logprobs")):
+        out, meta = generate(server, "How do I reverse a list in Python?", **kwargs)
+        assert meta["x-quicksilver-cache"] == "bypass" and not out[-1].HasField("cache"), why
+    out, meta = generate(server, ids=[1, 2, 3])
+    assert meta["x-quicksilver-cache"] == "bypass"                            # token ids: no text
+    assert server.metric("quicksilver_semantic_cache_candidates_total", result="verified") == 1
+    assert server.metric("quicksilver_semantic_cache_candidates_total", result="substitution") == 1
+    # "… Python 3?" against both questions stored by then ("… a list …", "… a string …"): no "3" in either
+    assert server.metric("quicksilver_semantic_cache_candidates_total", result="literals") == 2
