@@ -173,14 +173,15 @@ def _priority_keys(values: tuple[str, ...]) -> tuple[tuple[str, int], ...]:
     return tuple(keys)
 
 
-def _cache_settings(on: bool, threshold: float | None, ttl: float, size: int):
-    from .server.semantic_cache import DEFAULT_THRESHOLD, CacheSettings
+def _cache_settings(on: bool, threshold: float | None, verify: float | None, ttl: float, size: int):
+    from .server.semantic_cache import DEFAULT_THRESHOLD, VERIFY_THRESHOLD, CacheSettings
 
     if not on:
-        if threshold is not None:
-            fail("--semantic-cache-threshold applies with --semantic-cache")
+        if threshold is not None or verify is not None:
+            fail("--semantic-cache-threshold and --semantic-cache-verify-threshold apply with --semantic-cache")
         return None
-    return CacheSettings(DEFAULT_THRESHOLD if threshold is None else threshold, ttl, size)
+    return CacheSettings(threshold=DEFAULT_THRESHOLD if threshold is None else threshold,
+                         verify_threshold=VERIFY_THRESHOLD if verify is None else verify, ttl_s=ttl, max_entries=size)
 
 
 def _cluster(replicas: int | None, threads: int | None, routing: str, address: str | None):
@@ -289,10 +290,13 @@ def _models(values: tuple[str, ...]) -> dict[str, Path]:
               help="With --replicas: join this Ray cluster (auto, or ray://HEAD:10001) instead of starting Ray here; "
                    "the engine folder must be at the same path on every node.")
 @click.option("--semantic-cache", is_flag=True,
-              help="Answer repeated and near-duplicate HTTP requests from earlier answers (greedy, n=1, or "
-                   "\"semantic_cache\": true); needs pip install '.[semantic-cache]'.")
+              help="Answer repeated and near-duplicate requests (HTTP and gRPC) from earlier answers (greedy, n=1, "
+                   "or \"semantic_cache\": true); needs pip install '.[semantic-cache]'.")
 @click.option("--semantic-cache-threshold", type=click.FloatRange(0, 1, min_open=True), default=None,
-              show_default="0.91", help="Cosine similarity of two questions' embeddings that counts as the same.")
+              show_default="0.80", help="Cosine similarity of two questions' embeddings that makes an earlier one a "
+                                        "candidate (the near-miss rules and the verifier decide).")
+@click.option("--semantic-cache-verify-threshold", type=click.FloatRange(0, 1), default=None, show_default="0.2",
+              help="The verifier's probability that two questions ask the same thing that serves a candidate.")
 @click.option("--semantic-cache-ttl", type=click.FloatRange(0, min_open=True), default=600.0, show_default=True,
               help="Seconds an answer is kept.")
 @click.option("--semantic-cache-size", type=click.IntRange(1), default=10_000, show_default=True,
@@ -317,7 +321,8 @@ def serve(engine: Path | None, draft: Path | None, speculation: str, host: str, 
           max_body_bytes: int, max_tokens_limit: int | None, grace: float, priority_floor: int,
           priority_keys: tuple[str, ...], tenants_file: Path | None, otlp_endpoint: str | None,
           models: tuple[str, ...], route_file: Path | None, semantic_cache: bool,
-          semantic_cache_threshold: float | None, semantic_cache_ttl: float, semantic_cache_size: int,
+          semantic_cache_threshold: float | None, semantic_cache_verify_threshold: float | None,
+          semantic_cache_ttl: float, semantic_cache_size: int,
           replicas: int | None, replica_routing: str, ray_address: str | None, device: str | None,
           chat_template: Path | None, disable_log_requests: bool, log_level: str, cuda_graphs: bool) -> None:
     """Serve ENGINE (default: the bundled target) over gRPC and OpenAI-compatible HTTP, with /metrics.
@@ -351,8 +356,8 @@ def serve(engine: Path | None, draft: Path | None, speculation: str, host: str, 
             priority_keys=_priority_keys(priority_keys), otlp_endpoint=otlp_endpoint,
             tenants=load_tenants(tenants_file) if tenants_file else (),
             route=load_policy(route_file) if route_file else None,
-            semantic_cache=_cache_settings(semantic_cache, semantic_cache_threshold, semantic_cache_ttl,
-                                           semantic_cache_size),
+            semantic_cache=_cache_settings(semantic_cache, semantic_cache_threshold,
+                                           semantic_cache_verify_threshold, semantic_cache_ttl, semantic_cache_size),
             cluster=_cluster(replicas, threads, replica_routing, ray_address), chat_template=chat_template)
         if route_file and not models:
             fail("--route chooses between models: add them with --model NAME=ENGINE")

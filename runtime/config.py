@@ -144,7 +144,7 @@ class ServerConfig:
     otlp_endpoint: str | None = None  # OpenTelemetry collector (OTLP/gRPC, e.g. http://127.0.0.1:4317): trace requests
     tenants: tuple = ()               # runtime.server.tenants.Tenant: API keys with their own limits (auth required)
     route: object = None              # runtime.server.router.RoutePolicy for "model": "auto" (None: the first model)
-    semantic_cache: object = None     # runtime.server.semantic_cache.CacheSettings: answer near-duplicates (HTTP)
+    semantic_cache: object = None     # runtime.server.semantic_cache.CacheSettings: answer near-duplicates
     cluster: ClusterConfig | None = None   # engines as replicas on Ray Serve (runtime serve --replicas)
     chat_template: Path | None = None # a Jinja chat template file for every model (default: each model's own)
 

@@ -185,3 +185,15 @@ def test_grpc_answers_from_the_cache_and_bypasses_like_http(server):
     assert server.metric("quicksilver_semantic_cache_candidates_total", result="substitution") == 1
     # "… Python 3?" against both questions stored by then ("… a list …", "… a string …"): no "3" in either
     assert server.metric("quicksilver_semantic_cache_candidates_total", result="literals") == 2
+
+
+def test_serve_options_build_the_cache_settings():
+    from runtime.cli import _cache_settings
+    from runtime.server.semantic_cache import DEFAULT_THRESHOLD, VERIFY_THRESHOLD
+
+    assert _cache_settings(True, None, None, 30.0, 7) == CacheSettings(
+        threshold=DEFAULT_THRESHOLD, verify_threshold=VERIFY_THRESHOLD, ttl_s=30.0, max_entries=7)
+    assert _cache_settings(True, 0.9, 0.6, 600.0, 10) == CacheSettings(0.9, 0.6, 600.0, 10)
+    assert _cache_settings(False, None, None, 600.0, 10) is None
+    with pytest.raises(SystemExit):
+        _cache_settings(False, None, 0.5, 600.0, 10)            # a threshold without the cache is a mistake
