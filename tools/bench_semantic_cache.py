@@ -48,7 +48,7 @@ def _scores(rows: list[dict]):
     e, v = Embedder(), Verifier()
     sims = (e.embed([r["a"] for r in rows]) * e.embed([r["b"] for r in rows])).sum(1)
     reasons = [near_miss.reason(r["a"], r["b"]) for r in rows]
-    verified = np.array([v.score(r["a"], [r["b"]])[0] for r in rows])
+    verified = np.array([v.score(r["a"], r["b"]) for r in rows])
     return sims, reasons, verified
 
 

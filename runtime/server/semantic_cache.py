@@ -39,7 +39,7 @@ from .verifier import Verifier
 DEFAULT_THRESHOLD = 0.80      # embedding cosine that makes a candidate (the near-miss rules and verifier decide)
 VERIFY_THRESHOLD = 0.2        # the verifier's P(same question) that accepts one (tools/bench_semantic_cache.py)
 CANDIDATES = 8                # nearest questions examined for one with the same context key
-VERIFIED = 2                  # of those above the threshold, the most similar the verifier reads (one batch)
+VERIFIED = 2                  # most candidates the verifier reads for one lookup (the most similar first)
 SEMANTIC_MAX_TOKENS = 64      # longer questions are cached and matched exactly only
 
 
@@ -165,24 +165,23 @@ class SemanticCache:
 
     def _verified(self, q: Query, candidates: list) -> Hit | None:
         """The most similar candidate that is no near miss of the question (runtime.server.near_miss) and that the
-        verifier accepts (scored together in one batch, outside the lock), or None; each turned-down candidate's
-        reason goes in q.rejected."""
-        kept = []
-        for c in candidates[:VERIFIED]:
-            why = near_miss.reason(q.question, c[2].question)
-            if why is None:
-                kept.append(c)
-            else:
+        verifier accepts, or None. Verified one at a time, most similar first, outside the lock; at most VERIFIED
+        (a hit usually costs one verification). Each turned-down candidate's reason goes in q.rejected."""
+        verified = 0
+        for similarity, key, entry in candidates:
+            why = near_miss.reason(q.question, entry.question)
+            if why is not None:
                 q.rejected.append(why)
-        if not kept:
-            return None
-        scores = self.verifier.score(q.question, [c[2].question for c in kept])
-        for (similarity, key, entry), score in zip(kept, scores):
+                continue
+            if verified == VERIFIED:
+                break
+            verified += 1
+            score = self.verifier.score(q.question, entry.question, enough=self.settings.verify_threshold)
             if score >= self.settings.verify_threshold:
                 with self._lock:
                     if self._entries.get(key) is entry:
                         self._entries.move_to_end(key)
-                return Hit(entry.answer, "semantic", similarity, float(score))
+                return Hit(entry.answer, "semantic", similarity, score)
             q.rejected.append("verifier")
         return None
 

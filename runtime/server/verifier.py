@@ -70,7 +70,7 @@ def _any_length(path: Path) -> bytes:
 
 
 class Verifier:
-    """(question, candidates) → P(same question) for each, in one ONNX Runtime call."""
+    """(question, candidate) → P(same question), on ONNX Runtime with one thread."""
 
     def __init__(self, spec: VerifierModel = JUDGE, threads: int = 1):
         self.spec = spec
@@ -84,17 +84,17 @@ class Verifier:
         self.session = ort.InferenceSession(_any_length(onnx_path), opts, providers=["CPUExecutionProvider"])
         self.inputs = {i.name for i in self.session.get_inputs()}
 
-    def score(self, question: str, candidates: list[str]) -> list[float]:
-        if not candidates:
-            return []
-        pairs = [(question, c) for c in candidates]
-        if self.spec.both_orders:
-            pairs += [(c, question) for c in candidates]
-        p = _readout(self._logits(pairs), self.spec.readout)
-        if self.spec.both_orders:
-            keep = np.maximum if self.spec.both_orders == "max" else np.minimum
-            p = keep(p[:len(candidates)], p[len(candidates):])
-        return [float(x) for x in p]
+    def score(self, question: str, candidate: str, enough: float = 1.0) -> float:
+        """P(same question). A model read in both orders keeps the higher (or lower) of the two; with "max", a
+        first order already scoring `enough` is the answer (the decision is the same, at half the cost). The longer
+        text goes first: an entailment judge mostly finds the shorter one follows from it, not the other way."""
+        if len(candidate) > len(question):
+            question, candidate = candidate, question
+        p = float(_readout(self._logits([(question, candidate)]), self.spec.readout)[0])
+        if not self.spec.both_orders or (self.spec.both_orders == "max" and p >= enough):
+            return p
+        q = float(_readout(self._logits([(candidate, question)]), self.spec.readout)[0])
+        return max(p, q) if self.spec.both_orders == "max" else min(p, q)
 
     def _logits(self, pairs: list[tuple[str, str]]) -> np.ndarray:
         encs = self.tokenizer.encode_batch(pairs)

@@ -70,7 +70,7 @@ def test_the_verifier_turns_down_what_the_rules_let_through(models):
     cache.store(ask(stored), Answer("defaults write …", "stop", 5))
     q = ask(asked)
     assert cache.lookup(q) is None and q.rejected == ["verifier"]
-    assert verifier.score(asked, [stored])[0] < 0.05
+    assert verifier.score(asked, stored) < 0.05 and verifier.score(stored, asked) < 0.05
 
 
 @pytest.mark.parametrize("stored,asked", PARAPHRASES)
@@ -83,6 +83,15 @@ def test_paraphrases_still_hit_with_the_verifiers_score(models, stored, asked):
     assert hit.similarity >= 0.8 and hit.verifier_score >= 0.2
     assert hit.describe() == (f"hit; semantic; similarity={hit.similarity:.3f}; "
                               f"verifier={hit.verifier_score:.3f}")
+
+
+def test_the_first_order_that_accepts_decides_as_both_would(models):
+    """score(enough=t) reads the second order only when the first is under t: the same side of t as reading both."""
+    verifier = models[1]
+    for stored, asked in PARAPHRASES + [(s, a) for _, s, a, _ in NEAR_MISSES]:
+        both = verifier.score(asked, stored)
+        for t in (0.05, 0.2, 0.5, 0.9):
+            assert (verifier.score(asked, stored, enough=t) >= t) == (both >= t), (asked, stored, t)
 
 
 def test_the_most_similar_accepted_candidate_wins(models):
@@ -170,10 +179,11 @@ def test_grpc_answers_from_the_cache_and_bypasses_like_http(server):
     assert again[0].cache.kind == "exact" and not again[0].cache.HasField("verifier_score")
     assert again[0].finish_reason == first[-1].finish_reason
     near, meta = generate(server, "Reverse a Python list")
-    assert meta["x-quicksilver-cache"] == "hit; semantic; similarity=0.964; verifier=1.000"
+    how = meta["x-quicksilver-cache"]
+    assert how.startswith("hit; semantic; similarity=0.96") and how.endswith("; verifier=1.000"), how
     assert near[0].text == text and near[0].cache.kind == "semantic" and near[0].cache.verifier_score > 0.9
-    for other in ("How do I reverse a string in Python?", "How do I reverse a list in Python 3?"):   # cosine 0.83,
-        swapped, meta = generate(server, other)                                                       # 0.99
+    for other in ("How do I reverse a list in Python 3?", "How do I reverse a list in Python 2?"):   # cosine 0.98
+        swapped, meta = generate(server, other)
         assert meta["x-quicksilver-cache"] == "miss" and not swapped[-1].HasField("cache")
     for kwargs, why in (({"temperature": 0.8}, "sampled"), ({"semantic_cache": False}, "asked not to"),
                         ({"logprobs": 1}, "logprobs")):
@@ -182,9 +192,8 @@ def test_grpc_answers_from_the_cache_and_bypasses_like_http(server):
     out, meta = generate(server, ids=[1, 2, 3])
     assert meta["x-quicksilver-cache"] == "bypass"                            # token ids: no text
     assert server.metric("quicksilver_semantic_cache_candidates_total", result="verified") == 1
-    assert server.metric("quicksilver_semantic_cache_candidates_total", result="substitution") == 1
-    # "… Python 3?" against both questions stored by then ("… a list …", "… a string …"): no "3" in either
-    assert server.metric("quicksilver_semantic_cache_candidates_total", result="literals") == 2
+    # "… Python 3?" against the stored question, "… Python 2?" against it and "… Python 3?" (stored as a miss)
+    assert server.metric("quicksilver_semantic_cache_candidates_total", result="literals") == 3
 
 
 def test_serve_options_build_the_cache_settings():
