@@ -68,7 +68,7 @@ def generate(args: tuple[str, ...], max_tokens: int, temperature: float | None, 
     Sampling options left out take the model's own defaults (its generation_config.json), else greedy."""
     from artifact.errors import QuicksilverError
 
-    from .config import CacheConfig, EngineConfig, SchedulerConfig
+    from .config import CacheConfig, CudaConfig, EngineConfig, OrtConfig, SchedulerConfig
     from .bundled import engine_dir
     from .engine import Engine
     from .request import InvalidRequest, SamplingParams
@@ -96,7 +96,8 @@ def generate(args: tuple[str, ...], max_tokens: int, temperature: float | None, 
         params = SamplingParams.from_options(given, max_tokens=max_tokens, seed=seed, stop=stop)   # the engine fills the rest
         # One request per process: a prefix cache could never be hit, so it reserves no memory.
         engine = Engine(engine_path, EngineConfig(SchedulerConfig(max_num_seqs=1), CacheConfig(enable_prefix_cache=False),
-                                                  threads=threads, draft=draft, speculation=method, device=device))
+                                                  draft=draft, speculation=method, ort=OrtConfig(threads=threads),
+                                                  cuda=CudaConfig(device=device)))
         engine.add_request(args[-1], params)
     except (QuicksilverError, InvalidRequest, FileNotFoundError, ValueError) as e:
         fail(str(e))
@@ -331,7 +332,7 @@ def serve(engine: Path | None, draft: Path | None, speculation: str, host: str, 
 
     from artifact.errors import QuicksilverError
 
-    from .config import EngineConfig
+    from .config import CudaConfig, EngineConfig, OrtConfig
     from .bundled import engine_dir
     from .server.app import run, serve as run_server
     from .server.router import load_policy
@@ -347,8 +348,8 @@ def serve(engine: Path | None, draft: Path | None, speculation: str, host: str, 
                              CacheConfig(max_model_len=max_model_len, enable_prefix_cache=prefix_caching,
                                          kv_budget_bytes=kv_budget_mib << 20 if kv_budget_mib else None,
                                          retained_slots=retained_slots),
-                             threads=threads, spin=spin, draft=draft_path, speculation=method, device=device,
-                             cuda_graphs=cuda_graphs)
+                             draft=draft_path, speculation=method, ort=OrtConfig(threads=threads, spin=spin),
+                             cuda=CudaConfig(device=device, graphs=cuda_graphs))
         sconf = ServerConfig(
             host=host, grpc_port=grpc_port, http_port=http_port, api_key=api_key, tls_cert=tls_cert, tls_key=tls_key,
             model_name=served_model_name, request_timeout_s=request_timeout, max_body_bytes=max_body_bytes,

@@ -1,4 +1,5 @@
-"""EngineConfig: scheduler, cache and runner options, validated, one dataclass per concern."""
+"""EngineConfig: what every backend shares (scheduler, cache, speculation) and one config per backend kind (ONNX
+Runtime sessions, the cuda backend), validated, one dataclass per concern."""
 
 from __future__ import annotations
 
@@ -82,26 +83,44 @@ class CacheConfig:
 
 
 @dataclass(frozen=True)
+class OrtConfig:
+    """The ONNX Runtime backends' sessions (cpu, paged)."""
+
+    threads: int | None = None        # intra-op threads; None: min(2, cores)
+    spin: bool = True                 # threads spin between ops and 2 ms after a run (backends/cpu/runner.SPIN_US)
+    providers: tuple[str, ...] | None = None   # execution providers; None: chosen from the engine's target
+    custom_ops_library: str | None = None      # a custom-op library to register (own kernels)
+
+
+@dataclass(frozen=True)
+class CudaConfig:
+    """The cuda backend (--target cuda engines on PyTorch GEMMs and plugins/cuda kernels)."""
+
+    device: str | None = None         # "cuda" | "cpu" (the same forward on PyTorch CPU tensors); None: cuda where
+                                      # PyTorch sees a GPU, else cpu
+    graphs: bool = True               # replay steps as CUDA graphs (one per token bucket)
+
+    def __post_init__(self):
+        if self.device not in (None, "cuda", "cpu"):
+            raise ValueError(f"device must be cuda or cpu, not {self.device!r}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
+    """What every backend shares, and each backend kind's own options (the others ignore them)."""
+
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
     draft: Path | None = None         # draft engine for speculative decoding
     speculation: str | None = None    # None | "draft" (needs `draft`) | "ngram" (prompt lookup)
-    threads: int | None = None        # ONNX Runtime intra-op threads; None: min(2, cores)
-    spin: bool = True                 # ONNX Runtime threads spin between ops and 2 ms after a run (backends/cpu/runner.SPIN_US)
     verify_artifact: bool = True
-    providers: tuple[str, ...] | None = None   # ONNX Runtime execution providers; None: chosen from the engine's target
-    custom_ops_library: str | None = None      # an ONNX Runtime custom-op library to register (own kernels)
-    device: str | None = None         # cuda engines: "cuda" | "cpu" (the cuda backend's forward on PyTorch CPU
-                                      # tensors); None: cuda where PyTorch sees a GPU, else cpu
-    cuda_graphs: bool = True          # cuda backend: replay decode steps as CUDA graphs (one per batch bucket)
+    ort: OrtConfig = field(default_factory=OrtConfig)
+    cuda: CudaConfig = field(default_factory=CudaConfig)
 
     def __post_init__(self):
         if self.speculation not in (None, "draft", "ngram"):
             raise ValueError("speculation must be 'draft', 'ngram' or None")
-        if self.device not in (None, "cuda", "cpu"):
-            raise ValueError(f"device must be cuda or cpu, not {self.device!r}")
         if (self.speculation == "draft") != (self.draft is not None):
             raise ValueError("speculation='draft' and a draft engine go together")
 

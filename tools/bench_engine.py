@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from runtime.config import CacheConfig, EngineConfig, SchedulerConfig
+from runtime.config import CacheConfig, EngineConfig, OrtConfig, SchedulerConfig
 from runtime.engine import Engine
 from runtime.request import SamplingParams
 
@@ -63,7 +63,7 @@ def main() -> None:
     rng = np.random.default_rng(args.seed)
     cache = lambda prefix=True: CacheConfig(max_model_len=args.max_model_len, enable_prefix_cache=prefix,  # noqa: E731
                                             kv_budget_bytes=int(args.kv_budget_gib * 2**30))
-    engine = Engine(args.engine, EngineConfig(SchedulerConfig(max_num_seqs=16, max_waiting=1024), cache(), threads=args.threads))
+    engine = Engine(args.engine, EngineConfig(SchedulerConfig(max_num_seqs=16, max_waiting=1024), cache(), ort=OrtConfig(threads=args.threads)))
     vocab = engine.runner.vocab_size
     toks = lambda n: rng.integers(100, vocab - 100, int(n)).tolist()  # noqa: E731
     greedy = lambda n: SamplingParams(max_tokens=int(n), ignore_eos=True)  # noqa: E731
@@ -91,7 +91,7 @@ def main() -> None:
     system = toks(1024)
     for label, prefix in (("prefix_cache_on", True), ("prefix_cache_off", False)):
         eng = engine if prefix else Engine(args.engine, EngineConfig(SchedulerConfig(max_num_seqs=16), cache(False),
-                                                                     threads=args.threads))
+                                                                     ort=OrtConfig(threads=args.threads)))
         run(eng, [(0, system + toks(32), greedy(1))])                       # warms the cache (when on)
         ttfts = [run(eng, [(0, system + toks(32), greedy(8))])[0][0].ttft_s for _ in range(5)]
         results[label] = {"ttft_ms": round(1e3 * float(np.median(ttfts)), 1)}
@@ -110,7 +110,7 @@ def main() -> None:
         kinds.append(long)
     for label, ratio in (("mixed_4k", SchedulerConfig.mixed_step_ratio), ("mixed_4k_fixed_chunks", float("inf"))):
         eng = Engine(args.engine, EngineConfig(SchedulerConfig(max_num_seqs=16, mixed_step_ratio=ratio), cache(False),
-                                               threads=args.threads))
+                                               ort=OrtConfig(threads=args.threads)))
         usages, wall = run(eng, arrivals)
         del eng
         short = [u for u, k in zip(usages, kinds) if not k]

@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 from compile.build import build  # noqa: E402
 from compile.config import CompileConfig  # noqa: E402
-from runtime.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
+from runtime.config import CacheConfig, CudaConfig, EngineConfig, SchedulerConfig  # noqa: E402
 from runtime.engine import Engine  # noqa: E402
 from runtime.request import SamplingParams  # noqa: E402
 from runtime.spec_decode.speculator import SpecConfig  # noqa: E402
@@ -72,7 +72,7 @@ def part(name: str):
 def engine(path: Path, *, seqs: int = 32, device: str | None = None, prefix: bool = False, **kw) -> Engine:
     return Engine(path, EngineConfig(SchedulerConfig(max_num_seqs=seqs, max_waiting=1024),
                                      CacheConfig(enable_prefix_cache=prefix, max_model_len=kw.pop("max_model_len", 2048)),
-                                     device=device, **kw))
+                                     cuda=CudaConfig(device=device), **kw))
 
 
 def prompts(n: int, vocab: int, length: int = PROMPT_TOKENS, seed: int = 0) -> list[list[int]]:

@@ -17,7 +17,7 @@ def load_backend(engine_dir: str | Path, config: EngineConfig, sampler: Sampler)
     """The backend for the engine in `engine_dir` (and config.draft), its models loaded and KV memory reserved."""
     target = artifact.load(Path(engine_dir), verify=False).get("target")
     if target == "cuda":
-        if config.providers is None and not _ort_cuda_only():
+        if config.ort.providers is None and not _ort_cuda_only():
             try:
                 from .cuda import CudaBackend
             except ModuleNotFoundError as e:
@@ -31,7 +31,7 @@ def load_backend(engine_dir: str | Path, config: EngineConfig, sampler: Sampler)
         from .paged.backend import PagedBackend
 
         return PagedBackend(Path(engine_dir), config, sampler)
-    if config.device == "cuda":
+    if config.cuda.device == "cuda":
         raise ValueError(f"{engine_dir} is a --target {target} engine; --device cuda serves --target cuda engines "
                          "(rebuild with compile build --target cuda)")
     from .cpu.backend import CpuBackend

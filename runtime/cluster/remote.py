@@ -89,7 +89,7 @@ class Cluster:
             health_check_period_s=2.0, health_check_timeout_s=30.0, graceful_shutdown_timeout_s=5.0,
             request_router_config=RequestRouterConfig(request_router_class=ROUTERS[c.routing],
                                                       request_router_kwargs={"saturated_at": sched.max_num_seqs}))
-        replica_config = replace(config, threads=c.threads)
+        replica_config = replace(config, ort=replace(config.ort, threads=c.threads))
         handle = serve.run(deployment.bind(str(Path(engine_dir).resolve()), replica_config, f"{self.prefix}-metrics"),
                            name=app, route_prefix=None)
         self.apps.append(app)

@@ -22,10 +22,10 @@ from ..metrics import CONTENT_TYPE_LATEST, render
 from ..outputs import RequestOutput, Usage
 from ..request import InvalidRequest, SamplingParams, new_id
 from .auth import Unauthenticated, authorization_values, identify
-from .bridge import Bridge, Draining, Failed, Overloaded, Unavailable, brief, load_json
+from .bridge import Bridge, Failed, Overloaded, Unavailable, brief, load_json
 from . import errors, semantic_cache
 from .frontend import Frontend
-from .router import AUTO, Router
+from .router import AUTO
 from .tenants import DEFAULT as DEFAULT_TENANT
 from .structured import ToolRequest, response_format
 from .token_text import TokenText

@@ -17,7 +17,7 @@ from compile.build import build
 from compile.config import CompileConfig
 from paged_reference import use_reference_op
 from runtime.backends import Backend, KVManager
-from runtime.config import CacheConfig, EngineConfig, SchedulerConfig
+from runtime.config import CacheConfig, CudaConfig, EngineConfig, OrtConfig, SchedulerConfig
 from runtime.engine import Engine
 from runtime.request import SamplingParams
 from runtime.spec_decode.proposer import Proposer
@@ -70,7 +70,7 @@ def backend(request, checkpoint, tmp_path_factory):
         target = _paged_engine_dir(checkpoint, tmp_path_factory.mktemp("cuda") / "target", reference_op=False)
         draft = _paged_engine_dir(checkpoint, tmp_path_factory.mktemp("cuda") / "draft", reference_op=False)
         vocab = 512
-        extra = dict(device="cpu")
+        extra = dict(cuda=CudaConfig(device="cpu"))
         cache = CacheConfig(kv_budget_bytes=1 << 20, block_size=4)
 
         def same(a, b, across_kernels=False):          # float32 on the CPU: batch shapes round differently
@@ -82,7 +82,8 @@ def backend(request, checkpoint, tmp_path_factory):
         target = _paged_engine_dir(checkpoint, tmp_path_factory.mktemp("paged") / "target")
         draft = _paged_engine_dir(checkpoint, tmp_path_factory.mktemp("paged") / "draft")
         vocab = 512
-        extra = dict(providers=("CPUExecutionProvider",), custom_ops_library=get_library_path(), verify_artifact=False)
+        extra = dict(ort=OrtConfig(providers=("CPUExecutionProvider",), custom_ops_library=get_library_path()),
+                     verify_artifact=False)
         cache = CacheConfig(kv_budget_bytes=1 << 20, block_size=4)
 
         def same(a, b, across_kernels=False):

@@ -16,7 +16,7 @@ import torch
 
 from compile.build import build
 from compile.config import CompileConfig
-from runtime.config import CacheConfig, EngineConfig, SchedulerConfig
+from runtime.config import CacheConfig, CudaConfig, EngineConfig, SchedulerConfig
 from runtime.engine import Engine
 from runtime.request import SamplingParams
 
@@ -43,7 +43,7 @@ def engines(checkpoint, tmp_path_factory):
 
 def cuda_on_cpu(path: Path, **sched) -> Engine:
     return Engine(path, EngineConfig(SchedulerConfig(**sched), CacheConfig(kv_budget_bytes=4 << 20, block_size=4),
-                                     device="cpu"))
+                                     cuda=CudaConfig(device="cpu")))
 
 
 def prompts(seed: int = 0) -> list[list[int]]:

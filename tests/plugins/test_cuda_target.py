@@ -140,14 +140,14 @@ def test_paged_runner_refuses_cpu_engines(engine):
 
 def _engine(path, speculation=None, spec=None, draft=None, **sched):
     """An Engine on a reference-op engine copy, run on the CPU provider."""
-    from runtime.config import CacheConfig, EngineConfig, SchedulerConfig
+    from runtime.config import CacheConfig, EngineConfig, OrtConfig, SchedulerConfig
     from runtime.engine import Engine
     from runtime.spec_decode.speculator import SpecConfig
 
     return Engine(path, EngineConfig(SchedulerConfig(**sched), CacheConfig(kv_budget_bytes=1 << 20, block_size=4),
                                      spec=spec or SpecConfig(), speculation=speculation, draft=draft,
-                                     providers=("CPUExecutionProvider",), custom_ops_library=get_library_path(),
-                                     verify_artifact=False))
+                                     ort=OrtConfig(providers=("CPUExecutionProvider",),
+                                                   custom_ops_library=get_library_path()), verify_artifact=False))
 
 
 def _run(engine, prompts, params, join_steps):
@@ -281,13 +281,14 @@ def test_tensorrt_graph_is_standard_ops_plus_plugin_and_matches_reference(checkp
 def test_paged_request_that_can_never_fit_is_refused_at_admission(cpu_runnable):
     """A request whose reservation exceeds the whole block pool used to wait at the head of the queue forever
     (blocking everyone behind it); now it is refused at once, and a fitting one behind it runs."""
-    from runtime.config import CacheConfig, EngineConfig
+    from runtime.config import CacheConfig, EngineConfig, OrtConfig
     from runtime.engine import Engine
     from runtime.request import InvalidRequest, SamplingParams
 
     eng = Engine(cpu_runnable, EngineConfig(cache=CacheConfig(kv_budget_bytes=1 << 16, block_size=4),
-                                            providers=("CPUExecutionProvider",),
-                                            custom_ops_library=get_library_path(), verify_artifact=False))
+                                            ort=OrtConfig(providers=("CPUExecutionProvider",),
+                                                          custom_ops_library=get_library_path()),
+                                            verify_artifact=False))
     capacity = eng.kv.blocks.num_blocks * eng.kv.block_size
     assert capacity + 1 < eng.max_model_len - 20
     with pytest.raises(InvalidRequest, match="needs more KV memory than the cache has"):

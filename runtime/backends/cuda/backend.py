@@ -20,12 +20,12 @@ CPU_POOL_SEQUENCES = 2          # --device cpu without a budget: blocks for twic
 
 class CudaBackend(PagedBackend):
     def __init__(self, engine_dir: Path, config: EngineConfig, sampler: Sampler):
-        self.device = device = resolve_device(config.device)
+        self.device = device = resolve_device(config.cuda.device)
         itemsize = 2 if device.type == "cuda" else 4
 
         def runner(d: Path, num_blocks: int, block_size: int) -> CudaModelRunner:
             return CudaModelRunner(d, num_blocks, block_size, device=device.type, verify=config.verify_artifact,
-                                   graphs=config.cuda_graphs, max_model_len=config.cache.max_model_len)
+                                   graphs=config.cuda.graphs, max_model_len=config.cache.max_model_len)
 
         dirs = [engine_dir] + ([config.draft] if config.draft is not None else [])
         token_bytes = sum(_token_bytes(artifact.load(Path(d), verify=False), itemsize) for d in dirs)

@@ -44,8 +44,8 @@ def ort_runner(config: EngineConfig) -> Callable[[Path, int, int], PagedModelRun
     """The ONNX Runtime paged runner (PagedAttention on the CUDA execution provider, or a reference op in tests)."""
     def make(engine_dir: Path, num_blocks: int, block_size: int) -> PagedModelRunner:
         return PagedModelRunner(engine_dir, num_blocks, block_size, verify=config.verify_artifact,
-                                providers=list(config.providers) if config.providers else None,
-                                custom_ops_library=config.custom_ops_library)
+                                providers=list(config.ort.providers) if config.ort.providers else None,
+                                custom_ops_library=config.ort.custom_ops_library)
     return make
 
 
