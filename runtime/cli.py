@@ -213,7 +213,42 @@ def _models(values: tuple[str, ...]) -> dict[str, Path]:
     return models
 
 
-@main.command()
+class GroupedOptions(click.Command):
+    """A command whose --help lists its options in sections (vLLM's and llama.cpp's servers group theirs too)."""
+
+    def __init__(self, *args, sections: dict[str, tuple[str, ...]], **kwargs):
+        super().__init__(*args, **kwargs)
+        self.sections = sections
+
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        rows = {p.name: p.get_help_record(ctx) for p in self.get_params(ctx) if isinstance(p, click.Option)}
+        rows = {name: row for name, row in rows.items() if row is not None}
+        listed = set()
+        for title, names in self.sections.items():
+            with formatter.section(title):
+                formatter.write_dl([rows[n] for n in names if n in rows])
+            listed.update(names)
+        rest = [row for name, row in rows.items() if name not in listed]
+        if rest:
+            with formatter.section("Other options"):
+                formatter.write_dl(rest)
+
+
+SERVE_SECTIONS = {
+    "Model": ("draft", "speculation", "models", "served_model_name", "chat_template", "device", "cuda_graphs"),
+    "Scheduling": ("max_num_seqs", "max_waiting", "token_budget", "prefill_chunk", "mixed_step_ratio", "threads",
+                   "spin"),
+    "KV cache": ("max_model_len", "kv_budget_mib", "prefix_caching", "retained_slots"),
+    "Server": ("host", "grpc_port", "http_port", "request_timeout", "max_body_bytes", "max_tokens_limit", "grace",
+               "otlp_endpoint", "disable_log_requests", "log_level"),
+    "Security and tenants": ("api_key", "tls_cert", "tls_key", "priority_floor", "priority_keys", "tenants_file"),
+    "Routing and cluster": ("route_file", "replicas", "replica_routing", "ray_address"),
+    "Semantic cache": ("semantic_cache", "semantic_cache_threshold", "semantic_cache_verify_threshold",
+                       "semantic_cache_ttl", "semantic_cache_size"),
+}
+
+
+@main.command(cls=GroupedOptions, sections=SERVE_SECTIONS)
 @click.argument("engine", required=False, type=click.Path(path_type=Path))
 @click.option("--draft", type=click.Path(path_type=Path), default=None, help="Draft engine for speculative decoding.")
 @click.option("--speculation", type=click.Choice(["auto", "draft", "ngram", "off"]), default="auto", show_default=True,

@@ -26,3 +26,21 @@ def test_a_chat_template_file_replaces_the_models(engine, tmp_path):
         assert r.json()["usage"]["prompt_tokens"] == want["usage"].prompt_tokens
     finally:
         server.stop()
+
+
+def test_serve_help_lists_every_option_once_in_its_section():
+    import click
+    from click.testing import CliRunner
+
+    from runtime.cli import SERVE_SECTIONS, main
+
+    out = CliRunner().invoke(main, ["serve", "--help"], terminal_width=200).output
+    titles = [line[:-1] for line in out.splitlines() if line.endswith(":") and not line.startswith(" ")]
+    assert titles == list(SERVE_SECTIONS) + ["Other options"], titles          # the rest: --help alone
+    assert out.split("Other options:")[1].split() == ["-h,", "--help", "Show", "this", "message", "and", "exit."]
+    params = [p for p in main.commands["serve"].params if isinstance(p, click.Option)]
+    for p in params:
+        flag = max(p.opts, key=len)
+        assert sum(line.lstrip().startswith(flag) for line in out.splitlines()) == 1, flag
+    named = [n for names in SERVE_SECTIONS.values() for n in names]
+    assert sorted(named) == sorted(set(named)) and set(named) <= {p.name for p in params}
