@@ -68,12 +68,15 @@ class Metrics:
                                            ["result"], registry=r)
         self.semantic_entries = Gauge("quicksilver_semantic_cache_entries", "Answers the semantic cache holds",
                                       registry=r)
+        self.published = Gauge("quicksilver_metrics_published_timestamp_seconds", "When a replica last published its "
+                               "engine series (Unix time; runtime serve --replicas only): how fresh they are",
+                               registry=r)
         # What the engine (not a transport) observes: under `runtime serve --replicas` these come from each replica,
         # the rest (request latencies, errors, tenants, semantic cache) from the front that answered the request.
         self.engine_families = frozenset(family.name for m in (
             self.prefill_step, self.decode_step, self.running, self.waiting, self.kv_usage, self.prefix_blocks,
             self.batch, self.prefix_queries, self.prefix_hits, self.spec_proposed, self.spec_accepted,
-            self.spec_rounds, self.prompt_tokens, self.generation_tokens) for family in m.collect())
+            self.spec_rounds, self.prompt_tokens, self.generation_tokens, self.published) for family in m.collect())
         self._seen = {"queries": 0, "hits": 0, "proposed": 0, "accepted": 0, "rounds": 0, "prompt": 0, "generation": 0, "steps": 0}
 
     def on_step(self, engine) -> None:

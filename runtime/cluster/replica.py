@@ -87,6 +87,7 @@ class EngineReplica:
     def _publish(self) -> None:
         while not self._stop.wait(PUBLISH_S):
             try:
+                self.metrics.published.set(time.time())
                 self._board.put.remote(self.app, self.name, self.metrics.exposition(),
                                        self.engine.num_waiting)
             except Exception as e:      # the board is gone: the cluster is shutting down

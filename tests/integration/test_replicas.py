@@ -73,6 +73,12 @@ def wait_for(condition, timeout: float, what: str):
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
+def published_since(server, t: float) -> None:
+    """Both replicas have published their engine series after `t` (time.time())."""
+    wait_for(lambda: [v > t for v in replica_values(server, "quicksilver_metrics_published_timestamp_seconds")
+                      .values()] == [True, True], 15, "both replicas to publish")
+
+
 def test_streams_over_http_and_grpc_equal_the_engines_greedy_output(server, alone):
     client = OpenAI(base_url=f"{server.http_url}/v1", api_key="none")
     for prompt in PROMPTS:
@@ -88,7 +94,7 @@ def test_streams_over_http_and_grpc_equal_the_engines_greedy_output(server, alon
 
 def test_a_users_turns_go_to_the_replica_that_holds_their_prefix(server):
     client = OpenAI(base_url=f"{server.http_url}/v1", api_key="none")
-    time.sleep(1.2)                                   # what earlier tests did is published (twice a second)
+    published_since(server, time.time())              # what earlier tests did is published
     before = replica_values(server, "quicksilver_prefix_cache_hits_tokens_total")
     cached, prompt_tokens, history = [], [], SYSTEM
     for turn in range(5):     # each turn is the whole conversation so far and a new line
@@ -110,7 +116,7 @@ def test_a_users_turns_go_to_the_replica_that_holds_their_prefix(server):
 
 
 def test_new_users_behind_a_shared_prefix_spread_over_both_replicas(server):
-    time.sleep(1.2)
+    published_since(server, time.time())
     before = replica_values(server, "quicksilver_prompt_tokens_total")
     shared = SYSTEM[:SYSTEM.index("# rule 2")]        # ~40 tokens every user's prompt starts with, ~100 of its own
     computed = 0
