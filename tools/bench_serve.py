@@ -192,6 +192,36 @@ def print_table(summary: dict, baseline: str | None) -> None:
         print(f"(median [min-max] over rounds; Nx: ratio to {baseline}, median of per-round ratios)")
 
 
+def roofline(summary: dict, engine: str, gguf: str | None, context: int) -> dict:
+    """Each server's conc-1 decode as a fraction of the machine's bound at this context: read bandwidth ÷ the
+    bytes a batch-1 step reads (the engine's weights, or the GGUF file's, and the KV of `context` tokens, sized
+    from the Quicksilver engine's manifest: the same model shape)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_decode import kv_bytes_per_token, read_bandwidth_gbs, weight_bytes_per_token
+
+    from artifact import load
+
+    manifest = load(Path(engine), verify=False)
+    kv = context * kv_bytes_per_token(manifest)
+    weights = {"quicksilver": weight_bytes_per_token(Path(engine), manifest)}
+    if gguf:
+        weights["llama"] = Path(gguf).stat().st_size
+    bandwidth = read_bandwidth_gbs()
+    out = {"read_bandwidth_gbs": bandwidth, "context": context, "servers": {}}
+    print(f"batch-1 bound at {context} tokens of context, read bandwidth {bandwidth:.1f} GB/s (2 threads):")
+    for name, entries in summary.items():
+        w = weights.get(name, weights["quicksilver"] if name != "llama" else None)
+        decode = entries.get("conc1.decode_tps_per_stream")
+        if w is None or decode is None:
+            continue
+        bound = bandwidth * 1e9 / (w + kv)
+        out["servers"][name] = {"bound_tok_s": bound, "decode_tok_s": decode["median"],
+                                "pct_of_bound": 100 * decode["median"] / bound}
+        print(f"  {name}: conc-1 decode {decode['median']:.1f} tok/s = {100 * decode['median'] / bound:.1f} % of "
+              f"{bound:.1f} tok/s ({w / 1e6:.0f} MB weights + {kv / 1e6:.1f} MB KV a step)")
+    return out
+
+
 def plot(summary: dict, path: Path, levels: list[int]) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -294,10 +324,15 @@ def main() -> None:
             p.wait(timeout=30)
     summary = summarize(runs, args.baseline)
     print_table(summary, args.baseline)
+    bound = None
+    if args.quicksilver and 1 in args.concurrency:
+        bound = roofline(summary, args.quicksilver, args.llama_server[1] if args.llama_server else None,
+                         args.prompt_tokens + args.max_tokens // 2)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-                                         "servers": servers, "summary": summary, "rounds": runs}, indent=2))
+                                         "servers": servers, "summary": summary, "roofline": bound, "rounds": runs},
+                                        indent=2))
     if args.plot:
         plot(summary, args.plot, args.concurrency)
 
