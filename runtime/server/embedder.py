@@ -73,8 +73,9 @@ def _int8_compute(path: Path) -> bytes:
     for node in model.graph.node:
         weight, scale = node.output[0], node.input[1] if len(node.input) > 1 else ""
         int8 = node.input[0][:-2] + "_q" if node.op_type == "Mul" and node.input[0].endswith("_f") else ""
-        if int8 in inits and scale in inits and all(u.op_type == "MatMul" and list(u.input) == [u.input[0], weight]
-                                                    for u in users.get(weight, [None])):
+        consumers = users.get(weight, [])
+        if (int8 in inits and scale in inits and consumers and list(inits[scale].dims)[-1:] == list(inits[int8].dims)[-1:]
+                and all(u.op_type == "MatMul" and list(u.input) == [u.input[0], weight] for u in consumers)):
             flat = numpy_helper.from_array(numpy_helper.to_array(inits[scale]).reshape(-1), scale + "_columns")
             model.graph.initializer.append(flat)
             dequantized[weight] = (int8, flat.name)

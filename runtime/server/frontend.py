@@ -12,8 +12,9 @@ from collections.abc import Awaitable, Callable
 
 from ..request import InvalidRequest, SamplingParams
 from . import semantic_cache
-from .bridge import Bridge, Draining, Overloaded
+from .bridge import MAX_TAG, Bridge, Draining, Overloaded
 from .router import Route, Router
+from .tenants import RateLimited
 
 log = logging.getLogger("quicksilver.server")
 CACHE_HEADER = "x-quicksilver-cache"     # HTTP header and gRPC metadata: bypass | miss | hit; …
@@ -55,9 +56,11 @@ class Frontend:
         return fallback.bridge, fallback, stream, await _first(stream)
 
     async def lookup(self, bridge: Bridge, query: semantic_cache.Query | None, prompt: list[int],
-                     params: SamplingParams, priority: int, floor: int):
+                     params: SamplingParams, priority: int, floor: int, tenant=None, tag: str = ""):
         """(hit or None, {CACHE_HEADER: …}): the cache's answer, after the checks the bridge makes before admission
-        (an answer from the cache passes no more than a generated one would). `query` None: not cacheable."""
+        (an answer from the cache passes no more than a generated one would: a hit counts against the caller's
+        tenant limits as a request of its prompt and answer). `query` None: not cacheable. A lookup that fails
+        (a model or index error) is logged and is a miss: the request is generated."""
         if self.cache is None:
             return None, {}
         if query is None:
@@ -65,11 +68,26 @@ class Frontend:
             return None, {CACHE_HEADER: "bypass"}
         if bridge.draining:
             raise Draining("the server is shutting down")
+        if len(tag) > MAX_TAG:
+            raise InvalidRequest(f"request_id is {len(tag)} characters; at most {MAX_TAG}")
         bridge.check_priority(priority, floor)
         bridge.check_limits(prompt, params)
         t0 = time.perf_counter()
-        hit = await asyncio.to_thread(self.cache.lookup, query)
+        try:
+            hit = await asyncio.to_thread(self.cache.lookup, query)
+        except Exception:     # noqa: BLE001  (the cache only saves work: the request is generated instead)
+            log.exception("semantic cache: a lookup failed; the request is generated")
+            hit = None
         bridge.metrics.on_semantic_lookup(hit.kind if hit else "miss", time.perf_counter() - t0)
+        if hit is not None and tenant is not None and bridge.limits is not None:
+            try:
+                bridge.limits.admit(tenant, len(prompt) + params.max_tokens)
+            except RateLimited as e:
+                bridge.metrics.on_tenant(tenant.name, "rate_limited")
+                raise Overloaded(str(e), e.retry_after_s, shed=False) from None
+            bridge.limits.release(tenant, params.max_tokens - hit.answer.completion_tokens)
+            bridge.metrics.on_tenant(tenant.name, "admitted", len(prompt))
+            bridge.metrics.on_tenant_tokens(tenant.name, hit.answer.completion_tokens)
         for rejected in query.rejected:
             bridge.metrics.on_semantic_candidate(rejected)
         if hit is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import grpc
@@ -12,7 +13,7 @@ from grpc_reflection.v1alpha import reflection
 from ..config import ServerConfig
 from ..constraints import Constraint
 from ..outputs import RequestOutput
-from ..request import SAMPLING_KEYS, InvalidRequest, SamplingParams, new_id
+from ..request import SAMPLING_KEYS, InvalidRequest, SamplingParams, generation_defaults, new_id
 from .auth import BearerAuthInterceptor, authorization_values, identify
 from .bridge import Overloaded, brief
 from . import errors
@@ -80,6 +81,7 @@ def lenient(message_type):
 class GenerationServicer(pb_grpc.GenerationServicer):
     def __init__(self, frontend: Frontend):
         self.frontend, self.router = frontend, frontend.router
+        self.defaults: dict[str, dict] = {}      # model → its generation_config.json sampling defaults
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         arrival, b = time.monotonic(), self.router.primary          # TTFT counts from here
@@ -98,32 +100,43 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                                                            lambda bridge: bridge.encode(prompt), len,
                                                            params.max_tokens)
             ids = counted if counted is not None and b is self.router.primary else None
-            query, caching = self._query(b, request, text, params, caller.tenant), self.frontend.cache is not None
-            if caching:
+            query, cache_headers = self._query(b, request, text, params, caller.tenant), {}
+            if self.frontend.cache is not None:
                 if query is not None and ids is None:
                     ids = await b.encode(text)
-                hit, headers = await self.frontend.lookup(b, query, ids, params, request.priority,
-                                                          caller.priority_floor)
-                await context.send_initial_metadata(tuple({**(route.headers if route else {}), **headers}.items()))
+                hit, cache_headers = await self.frontend.lookup(b, query, ids, params, request.priority,
+                                                                caller.priority_floor, caller.tenant,
+                                                                request.request_id)
                 if hit is not None:
+                    await context.send_initial_metadata(tuple({**(route.headers if route else {}),
+                                                               **cache_headers}.items()))
                     yield _cached(hit, request.request_id or new_id("req-"), len(ids))
                     return
-            async for msg in self._generated(b, route, ids or prompt, len(counted or ()), params, request, context,
-                                             arrival, caller, query, sent_metadata=caching):
-                yield msg
+            generated = self._generated(b, route, ids or prompt, len(counted or ()), params, request, context,
+                                        arrival, caller, query, cache_headers)
+            async with contextlib.aclosing(generated):      # a cancelled call aborts its request now, not at GC
+                async for msg in generated:
+                    yield msg
         except errors.HANDLED as e:
             await _abort(context, e, b)
 
     def _query(self, bridge, request, text, params, tenant):
-        """The semantic cache's key for a text prompt, or None (no cache, a token-id prompt, not cacheable)."""
+        """The semantic cache's key for a text prompt, or None (no cache, a token-id prompt, not cacheable).
+        Whether it is sampled is read from the options as the engine will resolve them: a request that leaves
+        temperature out samples if the model's generation_config.json says so."""
         if self.frontend.cache is None or text is None:
             return None
         asked = request.semantic_cache if request.HasField("semantic_cache") else None
+        if bridge.model_name not in self.defaults:
+            self.defaults[bridge.model_name] = generation_defaults(bridge.info.engine_dir)
+        resolved = params.resolve(self.defaults[bridge.model_name])
+        if semantic_cache.bypassed(asked, 1, resolved):
+            return None
         return semantic_cache.query_for_text(text, asked, params, tenant.name if tenant else DEFAULT_TENANT,
                                              bridge.model_name)
 
     async def _generated(self, b, route, prompt, prompt_tokens: int, params, request, context, arrival, caller,
-                         query, sent_metadata: bool):
+                         query, cache_headers: dict):
         """The request's responses as the engine streams them (admission, with fallback, at the first);
         `prompt_tokens`: the prompt's length as routing counted it (for the fallback's context check)."""
         metadata = dict(context.invocation_metadata() or ())
@@ -140,8 +153,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         b, route, stream, out = await self.frontend.first_output(b, route, prompt_tokens, open_stream, on_fallback)
         keep, texts, ids = self.frontend.keeper(query), [], []
         try:
-            if route is not None and not sent_metadata:
-                await context.send_initial_metadata(tuple(route.headers.items()))
+            if route is not None or cache_headers:          # after admission: the model that took it
+                await context.send_initial_metadata(tuple({**(route.headers if route else {}),
+                                                           **cache_headers}.items()))
             while True:
                 yield response_to_pb(out, request.request_id or out.request_id)   # the client's tag, if any
                 texts.append(out.text)

@@ -221,7 +221,7 @@ class HttpApi:
                 raise InvalidRequest("timeout must be a positive number of seconds")
             rid = new_id("chatcmpl-" if chat else "cmpl-", 8)
             query = self._query(bridge, body, chat, asked, n, tenant)
-            hit, cache_headers = await self.frontend.lookup(bridge, query, prompt, params, priority, floor)
+            hit, cache_headers = await self.frontend.lookup(bridge, query, prompt, params, priority, floor, tenant)
             if hit is not None:
                 shape = _Shape(rid, bridge.model_name, chat, self.token_texts[bridge.model_name])
                 return self._cached(shape, hit, len(prompt), stream, include_usage,

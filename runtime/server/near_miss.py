@@ -26,7 +26,8 @@ _NUMBER_WORDS = {w: str(i) for i, w in enumerate(
     "zero _ two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen "
     "seventeen eighteen nineteen twenty".split()) if w != "_"}          # not "one": "which one", "one of"
 _NEGATIONS = frozenset("not no never without cannot cant dont doesnt didnt isnt arent wasnt werent wont shouldnt "
-                       "couldnt wouldnt nothing none nobody neither nor".split())
+                       "couldnt wouldnt havent hasnt hadnt mustnt neednt aint nothing none nobody neither "
+                       "nor".split())
 _MARKERS = {"to": "to", "into": "to", "than": "than", "from": "from", "vs": "vs", "versus": "vs"}
 _FILLER = frozenset("a an the of in on for with and or by at as about how do does did i you we my your me can "
                     "could would should is are was were be been being what which who whom whose when where why way "
@@ -79,7 +80,7 @@ def _quoted(text: str) -> list[str]:
 
 def _words(text: str) -> list[str]:
     """Lower-cased words, number words as digits ("ten" is "10"), -n't joined ("doesn't" is "doesnt")."""
-    words = re.findall(r"[a-z0-9+#]+", text.casefold().replace("n't", "nt").replace("’", "'"))
+    words = re.findall(r"[a-z0-9+#]+", text.casefold().replace("’", "'").replace("n't", "nt"))
     return [_NUMBER_WORDS.get(w, w) for w in words]
 
 
@@ -90,22 +91,26 @@ def _stem(word: str) -> str:
     return word
 
 
-def _sides(words: list[str]) -> dict[str, tuple[set[str], str | None]]:
-    """For each direction marker: (content words before it, the first content word after it)."""
-    out = {}
+def _sides(words: list[str]) -> list[tuple[str, set[str], str | None]]:
+    """For each occurrence of a direction marker: (marker, content words before it, first content word after)."""
+    out = []
     for i, w in enumerate(words):
-        if w in _MARKERS and _MARKERS[w] not in out:
+        if w in _MARKERS:
             after = next((_stem(x) for x in words[i + 1:] if x not in _FILLER and x not in _MARKERS), None)
             before = {_stem(x) for x in words[:i] if x not in _FILLER and x not in _MARKERS}
-            out[_MARKERS[w]] = (before, after)
+            out.append((_MARKERS[w], before, after))
     return out
 
 
 def _swapped(wa: list[str], wb: list[str]) -> bool:
-    """Whether what follows a marker in one comes before it in the other, both ways (X to Y / Y to X)."""
+    """Whether, around the same marker, what follows it in one comes before it in the other, both ways (X to Y /
+    Y to X). Occurrences are paired by rank from the start and from the end ("how to convert X to Y" / "convert Y
+    to X": the last "to" of each), never across ranks, so a text is no near miss of itself."""
     sa, sb = _sides(wa), _sides(wb)
-    for m in sa.keys() & sb.keys():
-        (before_a, after_a), (before_b, after_b) = sa[m], sb[m]
-        if after_a and after_b and after_a != after_b and after_a in before_b and after_b in before_a:
-            return True
+    for marker in {m for m, _, _ in sa} & {m for m, _, _ in sb}:
+        oa = [(before, after) for m, before, after in sa if m == marker]
+        ob = [(before, after) for m, before, after in sb if m == marker]
+        for (before_a, after_a), (before_b, after_b) in [*zip(oa, ob), *zip(oa[::-1], ob[::-1])]:
+            if after_a and after_b and after_a != after_b and after_a in before_b and after_b in before_a:
+                return True
     return False

@@ -12,7 +12,7 @@ earlier turns, as a hash):
   a swapped direction or slot) is turned down; the VERIFIED most similar of the rest go to the verifier
   (runtime.server.verifier, a pair classifier reading both questions), and the most similar it accepts is the hit.
   Misses cost no verification unless a candidate passed the embedding threshold. Only short questions
-  (≤ SEMANTIC_MAX_TOKENS word pieces) take part: a long text's embedding is dominated by what two texts share (or
+  (≤ SEMANTIC_MAX_TOKENS word pieces and SEMANTIC_MAX_CHARS characters) take part: a long text's embedding is dominated by what two texts share (or
   cut at the model's 256 tokens), so long prompts are matched exactly or not at all.
 
 Entries live `ttl_s` and at most `max_entries` are kept (expired entries go first, then the least recently used;
@@ -41,6 +41,7 @@ VERIFY_THRESHOLD = 0.2        # the verifier's P(same question) that accepts one
 CANDIDATES = 8                # nearest questions examined for one with the same context key
 VERIFIED = 2                  # most candidates the verifier reads for one lookup (the most similar first)
 SEMANTIC_MAX_TOKENS = 64      # longer questions are cached and matched exactly only
+SEMANTIC_MAX_CHARS = 1024     # so are longer texts (a 100-character "word" is one [UNK] word piece)
 
 
 @dataclass(frozen=True)
@@ -145,7 +146,7 @@ class SemanticCache:
                 return Hit(entry.answer, "exact", 1.0)
             if q.namespace not in self._indexes:
                 return None
-        if self.embedder.count_tokens(q.question) > SEMANTIC_MAX_TOKENS:
+        if not self._semantic(q.question):
             return None
         q.vector = self.embedder.embed([q.question])[0]      # outside the lock: ONNX Runtime releases the GIL
         with self._lock:
@@ -162,6 +163,10 @@ class SemanticCache:
                 if entry is not None and entry.context == q.context and similarity >= self.settings.threshold:
                     candidates.append((similarity, found, entry))
         return self._verified(q, sorted(candidates, key=lambda c: -c[0]))
+
+    def _semantic(self, question: str) -> bool:
+        """Whether a question takes part in the semantic layer (short in characters and in word pieces)."""
+        return len(question) <= SEMANTIC_MAX_CHARS and self.embedder.count_tokens(question) <= SEMANTIC_MAX_TOKENS
 
     def _verified(self, q: Query, candidates: list) -> Hit | None:
         """The most similar candidate that is no near miss of the question (runtime.server.near_miss) and that the
@@ -189,7 +194,7 @@ class SemanticCache:
         """Keep this answer for the question (replacing an equal question's): expired entries go first, then the
         least recently used while the cache is full."""
         vector = q.vector
-        if vector is None and self.embedder.count_tokens(q.question) <= SEMANTIC_MAX_TOKENS:
+        if vector is None and self._semantic(q.question):
             vector = self.embedder.embed([q.question])[0]
         now = self.clock()
         key = (q.namespace, q.context, q.question)

