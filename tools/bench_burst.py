@@ -10,6 +10,11 @@ Why: ITL p99 over a burst counts how many stalls there were more than how long t
 p99 misses up to 5 stalls entirely), so two policies can trade a percentile against the longest stall.
 
     python tools/bench_burst.py engines/smollm2-int8 --policy 4096,256,2 --policy 512,256,2 --json burst.json
+
+`--long-prompt N`: instead of a burst, the streams are decoding when one N-token prompt arrives; per policy, the
+other streams' ITL p50 and p99 while it prefills (#49: p99 ≤ 1.5× p50) and its TTFT.
+
+    python tools/bench_burst.py /tmp/q05-int4 --streams 4 --long-prompt 8000 --max-tokens 32
 """
 
 from __future__ import annotations
@@ -51,6 +56,39 @@ def burst(engine: Engine, prompts: list[str], max_tokens: int, stall_ms: float, 
             "wall_s": max(t[-1] for t in times.values()) - t0}
 
 
+def long_prompt(engine: Engine, prompts: list[str], long_ids: list[int], max_tokens: int, tag: str) -> dict:
+    """The streams decode a few steps, then the long prompt arrives: the streams' gaps while it prefills (until its
+    first token), and its TTFT."""
+    params = SamplingParams(max_tokens=min(1024, engine.max_model_len // 2), temperature=0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(p, params, request_id=f"{tag}-{i}")
+    times: dict[str, list[float]] = {}
+    while len(times) < len(prompts) or min(len(t) for t in times.values()) < 4:   # all decoding
+        outs = engine.step()
+        now = time.perf_counter()
+        for o in outs:
+            times.setdefault(o.request_id, []).append(now)
+    arrival, first = time.perf_counter(), None
+    engine.add_request(long_ids, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
+                       request_id=f"{tag}-long")
+    during: dict[str, list[float]] = {r: [t[-1]] for r, t in times.items()}
+    while first is None:
+        outs = engine.step()
+        now = time.perf_counter()
+        for o in outs:
+            if o.request_id == f"{tag}-long":
+                first = now
+            elif o.request_id in during:
+                during[o.request_id].append(now)
+    for r in during:
+        engine.abort(r)
+    while engine.has_work():
+        engine.step()
+    gaps = np.concatenate([np.diff(t) for t in during.values()]) * 1e3
+    return {"long_ttft_s": first - arrival, "itl_p50_ms": float(np.percentile(gaps, 50)),
+            "itl_p99_ms": float(np.percentile(gaps, 99)), "itl_max_ms": float(gaps.max()), "gaps": int(gaps.size)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("engine")
@@ -62,6 +100,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--stall-ms", type=float, default=100.0)
+    ap.add_argument("--long-prompt", type=int, default=0, metavar="TOKENS",
+                    help="streams decode while one prompt of this many tokens arrives (see above)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     policies = args.policy or [(4096, 256, 2.0)]
@@ -69,6 +109,8 @@ def main() -> None:
     engines = {p: Engine(args.engine, EngineConfig(SchedulerConfig(max(16, args.streams), p[0], p[1], 256, p[2]),
                                                    CacheConfig(enable_prefix_cache=False))) for p in policies}
     rows: dict[tuple, list[dict]] = {p: [] for p in policies}
+    if args.long_prompt:
+        return long_prompt_main(args, engines, text)
     for rnd in range(args.rounds):
         prompts = [f"# round {rnd} stream {i}\n" + text[(i * 7 + rnd) * 997 % (len(text) - args.prompt_chars):]
                    [:args.prompt_chars] for i in range(args.streams)]
@@ -83,6 +125,31 @@ def main() -> None:
               f"{med['stalls']:7.0f} {med['wall_s']:7.2f}")
     print(f"(medians over {args.rounds} rounds; stalls: gaps over {args.stall_ms:.0f} ms of "
           f"{rows[policies[0]][0]['gaps']})")
+    if args.json:
+        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "policies": summary},
+                                        indent=2))
+
+
+def long_prompt_main(args, engines: dict, text: str) -> None:
+    rows: dict[tuple, list[dict]] = {p: [] for p in engines}
+    vocab = next(iter(engines.values())).info.vocab_size
+    for rnd in range(args.rounds):
+        prompts = [f"# round {rnd} stream {i}\n" + text[(i * 7 + rnd) * 997 % (len(text) - args.prompt_chars):]
+                   [:args.prompt_chars] for i in range(args.streams)]
+        long_ids = np.random.default_rng(rnd).integers(0, vocab, args.long_prompt).tolist()
+        for p, engine in engines.items():
+            rows[p].append(long_prompt(engine, prompts, long_ids, args.max_tokens, f"{rnd}"))
+    summary = {}
+    print(f"{args.streams} streams decoding, one {args.long_prompt}-token prompt arrives; the streams' gaps while it "
+          f"prefills (medians over {args.rounds} rounds)")
+    print(f"{'budget,chunk,ratio':>20} {'long TTFT s':>12} {'ITL p50':>9} {'ITL p99':>9} {'p99/p50':>8} {'ITL max':>9}")
+    for p, rs in rows.items():
+        med = {k: float(np.median([r[k] for r in rs])) for k in ("long_ttft_s", "itl_p50_ms", "itl_p99_ms",
+                                                                 "itl_max_ms")}
+        ratio = float(np.median([r["itl_p99_ms"] / r["itl_p50_ms"] for r in rs]))
+        summary[",".join(map(str, p))] = {"median": {**med, "p99_over_p50": ratio}, "rounds": rs}
+        print(f"{','.join(map(str, p)):>20} {med['long_ttft_s']:12.2f} {med['itl_p50_ms']:9.1f} "
+              f"{med['itl_p99_ms']:9.1f} {ratio:8.2f} {med['itl_max_ms']:9.1f}")
     if args.json:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "policies": summary},
                                         indent=2))
