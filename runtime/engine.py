@@ -91,7 +91,8 @@ class Engine:
         self.info = EngineInfo(Path(engine_dir), manifest, self.runner.vocab_size, self.max_model_len,
                                config.cache.block_size, config.scheduler.max_num_seqs, config.scheduler.max_waiting,
                                self.kv.num_slots, config.speculation if self.speculator else None,
-                               Path(self.draft.engine_dir).resolve().name if self.draft is not None else None)
+                               Path(self.draft.engine_dir).resolve().name if self.draft is not None else None,
+                               self.sampling_defaults)
         backend.warm_up()
 
     # -- requests ---------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ engine-client protocol. Transports and the cluster read only this, never an engi
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -21,6 +21,7 @@ class EngineInfo:
     num_slots: int              # sequences that can hold KV (running + retained for reuse)
     speculation: str | None     # "draft" | "ngram" | None
     draft: str | None           # the draft engine's folder name (its path is the server's business)
+    sampling_defaults: dict = field(default_factory=dict)   # what requests leaving options out get (generation_config)
 
     @property
     def name(self) -> str:

@@ -205,14 +205,7 @@ class Bridge:
             await asyncio.to_thread(self._compile, params.constraint)
         if self.draining:             # checked again: the server may have begun to stop while we tokenized
             raise Draining("the server is shutting down")
-        tenant_name = tenant.name if tenant is not None else DEFAULT
-        if tenant is not None and self.limits is not None:
-            try:
-                self.limits.admit(tenant, len(prompt) + params.max_tokens)
-            except RateLimited as e:
-                self.metrics.on_tenant(tenant_name, "rate_limited")
-                raise Overloaded(str(e), e.retry_after_s, shed=False) from None
-        self.metrics.on_tenant(tenant_name, "admitted", len(prompt))
+        self.admit(tenant, len(prompt), params.max_tokens)
         generated, shed, inner = 0, False, self._stream(prompt, params, tag, priority, timeout_s, arrival, carrier)
         try:
             async for out in inner:
@@ -223,9 +216,25 @@ class Bridge:
             raise
         finally:
             await inner.aclose()      # now, not at garbage collection: closing it aborts an unfinished request
-            self.metrics.on_tenant_tokens(tenant_name, generated)
-            if tenant is not None and self.limits is not None:
-                self.limits.release(tenant, params.max_tokens - generated + (len(prompt) if shed else 0))
+            self.settle(tenant, params.max_tokens - generated + (len(prompt) if shed else 0), generated)
+
+    def admit(self, tenant, prompt_tokens: int, max_tokens: int) -> None:
+        """Count a request (generated or answered from the semantic cache) against its caller's tenant limits:
+        over them, Overloaded (not shed: the caller's limit holds on every model). Settle it when it ends."""
+        name = tenant.name if tenant is not None else DEFAULT
+        if tenant is not None and self.limits is not None:
+            try:
+                self.limits.admit(tenant, prompt_tokens + max_tokens)
+            except RateLimited as e:
+                self.metrics.on_tenant(name, "rate_limited")
+                raise Overloaded(str(e), e.retry_after_s, shed=False) from None
+        self.metrics.on_tenant(name, "admitted", prompt_tokens)
+
+    def settle(self, tenant, unused_tokens: int, generated: int) -> None:
+        """An admitted request ended: its tokens counted, its slot and the tokens it did not use given back."""
+        self.metrics.on_tenant_tokens(tenant.name if tenant is not None else DEFAULT, generated)
+        if tenant is not None and self.limits is not None:
+            self.limits.release(tenant, unused_tokens)
 
     async def _stream(self, prompt: list[int], params: SamplingParams, tag: str, priority: int,
                       timeout_s: float | None, arrival: float | None, carrier) -> AsyncIterator[RequestOutput]:

@@ -14,7 +14,6 @@ from ..request import InvalidRequest, SamplingParams
 from . import semantic_cache
 from .bridge import MAX_TAG, Bridge, Draining, Overloaded
 from .router import Route, Router
-from .tenants import RateLimited
 
 log = logging.getLogger("quicksilver.server")
 CACHE_HEADER = "x-quicksilver-cache"     # HTTP header and gRPC metadata: bypass | miss | hit; …
@@ -79,15 +78,9 @@ class Frontend:
             log.exception("semantic cache: a lookup failed; the request is generated")
             hit = None
         bridge.metrics.on_semantic_lookup(hit.kind if hit else "miss", time.perf_counter() - t0)
-        if hit is not None and tenant is not None and bridge.limits is not None:
-            try:
-                bridge.limits.admit(tenant, len(prompt) + params.max_tokens)
-            except RateLimited as e:
-                bridge.metrics.on_tenant(tenant.name, "rate_limited")
-                raise Overloaded(str(e), e.retry_after_s, shed=False) from None
-            bridge.limits.release(tenant, params.max_tokens - hit.answer.completion_tokens)
-            bridge.metrics.on_tenant(tenant.name, "admitted", len(prompt))
-            bridge.metrics.on_tenant_tokens(tenant.name, hit.answer.completion_tokens)
+        if hit is not None:                 # answered at once: admitted and settled as a generated request is
+            bridge.admit(tenant, len(prompt), params.max_tokens)
+            bridge.settle(tenant, params.max_tokens - hit.answer.completion_tokens, hit.answer.completion_tokens)
         for rejected in query.rejected:
             bridge.metrics.on_semantic_candidate(rejected)
         if hit is None:

