@@ -3,6 +3,11 @@ peak memory, and the batch-1 roofline of this machine: read bandwidth ÷ the byt
 and the KV cache of the context so far), printed beside every batch-1 figure as the fraction of that bound.
 `--contexts 2048,8192` adds batch-1 decode at those context lengths (KV reads grow with them).
 
+This machine's bandwidth swings 25–37 GB/s minutes apart, so a fraction of the bound taken from one bandwidth
+figure and a decode figure measured elsewhere swung 51–77 % between runs. The fraction is therefore taken in rounds
+inside the decoding process: each round reads the bandwidth, then decodes; the table gives the median round's
+fraction and the rounds' range. Threads spin between ops as `runtime serve` does (--no-spin: sleep).
+
 Each engine runs in its own subprocess so peak RSS is its own; engines are measured one after another
 in one invocation so their ratios are comparable. Medians over repeats.
 
@@ -25,9 +30,9 @@ import numpy as np
 import onnx
 
 
-def read_bandwidth_gbs(threads: int = 2, mib: int = 512, repeats: int = 5) -> float:
+def read_bandwidth_gbs(threads: int = 2, mib: int = 512, repeats: int = 5, data: np.ndarray | None = None) -> float:
     """Read bandwidth with `threads` numpy reductions in parallel (numpy releases the GIL), best of repeats."""
-    data = np.ones(mib * 2**20 // 8, np.float64)
+    data = np.ones(mib * 2**20 // 8, np.float64) if data is None else data
     parts = np.array_split(data, threads)
     best = 0.0
     for _ in range(repeats):
@@ -71,27 +76,51 @@ def kv_bytes_per_token(manifest: dict) -> int:
     return 2 * kv["num_layers"] * kv["num_kv_heads"] * kv["head_dim"] * itemsize
 
 
-def decode_at(runner, pool, context: int, steps: int, vocab: int) -> float:
-    """Median seconds of a batch-1 decode step at `context` tokens (prefilled in chunks of 512)."""
+def decode_steps_s(runner, pool, first: int, position: int, steps: int) -> tuple[list[float], int]:
+    """Seconds of `steps` batch-1 decode steps from `position` (slot 0), greedy from token `first`; the last token."""
     from runtime.backends.cpu.slots import SlotRange
 
-    ids = np.random.default_rng(1).integers(0, vocab, context)
-    for start in range(0, context, 512):
-        chunk = ids[start:start + 512]
-        logits = runner.execute(chunk[None].astype(np.int64), np.array([start + len(chunk) - 1], np.int32),
-                                np.array([len(chunk) - 1]), pool, SlotRange(0, 1))
-    token, times = int(logits.argmax()), []
+    token, times = first, []
     for i in range(steps):
         t = time.perf_counter()
-        logits = runner.execute(np.array([[token]], np.int64), np.array([context + i], np.int32), np.array([0]),
+        logits = runner.execute(np.array([[token]], np.int64), np.array([position + i], np.int32), np.array([0]),
                                 pool, SlotRange(0, 1))
         token = int(logits.argmax())
         times.append(time.perf_counter() - t)
-    return float(np.median(times))
+    return times, token
+
+
+def roofline_rounds(runner, pool, first: int, position: int, steps: int, rounds: int, step_bytes: int,
+                    bandwidth_data: np.ndarray) -> dict:
+    """Batch-1 decode in `rounds` rounds, each after reading this machine's bandwidth: the median step's tok/s and
+    fraction of the bound (bandwidth ÷ `step_bytes`) per round. Returns their medians and the fractions' range."""
+    rates, fractions, bandwidths = [], [], []
+    for r in range(rounds):
+        time.sleep(0.01)                  # ONNX Runtime's threads stop spinning 2 ms after a run
+        bandwidth = read_bandwidth_gbs(repeats=3, data=bandwidth_data)
+        times, first = decode_steps_s(runner, pool, first, position + r * steps, steps)
+        rate = 1 / float(np.median(times))
+        rates.append(rate)
+        bandwidths.append(bandwidth)
+        fractions.append(rate / (bandwidth * 1e9 / step_bytes))
+    return {"tok_s": round(float(np.median(rates)), 1), "bandwidth_gbs": round(float(np.median(bandwidths)), 1),
+            "pct_of_bound": round(100 * float(np.median(fractions)), 1),
+            "pct_of_bound_range": [round(100 * min(fractions), 1), round(100 * max(fractions), 1)]}
+
+
+def prefill(runner, pool, ids: np.ndarray) -> int:
+    """Prefill `ids` into slot 0 in chunks of 512; the greedy next token."""
+    from runtime.backends.cpu.slots import SlotRange
+
+    for start in range(0, len(ids), 512):
+        chunk = ids[start:start + 512]
+        logits = runner.execute(chunk[None].astype(np.int64), np.array([start + len(chunk) - 1], np.int32),
+                                np.array([len(chunk) - 1]), pool, SlotRange(0, 1))
+    return int(logits.argmax())
 
 
 def measure(engine: Path, prompt_len: int, decode_steps: int, threads: int | None, spin: bool,
-            prompt_file: Path | None = None, contexts: tuple[int, ...] = ()) -> dict:
+            prompt_file: Path | None = None, contexts: tuple[int, ...] = (), rounds: int = 5) -> dict:
     from runtime.backends.cpu.slots import SlotRange
     from runtime.backends.cpu.runner import ModelRunner
 
@@ -103,7 +132,7 @@ def measure(engine: Path, prompt_len: int, decode_steps: int, threads: int | Non
     else:
         ids = np.random.default_rng(0).integers(0, runner.vocab_size, prompt_len).tolist()
     prompt = np.asarray([ids], np.int64)
-    pool = runner.new_pool(8, capacity=prompt_len + decode_steps + 8)
+    pool = runner.new_pool(8, capacity=prompt_len + rounds * decode_steps + 8)
 
     ttft = []
     for _ in range(5):
@@ -114,33 +143,40 @@ def measure(engine: Path, prompt_len: int, decode_steps: int, threads: int | Non
 
     result = {"engine": str(engine), "precision": runner.manifest["precision"]["weights"], "load_s": round(load_s, 3),
               "ttft_ms": round(1e3 * float(np.median(ttft)), 2)}
-    # decode right after the prompt (context prompt_len … prompt_len + decode_steps), every row the same prompt
+    first = int(logits.argmax())
+    # batch 8 right after the prompt (context prompt_len … prompt_len + decode_steps), every row the same prompt
     for s in range(1, 8):
         pool_copy(pool, 0, s, prompt_len)
-    for batch in (1, 8):
-        tokens = np.full((batch, 1), int(logits.argmax()), np.int64)
-        steps = []
-        for i in range(decode_steps):
-            t = time.perf_counter()
-            logits = runner.execute(tokens, np.full(batch, prompt_len + i, np.int32), np.arange(batch), pool, SlotRange(0, batch))
-            tokens = logits.argmax(-1).astype(np.int64)[:, None]
-            steps.append(time.perf_counter() - t)
-        result[f"decode_b{batch}_tok_s"] = round(batch / float(np.median(steps)), 1)
-    result["peak_rss_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
-    result["weight_bytes_per_token"] = weight_bytes_per_token(engine, runner.manifest)
-    result["kv_bytes_per_context_token"] = kv_bytes_per_token(runner.manifest)
-    result["decode_b1_context"] = prompt_len + decode_steps // 2
+    tokens = np.full((8, 1), first, np.int64)
+    steps = []
+    for i in range(decode_steps):
+        t = time.perf_counter()
+        logits = runner.execute(tokens, np.full(8, prompt_len + i, np.int32), np.arange(8), pool, SlotRange(0, 8))
+        tokens = logits.argmax(-1).astype(np.int64)[:, None]
+        steps.append(time.perf_counter() - t)
+    result["decode_b8_tok_s"] = round(8 / float(np.median(steps)), 1)
+    result["peak_rss_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)   # before the rounds' buffer
+    weights, per_token = weight_bytes_per_token(engine, runner.manifest), kv_bytes_per_token(runner.manifest)
+    result["weight_bytes_per_token"], result["kv_bytes_per_context_token"] = weights, per_token
+    # batch 1 right after the prompt, in rounds with the bandwidth (slot 0's rows past the prompt are rewritten)
+    context = prompt_len + rounds * decode_steps // 2
+    result["decode_b1_context"] = context
+    bandwidth_data = np.ones(512 * 2**20 // 8, np.float64)
+    b1 = roofline_rounds(runner, pool, first, prompt_len, decode_steps, rounds, weights + context * per_token,
+                         bandwidth_data)
+    result["decode_b1_tok_s"], result["read_bandwidth_gbs"] = b1["tok_s"], b1["bandwidth_gbs"]
+    result["roofline_b1_tok_s"] = round(b1["bandwidth_gbs"] * 1e9 / (weights + context * per_token), 1)
+    result["roofline_pct"], result["roofline_pct_range"] = b1["pct_of_bound"], b1["pct_of_bound_range"]
     for context in contexts:
-        long_pool = runner.new_pool(1, capacity=context + decode_steps + 8)
-        result[f"decode_b1_ctx{context}_tok_s"] = round(1 / decode_at(runner, long_pool, context, decode_steps,
-                                                                      runner.vocab_size), 1)
+        long_pool = runner.new_pool(1, capacity=context + rounds * decode_steps + 8)
+        ids = np.random.default_rng(1).integers(0, runner.vocab_size, context)
+        at = roofline_rounds(runner, long_pool, prefill(runner, long_pool, ids), context, decode_steps, rounds,
+                             weights + (context + rounds * decode_steps // 2) * per_token, bandwidth_data)
+        result[f"decode_b1_ctx{context}_tok_s"] = at["tok_s"]
+        result[f"decode_b1_ctx{context}_pct_of_bound"] = at["pct_of_bound"]
+        result[f"decode_b1_ctx{context}_pct_range"] = at["pct_of_bound_range"]
         del long_pool
     return result
-
-
-def bound_tok_s(row: dict, bandwidth_gbs: float, context: int) -> float:
-    """Batch-1 tokens/s if a step cost only reading its bytes (weights + the KV of `context` tokens)."""
-    return bandwidth_gbs * 1e9 / (row["weight_bytes_per_token"] + context * row["kv_bytes_per_context_token"])
 
 
 def main() -> None:
@@ -149,7 +185,9 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--decode-steps", type=int, default=64)
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--spin", action="store_true", help="let ONNX Runtime threads spin between ops")
+    ap.add_argument("--no-spin", dest="spin", action="store_false",
+                    help="ONNX Runtime threads sleep between ops (runtime serve --no-spin); default: they spin")
+    ap.add_argument("--rounds", type=int, default=5, help="batch-1 rounds, each after a bandwidth reading")
     ap.add_argument("--prompt-file", type=Path, default=None, help='JSON {"ids": [...]} (e.g. the peers\' prompt_512.json)')
     ap.add_argument("--contexts", default="", help="batch-1 decode also at these context lengths (comma-separated)")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
@@ -158,38 +196,36 @@ def main() -> None:
     if args.single:
         contexts = tuple(int(c) for c in args.contexts.split(",") if c)
         print(json.dumps(measure(args.engines[0], args.prompt_len, args.decode_steps, args.threads, args.spin,
-                                 args.prompt_file, contexts)))
+                                 args.prompt_file, contexts, args.rounds)))
         return
-    bandwidth = read_bandwidth_gbs()
     rows = []
     for engine in args.engines:
         cmd = [sys.executable, __file__, str(engine), "--single", "--prompt-len", str(args.prompt_len),
                "--decode-steps", str(args.decode_steps)] + (["--threads", str(args.threads)] if args.threads else []) \
-            + (["--spin"] if args.spin else []) + (["--prompt-file", str(args.prompt_file)] if args.prompt_file else []) \
+            + ([] if args.spin else ["--no-spin"]) + ["--rounds", str(args.rounds)] + (["--prompt-file", str(args.prompt_file)] if args.prompt_file else []) \
             + (["--contexts", args.contexts] if args.contexts else [])
         out = subprocess.run(cmd, capture_output=True, text=True)
         if out.returncode:
             sys.exit(f"{engine}: {out.stderr.strip().splitlines()[-1]}")
-        row = json.loads(out.stdout.strip().splitlines()[-1])
-        row["roofline_b1_tok_s"] = round(bound_tok_s(row, bandwidth, row["decode_b1_context"]), 1)
-        row["roofline_pct"] = round(100 * row["decode_b1_tok_s"] / row["roofline_b1_tok_s"], 1)
-        for key in [k for k in row if k.startswith("decode_b1_ctx")]:
-            context = int(key[len("decode_b1_ctx"):-len("_tok_s")])
-            row[key.replace("_tok_s", "_pct_of_bound")] = round(100 * row[key] / bound_tok_s(row, bandwidth, context), 1)
-        rows.append(row)
-    print(f"read bandwidth {bandwidth:.1f} GB/s (2 threads); prompt {args.prompt_len} tokens; medians")
-    header = f"{'engine':<32} {'prec':<5} {'TTFT ms':>8} {'b1 tok/s':>9} {'b8 tok/s':>9} {'roofline':>9} {'% roof':>7} {'MB/tok':>7} {'peak MiB':>9}"
+        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    print(f"prompt {args.prompt_len} tokens; medians; batch 1 in {args.rounds} rounds, each after a read-bandwidth "
+          f"reading (2 threads): % of the bound is the median round's, [the rounds' range]")
+    header = (f"{'engine':<24} {'prec':<5} {'TTFT ms':>8} {'b1 tok/s':>9} {'b8 tok/s':>9} {'GB/s':>5} {'roofline':>9} "
+              f"{'% roof':>7} {'[range]':>12} {'MB/tok':>7} {'peak MiB':>9}")
     print(header)
     for r in rows:
-        print(f"{Path(r['engine']).name:<32} {r['precision']:<5} {r['ttft_ms']:>8.1f} {r['decode_b1_tok_s']:>9.1f} "
-              f"{r['decode_b8_tok_s']:>9.1f} {r['roofline_b1_tok_s']:>9.1f} {r['roofline_pct']:>7.1f} "
-              f"{r['weight_bytes_per_token'] / 1e6:>7.1f} {r['peak_rss_mib']:>9.0f}")
+        lo, hi = r["roofline_pct_range"]
+        print(f"{Path(r['engine']).name:<24} {r['precision']:<5} {r['ttft_ms']:>8.1f} {r['decode_b1_tok_s']:>9.1f} "
+              f"{r['decode_b8_tok_s']:>9.1f} {r['read_bandwidth_gbs']:>5.1f} {r['roofline_b1_tok_s']:>9.1f} "
+              f"{r['roofline_pct']:>7.1f} {f'[{lo:.0f}–{hi:.0f}]':>12} {r['weight_bytes_per_token'] / 1e6:>7.1f} "
+              f"{r['peak_rss_mib']:>9.0f}")
         for key in [k for k in r if k.startswith("decode_b1_ctx") and k.endswith("_tok_s")]:
             context = key[len("decode_b1_ctx"):-len("_tok_s")]
+            lo, hi = r[key.replace("_tok_s", "_pct_range")]
             print(f"  batch 1 at {context} tokens of context: {r[key]:.1f} tok/s, "
-                  f"{r[key.replace('_tok_s', '_pct_of_bound')]:.1f} % of the bound (weights + KV)")
+                  f"{r[key.replace('_tok_s', '_pct_of_bound')]:.1f} % [{lo:.0f}–{hi:.0f}] of the bound (weights + KV)")
     if args.json:
-        args.json.write_text(json.dumps({"read_bandwidth_gbs": bandwidth, "prompt_len": args.prompt_len, "engines": rows}, indent=2))
+        args.json.write_text(json.dumps({"prompt_len": args.prompt_len, "rounds": args.rounds, "engines": rows}, indent=2))
 
 
 if __name__ == "__main__":

@@ -206,3 +206,41 @@ def test_int4_pads_one_row_steps_exactly_where_this_cpu_needs_it(engines):
     alone = runner.decode(pool, [(0, 11, 6)], set())
     both = runner.decode(pool, [(0, 11, 6), (1, 12, 6)], set())        # row 0 rewritten with the same token
     assert np.array_equal(alone[0], both[0])
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_batched_verification_equals_one_call_per_sequence(engines, precision):
+    """ModelRunner.verify puts several sequences' guesses in one call, each row padded to the longest: every row's
+    logits and the KV it leaves over its own tokens equal a call for that sequence alone, bitwise, whatever the
+    rows' lengths, the slots between them (unused: a dummy row; fenced: a separate call) and their contexts."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    runner = ModelRunner(engines("target", precision))
+    assert runner.batches_verifications
+    capacity, num_slots = 96, 8
+
+    rows_strategy = st.lists(st.tuples(st.integers(0, num_slots - 1), st.integers(1, 60), st.integers(1, 6)),
+                             min_size=2, max_size=6, unique_by=lambda r: r[0])
+
+    @settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(rows_strategy, st.sets(st.integers(0, num_slots - 1)), st.integers(0, 2**31))
+    def check(rows, fenced, seed):
+        rng = np.random.default_rng(seed)
+        pools = [runner.new_pool(num_slots, capacity) for _ in range(2)]
+        calls = []
+        for slot, context, n in rows:
+            prompt = rng.integers(3, 8000, context).tolist()
+            for pool in pools:
+                runner.prefill(pool, slot, prompt, 0)
+            calls.append((slot, rng.integers(3, 8000, n).tolist(), context))
+        own = {slot for slot, _, _ in calls}
+        batched = runner.verify(pools[0], calls, fenced - own)
+        for (slot, tokens, start), got in zip(calls, batched):
+            want = runner.prefill(pools[1], slot, tokens, start, all_logits=True)
+            assert got.shape == want.shape and np.array_equal(got, want), f"slot {slot}: logits differ"
+            end = start + len(tokens)
+            for a, b in zip(pools[0].keys + pools[0].values, pools[1].keys + pools[1].values):
+                assert np.array_equal(a[slot, :, :end], b[slot, :, :end]), f"slot {slot}: KV differs"
+
+    check()

@@ -1,7 +1,8 @@
 """The CPU backend: GroupQueryAttention over contiguous KV slots, one ONNX Runtime session per model.
 
-Decodes run as one batched call per contiguous range of slots; a prompt chunk or a speculative verification
-runs as one call for its sequence (GroupQueryAttention refuses several new tokens on a past in a batch > 1).
+Decodes run as one batched call per contiguous range of slots, and so do speculative verifications where the
+engine's attention allows it (ModelRunner.batches_verifications; else each runs as one call for its sequence, as a
+prompt chunk always does: GroupQueryAttention refuses several new tokens on a past in a batch > 1).
 KV lives in KVCacheManager's slots (address space reserved per sequence, memory resident as tokens arrive)
 and its prefix-cache blocks.
 """
@@ -80,8 +81,17 @@ class CpuBackend:
             self.cost.record("dec", len(decodes), time.perf_counter() - t0)
             for i, row in zip(decodes, out):
                 logits[i] = row[None]
+        verifications = [i for i, s in enumerate(inp.seqs) if s.proposal is not None]
+        if self.runner.batches_verifications and len(verifications) > 1:
+            seqs = [inp.seqs[i] for i in verifications]
+            t0 = time.perf_counter()
+            out = self.runner.verify(pool, [(s.req.slot, s.tokens, s.start) for s in seqs],
+                                     self.kv.fenced_slots({s.req.slot for s in seqs}))
+            self.cost.record("ver", len(seqs) * max(len(s.tokens) for s in seqs), time.perf_counter() - t0)
+            for i, rows in zip(verifications, out):
+                logits[i] = rows
         for i, s in enumerate(inp.seqs):
-            if s.is_decode:
+            if s.is_decode or logits[i] is not None:
                 continue
             t0 = time.perf_counter()
             out = self.runner.prefill(pool, s.req.slot, s.tokens, s.start, all_logits=s.num_logits > 1)
@@ -91,7 +101,9 @@ class CpuBackend:
         return RunnerOutput(logits)
 
     def step_cost(self, num_decodes: int) -> Callable[[Sequence[int]], float]:
-        """Plain decodes batched, each verification its own call, the draft's guess steps batched."""
+        """Plain decodes batched; verifications batched (each row padded to the longest: "ver" is keyed by the
+        tokens a call computes) or each its own call; the draft's guess steps batched."""
+        batched = self.runner.batches_verifications
         memo: dict[tuple[str, int], float] = {}
 
         def cost(kind: str, n: int) -> float:
@@ -101,8 +113,10 @@ class CpuBackend:
 
         def seconds(guesses: Sequence[int]) -> float:
             k = len(guesses)
-            return (cost("dec", num_decodes - k) + sum(cost("ver", g + 1) for g in guesses)
-                    + (max(guesses) * cost("draft", k) if k else 0.0))
+            if not k:
+                return cost("dec", num_decodes)
+            verify = cost("ver", k * (max(guesses) + 1)) if batched and k > 1 else sum(cost("ver", g + 1) for g in guesses)
+            return cost("dec", num_decodes - k) + verify + max(guesses) * cost("draft", k)
         return seconds
 
     def warm_up(self) -> None:
@@ -124,3 +138,8 @@ class CpuBackend:
                     self.cost.record("draft", b, timed(lambda: self.draft.decode(self.kv.pools[1], rows, set())))
             for g in range(1, self._max_gamma + 1):
                 self.cost.record("ver", g + 1, timed(lambda: self.runner.prefill(self.kv.slots, 0, [0] * (g + 1), 16, True)))
+            if self.runner.batches_verifications:
+                for b in sizes[1:]:
+                    for g in sorted({1, 3, self._max_gamma}):
+                        rows = [(s, [0] * (g + 1), 16) for s in range(b)]
+                        self.cost.record("ver", b * (g + 1), timed(lambda: self.runner.verify(self.kv.slots, rows, set())))

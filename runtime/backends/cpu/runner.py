@@ -94,6 +94,18 @@ def _one_row_matches(shapes: tuple[tuple[int, int], ...], block_size: int, threa
     return True
 
 
+def slot_groups(slots: list[int], fenced: set[int]) -> list[list[int]]:
+    """Indices into `slots` grouped for batched calls: ascending slots, a new group wherever the range between two
+    would span a fenced slot (KVCacheManager.fenced_slots)."""
+    groups: list[list[int]] = []
+    for i in sorted(range(len(slots)), key=slots.__getitem__):
+        if groups and not any(s in fenced for s in range(slots[groups[-1][-1]] + 1, slots[i])):
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
 class ModelRunner:
     def __init__(self, engine_dir: str | Path, threads: int | None = None, verify: bool = True, spin: bool = True):
         self.engine_dir = Path(engine_dir)
@@ -191,16 +203,8 @@ class ModelRunner:
         Returns:
             logits [len(rows), vocab] in the order of `rows` (a fresh array).
         """
-        order = sorted(range(len(rows)), key=lambda i: rows[i][0])
         out = np.empty((len(rows), self.vocab_size), np.float32)
-        groups: list[list[int]] = []
-        for i in order:
-            slot = rows[i][0]
-            if groups and not any(s in fenced for s in range(rows[groups[-1][-1]][0] + 1, slot)):
-                groups[-1].append(i)
-            else:
-                groups.append([i])
-        for group in groups:
+        for group in slot_groups([r[0] for r in rows], fenced):
             lo = rows[group[0]][0]
             width = rows[group[-1]][0] - lo + 1
             ids, seqlens = np.zeros((width, 1), np.int64), np.zeros(width, np.int32)
@@ -209,6 +213,41 @@ class ModelRunner:
                 ids[slot - lo, 0], seqlens[slot - lo] = token, pos
             index = np.array([rows[i][0] - lo for i in group], np.int64)
             out[group] = self.execute(ids, seqlens, index, pool, SlotRange(lo, width))
+        return out
+
+    @property
+    def batches_verifications(self) -> bool:
+        """Whether verify() may put several sequences' guesses in one call: qs.CausalAttention places each row's
+        tokens by its own seqlens_k (GroupQueryAttention refuses several new tokens on a past in a batch > 1), and
+        a batch-invariant graph gives each row the bits it would get alone (greedy speculation stays plain greedy)."""
+        precision = self.manifest["precision"]
+        return precision.get("attention") == "qs.CausalAttention" and precision.get("batch_invariant") is True
+
+    def verify(self, pool: SlotPool, rows: list[tuple[int, list[int], int]], fenced: set[int]) -> list[np.ndarray]:
+        """Several sequences' tokens in one call per contiguous range of slots (batches_verifications engines):
+        rows are (slot, tokens, start). Each row is padded to the longest with copies of its last token, whose KV
+        lands past the sequence's end, where a rejected guess's lands too: every later step writes a position
+        before it attends to it. A spanned slot's dummy row writes positions 0.. of a slot nobody reads (decode).
+        Returns logits [len(tokens), vocab] per row, in the order of `rows` (fresh arrays)."""
+        width_tokens = max(len(r[1]) for r in rows)
+        assert max(start for _, _, start in rows) + width_tokens <= pool.capacity
+        out: list[np.ndarray | None] = [None] * len(rows)
+        for group in slot_groups([r[0] for r in rows], fenced):
+            lo = rows[group[0]][0]
+            width = rows[group[-1]][0] - lo + 1
+            ids = np.zeros((width, width_tokens), np.int64)
+            seqlens = np.full(width, width_tokens - 1, np.int32)
+            index = []
+            for i in group:
+                slot, tokens, start = rows[i]
+                ids[slot - lo, :len(tokens)], ids[slot - lo, len(tokens):] = tokens, tokens[-1]
+                seqlens[slot - lo] = start + width_tokens - 1
+                index.extend((slot - lo) * width_tokens + np.arange(len(tokens)))
+            logits = self.execute(ids, seqlens, np.array(index, np.int64), pool, SlotRange(lo, width))
+            at = 0
+            for i in group:
+                n = len(rows[i][1])
+                out[i], at = logits[at:at + n].copy(), at + n
         return out
 
     def prefill(self, pool: SlotPool, slot: int, tokens: list[int], start: int, all_logits: bool = False) -> np.ndarray:
