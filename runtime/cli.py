@@ -110,13 +110,12 @@ def generate(args: tuple[str, ...], max_tokens: int, temperature: float | None, 
                 u = out.usage
                 if stats:
                     _print_stats(u.prompt_tokens, u.cached_tokens, u.completion_tokens, out.finish_reason, u.ttft_s,
-                                 u.tpot_s, u.spec_proposed, u.spec_accepted, u.spec_off)
+                                 u.tpot_s, u.spec_proposed, u.spec_accepted)
 
 
-def _print_stats(prompt, cached, completion, finish, ttft_s, tpot_s, proposed=0, accepted=0, spec_off="") -> None:
+def _print_stats(prompt, cached, completion, finish, ttft_s, tpot_s, proposed=0, accepted=0) -> None:
     tpot = f"{tpot_s * 1e3:.2f} ms ({1 / tpot_s:.0f} tok/s)" if tpot_s else "n/a"
-    spec = (f", speculation {accepted}/{proposed} accepted" if proposed else
-            f", speculation off: {spec_off}" if spec_off else "")
+    spec = f", speculation {accepted}/{proposed} accepted" if proposed else ""
     click.echo(f"[{prompt} prompt tokens ({cached} cached), {completion} generated, finish: {finish}; "
                f"TTFT {ttft_s * 1e3:.1f} ms, TPOT {tpot}{spec}]", err=True)
 

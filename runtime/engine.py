@@ -29,7 +29,7 @@ from .detokenizer import IncrementalDetokenizer, StopStringFilter
 from .engine_client import EngineInfo
 from .outputs import ModelInput, RequestOutput, RunnerOutput, StepResult, Usage
 from .request import InvalidRequest, Request, RequestStatus, SamplingParams, generation_defaults
-from .sampler import Sampler, logit_adjustments
+from .sampler import Sampler
 from .scheduler import Scheduler
 from .spec_decode.speculator import Speculator
 
@@ -130,9 +130,6 @@ class Engine:
         if not self.kv.can_ever_fit(req):
             raise InvalidRequest(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) needs more KV memory "
                                  "than the cache has; lower max_tokens or raise the KV budget")
-        if self.speculator is not None and not self.speculator.eligible(req):
-            req.spec_off = f"its {logit_adjustments(req)} changes the logits speculation verifies against"
-            log.info("request %s: speculation off (%s)", req.request_id, req.spec_off)
         self.requests[req.request_id] = req
         if matcher is not None:
             self._matchers[req.request_id] = matcher
@@ -351,4 +348,4 @@ def usage(req: Request) -> Usage:
                  queue_wait_s=(req.first_scheduled - req.arrival) if req.first_scheduled else None,
                  ttft_s=ttft, tpot_s=tpot, e2e_s=(req.finish_time - req.arrival) if req.finish_time else None,
                  spec_proposed=req.spec_proposed, spec_accepted=req.spec_accepted, prefill_chunks=req.prefill_chunks,
-                 spec_off=req.spec_off)
+)

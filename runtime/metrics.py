@@ -49,8 +49,6 @@ class Metrics:
         self.prompt_tokens = Counter("quicksilver_prompt_tokens", "Prompt tokens computed", registry=r)
         self.generation_tokens = Counter("quicksilver_generation_tokens", "Tokens generated", registry=r)
         self.finished = Counter("quicksilver_requests_finished", "Finished requests", ["finish_reason"], registry=r)
-        self.spec_skipped = Counter("quicksilver_spec_skipped_requests", "Requests the engine's speculation skipped "
-                                    "(their penalties or logit bias change the logits it verifies against)", registry=r)
         self.errors = Counter("quicksilver_request_errors", "Rejected or failed requests", ["code"], registry=r)
         # per tenant (runtime serve --tenants; the configured names, else "default": a bounded set)
         self.tenant_requests = Counter("quicksilver_tenant_requests", "Requests by tenant and outcome (admitted, "
@@ -138,8 +136,6 @@ class Metrics:
         self.finished.labels(finish_reason=finish_reason).inc()
         if usage is None:
             return
-        if usage.spec_off:
-            self.spec_skipped.inc()
         bucket = prompt_bucket(usage.prompt_tokens)
         for hist, value in ((self.ttft, usage.ttft_s), (self.tpot, usage.tpot_s), (self.e2e, usage.e2e_s),
                             (self.queue, usage.queue_wait_s)):

@@ -104,7 +104,6 @@ class Usage:
     spec_proposed: int = 0        # speculative tokens proposed / accepted for this request
     spec_accepted: int = 0
     prefill_chunks: int = 0       # prompt chunks its prefill took (chunked prefill beside other requests)
-    spec_off: str = ""            # why the engine's speculation skipped this request ("" when it did not)
 
 
 @dataclass

@@ -145,7 +145,6 @@ class Request:
     num_computed_draft: int = 0                # tokens whose KV is in the draft's slot (speculation)
     spec_proposed: int = 0
     prefill_chunks: int = 0                    # prompt chunks computed (the scheduler counts them)
-    spec_off: str = ""                         # why the engine's speculation skips this request ("" if it does not)
     spec_accepted: int = 0
     num_cached: int = 0                        # prompt tokens served from the prefix cache (first admission)
     steps_sat_out: int = 0                     # consecutive steps a long prompt yielded to short ones (aging)

@@ -7,6 +7,7 @@ are those of the model's distribution (before temperature and filters), as OpenA
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,31 +29,23 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
     return x - (m + np.log(np.exp(x - m).sum()))
 
 
-def logit_adjustments(req: Request) -> str:
-    """What changes the request's logits, in words ("" when nothing: greedy is a plain argmax)."""
-    p = req.params
-    names = [name for name, on in (("repetition penalty", p.repetition_penalty != 1.0),
-                                   ("presence penalty", bool(p.presence_penalty)),
-                                   ("frequency penalty", bool(p.frequency_penalty)), ("logit bias", bool(p.logit_bias)))
-             if on]
-    return ", ".join(names)
-
-
 def adjusts_logits(req: Request) -> bool:
     """Whether the request's penalties or logit bias change its logits (else greedy is a plain argmax)."""
     p = req.params
     return p.repetition_penalty != 1.0 or bool(p.presence_penalty or p.frequency_penalty or p.logit_bias)
 
 
-def adjust_logits(logits: np.ndarray, req: Request) -> np.ndarray:
-    """Penalties for tokens already seen, then the logit bias (in place on a float64 copy the caller owns)."""
+def adjust_logits(logits: np.ndarray, req: Request, ahead: Sequence[int] = ()) -> np.ndarray:
+    """Penalties for tokens already seen, then the logit bias (in place on a float64 copy the caller owns).
+    `ahead`: tokens after the request's own that count as seen (speculative guesses before this position: a
+    guess is only judged once every guess before it was accepted, so they are the sequence there)."""
     p = req.params
     if p.repetition_penalty != 1.0:
-        seen = np.unique(np.asarray(req.all_ids))
+        seen = np.unique(np.asarray(req.all_ids + list(ahead)))
         vals = logits[seen]
         logits[seen] = np.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-    if (p.presence_penalty or p.frequency_penalty) and req.output_ids:
-        ids, counts = np.unique(np.asarray(req.output_ids), return_counts=True)
+    if (p.presence_penalty or p.frequency_penalty) and (req.output_ids or ahead):
+        ids, counts = np.unique(np.asarray(req.output_ids + list(ahead)), return_counts=True)
         logits[ids] -= p.presence_penalty + p.frequency_penalty * counts
     if p.logit_bias:
         ids, bias = zip(*p.logit_bias)
@@ -60,10 +53,18 @@ def adjust_logits(logits: np.ndarray, req: Request) -> np.ndarray:
     return logits
 
 
-def filtered_probs(logits: np.ndarray, req: Request) -> np.ndarray:
-    """The distribution sampling draws from: penalties, temperature, then top-k, top-p and min-p filters."""
+def greedy_token(logits: np.ndarray, req: Request, ahead: Sequence[int] = ()) -> int:
+    """The greedy choice: the argmax, after the request's penalties and logit bias where it has any."""
+    if not adjusts_logits(req):
+        return int(logits.argmax())
+    return int(adjust_logits(logits.astype(np.float64), req, ahead).argmax())
+
+
+def filtered_probs(logits: np.ndarray, req: Request, ahead: Sequence[int] = ()) -> np.ndarray:
+    """The distribution sampling draws from: penalties, temperature, then top-k, top-p and min-p filters
+    (`ahead`: as adjust_logits)."""
     p = req.params
-    x = adjust_logits(logits.astype(np.float64, copy=True), req) / p.temperature
+    x = adjust_logits(logits.astype(np.float64, copy=True), req, ahead) / p.temperature
     if 0 < p.top_k < x.size:
         kth = np.partition(x, -p.top_k)[-p.top_k]
         x[x < kth] = -np.inf
@@ -114,10 +115,8 @@ class Sampler:
     def sample(self, logits: np.ndarray, req: Request) -> SampleResult:
         """logits [vocab] float32 for one request → its next token."""
         p = req.params
-        if p.greedy and not adjusts_logits(req):
-            token = int(logits.argmax())
-        elif p.greedy:
-            token = int(adjust_logits(logits.astype(np.float64), req).argmax())
+        if p.greedy:
+            token = greedy_token(logits, req)
         else:
             token = self.draw(filtered_probs(logits, req), req, req.num_tokens)
         return self.result(token, logits, req)

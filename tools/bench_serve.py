@@ -151,6 +151,38 @@ async def measure(name: str, url: str, args, rnd: int) -> dict:
     return out
 
 
+def spec_counters(url: str) -> tuple[float, float, float] | None:
+    """(proposed, accepted, verifications) from a Quicksilver server's Prometheus metrics; None for servers that
+    do not publish them (llama-server)."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url.removesuffix("/v1") + "/metrics", timeout=5) as r:
+            text = r.read().decode()
+    except OSError:
+        return None
+    values = {}
+    for line in text.splitlines():
+        for key in ("quicksilver_spec_proposed_tokens_total", "quicksilver_spec_accepted_tokens_total",
+                    "quicksilver_spec_verifications_total"):
+            if line.startswith(key + " ") or line.startswith(key + "{"):
+                values[key] = values.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    return tuple(values.get(k, 0.0) for k in ("quicksilver_spec_proposed_tokens_total",
+                                               "quicksilver_spec_accepted_tokens_total",
+                                               "quicksilver_spec_verifications_total")) if values else None
+
+
+def with_acceptance(result: dict, before, after) -> dict:
+    """A round's figures plus its speculation: acceptance (accepted ÷ proposed guesses) and tokens per
+    verification (1 + accepted ÷ verifications, what one target pass yielded), from the server's counters."""
+    if before is None or after is None:
+        return result
+    proposed, accepted, rounds = (a - b for a, b in zip(after, before))
+    result["speculation"] = {"proposed": proposed, "acceptance": accepted / proposed if proposed else None,
+                             "tokens_per_verification": 1 + accepted / rounds if rounds else None}
+    return result
+
+
 def summarize(runs: dict[str, list[dict]], baseline: str | None) -> dict:
     """Median and spread over rounds of every figure, and ratios to the baseline (same round's figures)."""
     summary = {}
@@ -158,11 +190,11 @@ def summarize(runs: dict[str, list[dict]], baseline: str | None) -> dict:
         summary[name] = {}
         for case in rounds[0]:
             for key in rounds[0][case]:
-                values = [r[case][key] for r in rounds if r[case][key] is not None]
+                values = [r[case][key] for r in rounds if r.get(case, {}).get(key) is not None]
                 if not values:
                     continue
                 entry = {"median": float(np.median(values)), "min": float(min(values)), "max": float(max(values))}
-                if baseline and name != baseline:
+                if baseline and name != baseline and case != "speculation":
                     ratios = [r[case][key] / b[case][key] for r, b in zip(rounds, runs[baseline])
                               if r[case][key] is not None and b[case][key]]
                     if ratios:
@@ -254,6 +286,8 @@ def main() -> None:
                          "run starts is fresh, so none is measured on prompts cached by an earlier run")
     ap.add_argument("--llama-server", nargs=2, metavar=("BIN", "GGUF"), help="start llama-server on a GGUF")
     ap.add_argument("--llama-slots", type=int, default=8, help="llama-server -np (parallel slots)")
+    ap.add_argument("--llama-slot-context", type=int, default=2048,
+                    help="tokens of context per llama-server slot (its -c is slots × this)")
     ap.add_argument("--baseline", default=None, help="server name the ratios are taken against")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--prompt-tokens", type=int, default=445)
@@ -289,7 +323,7 @@ def main() -> None:
             port = free_port()
             binary, gguf = args.llama_server
             cmd = [binary, "-m", gguf, "--port", str(port), "-np", str(args.llama_slots), "-t", str(os.cpu_count()),
-                   "-c", str(args.llama_slots * 2048)]
+                   "-c", str(args.llama_slots * args.llama_slot_context)]
             servers["llama"] = f"http://127.0.0.1:{port}/v1"
             log = logs / "bench_serve_llama.log"
             procs["llama"] = (start(cmd, servers["llama"], log), cmd, log)
@@ -299,6 +333,7 @@ def main() -> None:
         for rnd in range(args.rounds):
             order = list(servers) if rnd % 2 == 0 else list(servers)[::-1]
             for name in order:
+                before = spec_counters(servers[name])
                 try:
                     runs[name].append(asyncio.run(measure(name, servers[name], args, rnd)))
                 except Exception as e:
@@ -314,6 +349,8 @@ def main() -> None:
                     restarted = log.with_suffix(f".restart{rnd + 1}.log")
                     procs[name] = (start(cmd, servers[name], restarted), cmd, restarted)
                     runs[name].append(asyncio.run(measure(name, servers[name], args, rnd)))
+                    before = spec_counters(servers[name])    # a restarted server counts from zero
+                with_acceptance(runs[name][-1], before, spec_counters(servers[name]))
                 print(f"round {rnd + 1}/{args.rounds} {name}: "
                       + ", ".join(f"{c}: ttft {v['ttft_ms']:.0f} ms, {v['decode_tps_per_stream']:.0f} tok/s"
                                   for c, v in runs[name][-1].items() if c.startswith("conc")), file=sys.stderr)

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import numpy as np
 
 from ..request import Request
-from ..sampler import Sampler, filtered_probs
+from ..sampler import Sampler, filtered_probs, greedy_token
 
 
 @dataclass
@@ -40,10 +41,12 @@ class Proposer(Protocol):
         ...
 
 
-def choose(logits: np.ndarray, req: Request, sampler: Sampler, position: int) -> tuple[int, np.ndarray | None]:
-    """A draft guess for the token at `position`: the argmax (greedy), or a sample with the distribution it came
-    from (for verification); seeded requests draw with the noise the target's check will use there."""
+def choose(logits: np.ndarray, req: Request, sampler: Sampler, position: int,
+           guesses: Sequence[int] = ()) -> tuple[int, np.ndarray | None]:
+    """A draft guess for the token at `position`, after this round's `guesses` before it: the argmax (greedy), or
+    a sample with the distribution it came from (for verification), both under the request's penalties as the
+    target's check applies them there; seeded requests draw with the noise the target's check will use."""
     if req.params.greedy:
-        return int(logits.argmax()), None
-    q = filtered_probs(logits, req)
+        return greedy_token(logits, req, guesses), None
+    q = filtered_probs(logits, req, guesses)
     return sampler.draw(q, req, position), q

@@ -7,7 +7,9 @@ Given target logits at the γ+1 positions [last token, x1 … xγ] and the propo
 - recovered token: at the first rejection, a token drawn from norm(max(0, p − q)) (greedy: the argmax) — what
   makes the output distribution exactly the target's.
 - bonus token: when all γ are accepted, one more token sampled from the target's last position for free.
-So every verification yields between 1 and γ+1 tokens, distributed exactly as plain decoding would.
+So every verification yields between 1 and γ+1 tokens, distributed exactly as plain decoding would. Penalties
+and logit bias apply at each position as plain decoding applies them there: with the guesses before it counted
+as seen (it is only judged once they were accepted, so they are the sequence at that point).
 
 Seeded requests verify by coupling instead: the target's token at each position is `seeded_choice` (noise keyed
 by seed and position, as plain decoding draws it), and a guess is accepted when it equals that token. The output
@@ -20,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..request import Request
-from ..sampler import SampleResult, Sampler, filtered_probs
+from ..sampler import SampleResult, Sampler, filtered_probs, greedy_token
 from .proposer import Proposal
 
 
@@ -28,17 +30,18 @@ def verify(target_logits: np.ndarray, proposal: Proposal, req: Request, sampler:
     """target_logits [γ+1, vocab] → (emitted tokens, number of proposed tokens accepted)."""
     gamma = len(proposal.tokens)
     emitted: list[SampleResult] = []
+    guesses = proposal.tokens
     if req.params.greedy or req.params.seed is not None:
         start = req.num_tokens
         for i in range(gamma + 1):
-            token = int(target_logits[i].argmax()) if req.params.greedy else \
-                sampler.draw(filtered_probs(target_logits[i], req), req, start + i)
+            token = greedy_token(target_logits[i], req, guesses[:i]) if req.params.greedy else \
+                sampler.draw(filtered_probs(target_logits[i], req, guesses[:i]), req, start + i)
             emitted.append(sampler.result(token, target_logits[i], req))
             if i == gamma or token != proposal.tokens[i]:
                 return emitted, i
     rng = sampler.rng(req)
     for i in range(gamma):
-        p = filtered_probs(target_logits[i], req)
+        p = filtered_probs(target_logits[i], req, guesses[:i])
         x = proposal.tokens[i]
         qx = proposal.probs[i][x] if proposal.probs is not None else 1.0
         if rng.random() < min(1.0, p[x] / qx):
@@ -49,6 +52,6 @@ def verify(target_logits: np.ndarray, proposal: Proposal, req: Request, sampler:
         token = int(rng.choice(p.size, p=residual / total)) if total > 0 else int(rng.choice(p.size, p=p))
         emitted.append(sampler.result(token, target_logits[i], req))
         return emitted, i
-    p = filtered_probs(target_logits[gamma], req)
+    p = filtered_probs(target_logits[gamma], req, guesses)
     emitted.append(sampler.result(int(rng.choice(p.size, p=p)), target_logits[gamma], req))
     return emitted, gamma

@@ -15,7 +15,7 @@ import numpy as np
 
 from ..config import SpecConfig
 from ..request import Request
-from ..sampler import SampleResult, Sampler, adjusts_logits
+from ..sampler import SampleResult, Sampler
 from . import rejection_sampler
 from .proposer import Proposal, Proposer
 
@@ -76,8 +76,9 @@ class RateCheck:
     averages): whether speculation is delivering, and when to look at the other side.
 
     Looking costs little one way (a plain step among speculating ones) and a lot the other: a speculating step
-    verifies each sequence in its own call, and after many plain ones the draft first catches up on every token
-    it missed (left out of the measured rate, see Speculator.observe, but paid). So while speculation keeps
+    verifies its sequences in a call of their own (one each where the engine cannot batch them), and after many
+    plain ones the draft first catches up on every token it missed (left out of the measured rate, see
+    Speculator.observe, but paid). So while speculation keeps
     losing at a batch size, the steps between its explorations double (EXPLORE_EVERY up to EXPLORE_MAX), and
     return to EXPLORE_EVERY once it pays. The first speculating step after plain ones is not measured (the
     draft's weights and KV come back into cache, its catch-up tail runs): a single exploring step measured that
@@ -157,11 +158,6 @@ class Speculator:
         paid once per token, not a cost of every step that speculates."""
         self.rate_check.observe(num_decodes, speculated, tokens, seconds - self.catch_up_s if speculated else seconds)
 
-    def eligible(self, req: Request) -> bool:
-        """Penalties make each position's distribution depend on the guesses before it, and verification
-        compares raw target logits: requests that adjust logits (penalties, logit bias) are not speculated."""
-        return not adjusts_logits(req)
-
     def max_gamma(self, req: Request, capacity: int) -> int:
         left = min(req.params.max_tokens - len(req.output_ids), capacity - req.num_tokens) - 1
         return max(0, min(self.config.max_gamma, left))
@@ -179,8 +175,7 @@ class Speculator:
              step_cost: Callable[[Sequence[int]], float]) -> dict[str, int]:
         """γ per request id for the decodes that should speculate this step, at most `budget` guesses in all
         (the scheduler's token budget left after the decodes); `step_cost(guesses)` prices the step."""
-        cands = [(r, self.max_gamma(r, capacity)) for r in decodes if self.eligible(r)]
-        cands = [(r, g) for r, g in cands if g > 0]
+        cands = [(r, g) for r in decodes if (g := self.max_gamma(r, capacity)) > 0]
         chosen: dict[str, int] = {}
         if not self.config.adaptive:
             for r, g in cands:

@@ -166,17 +166,44 @@ def test_adaptive_turns_off_when_it_cannot_pay(engine):
     assert expected_tokens(0.0, 4) == 1.0 and expected_tokens(0.9, 4) > 4
 
 
-def test_logit_bias_requests_decode_plainly_beside_speculating_ones(engine):
-    """Verification compares raw target logits, so a biased request is not speculated; it still gets its bias."""
-    target, draft = engine("llama"), engine("llama")
-    biased = SamplingParams(max_tokens=12, ignore_eos=True, logit_bias={7: 100.0})
-    items = [(prompts(1, seed=40)[0], biased), (prompts(1, seed=41)[0], GREEDY)]
-    eng = spec_engine(target, draft, max_num_seqs=2)
-    out = run_all(eng, items)
-    assert out[0]["token_ids"] == [7] * 12 and out[0]["usage"].spec_proposed == 0
-    assert out[1]["usage"].spec_accepted > 0
-    assert_same_greedy(run_all(Engine(target, EngineConfig(SchedulerConfig(), CACHE)), items[1:])[0], out[1])
-    assert_no_leaks(eng)
+def test_penalties_and_logit_bias_speculate_and_equal_plain_decoding(engine):
+    """Penalties and logit bias apply at each verified position with the guesses before it counted as seen, so
+    penalized, biased and seeded-sampled requests speculate and still get plain decoding's tokens, beside each
+    other and beside plain greedy ones; a bias to one token still forces it."""
+    target = engine("llama")
+    base = prompts(5, seed=42)
+    items = [([7, 8, 9] * 8 + base[0], SamplingParams(max_tokens=20, ignore_eos=True, repetition_penalty=1.3, logprobs=2)),
+             (base[1], SamplingParams(max_tokens=20, ignore_eos=True, presence_penalty=0.8, frequency_penalty=0.5,
+                                       logprobs=2)),
+             (base[2], SamplingParams(max_tokens=12, ignore_eos=True, logit_bias={7: 100.0}, logprobs=2)),
+             (base[3] * 2, SamplingParams(max_tokens=20, ignore_eos=True, temperature=0.9, seed=5, repetition_penalty=1.2)),
+             (base[4], GREEDY)]
+    plain = run_all(Engine(target, EngineConfig(SchedulerConfig(max_num_seqs=5), CACHE)), items)
+    assert plain[2]["token_ids"] == [7] * 12
+    for draft, method in ((target, "draft"), (engine("qwen2"), "draft"), (None, "ngram")):
+        eng = spec_engine(target, draft, method, max_num_seqs=5)
+        spec = run_all(eng, items, join_steps=[0, 1, 1, 3, 5])
+        for k, (a, b) in enumerate(zip(plain, spec)):
+            if items[k][1].temperature == 0:
+                assert_same_greedy(a, b)
+            else:
+                assert a["token_ids"] == b["token_ids"], (method, k)
+        if draft is target:             # the draft applies the same penalties: its guesses are the target's choices
+            assert all(o["usage"].spec_accepted > 0 for o in spec[:3]), [o["usage"].spec_accepted for o in spec]
+        assert_no_leaks(eng)
+
+
+def test_a_penalty_counts_the_guesses_before_each_position():
+    """Target logits whose raw argmax repeats a guess already accepted this round: under a repetition penalty that
+    token loses to the runner-up there, so the guess is rejected and the runner-up emitted (judging each position
+    on the request's own history alone would accept it)."""
+    vocab = 6
+    req = Request([1, 2], SamplingParams(max_tokens=8, repetition_penalty=1.3))
+    logits = np.zeros((3, vocab), np.float32)
+    logits[0, 4] = 5.0                      # position 0: 4 (a guess the target agrees with)
+    logits[1, 4], logits[1, 5] = 3.0, 2.5   # position 1: 4 raw, but 4 was just seen: 3.0 / 1.3 < 2.5 → 5
+    emitted, accepted = rejection_sampler.verify(logits, Proposal([4, 4]), req, Sampler(0))
+    assert [e.token for e in emitted] == [4, 5] and accepted == 1
 
 
 def test_seeded_sampling_gives_the_same_tokens_with_or_without_speculation(engine):

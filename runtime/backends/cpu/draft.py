@@ -53,14 +53,14 @@ class DraftModelProposer:
         single = [i for i, r in enumerate(reqs) if r.num_tokens - r.num_computed_draft == 1]
         for i, r in enumerate(reqs):
             if i not in single:
-                t, q = choose(self._catch_up_to(r, r.num_tokens), r, self.sampler, r.num_tokens)
+                t, q = choose(self._catch_up_to(r, r.num_tokens), r, self.sampler, r.num_tokens, tokens[i])
                 tokens[i].append(t)
                 probs[i].append(q)
         if single:
             rows = [(reqs[i].slot, reqs[i].last_token, reqs[i].num_tokens - 1) for i in single]
             for i, row in zip(single, self.runner.decode(self.pool, rows, fenced)):
                 reqs[i].num_computed_draft = reqs[i].num_tokens
-                t, q = choose(row, reqs[i], self.sampler, reqs[i].num_tokens)
+                t, q = choose(row, reqs[i], self.sampler, reqs[i].num_tokens, tokens[i])
                 tokens[i].append(t)
                 probs[i].append(q)
         # Further guesses, all sequences that still want more in one batch per step.
@@ -71,7 +71,7 @@ class DraftModelProposer:
             rows = [(reqs[i].slot, tokens[i][-1], reqs[i].num_tokens + k - 1) for i in active]
             for i, row in zip(active, self.runner.decode(self.pool, rows, fenced)):
                 reqs[i].num_computed_draft += 1
-                t, q = choose(row, reqs[i], self.sampler, reqs[i].num_tokens + k)
+                t, q = choose(row, reqs[i], self.sampler, reqs[i].num_tokens + k, tokens[i])
                 tokens[i].append(t)
                 probs[i].append(q)
         return [Proposal(t, None if r.params.greedy else np.stack(p)) for t, p, r in zip(tokens, probs, reqs)]
