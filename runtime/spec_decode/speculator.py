@@ -89,7 +89,7 @@ class RateCheck:
     EXPLORE_MAX = 1024
     BURST = 4
     WEIGHT = 0.1
-    MARGIN = 0.95
+    MARGIN = 0.98
 
     def __init__(self):
         # side → batch size → decayed (tokens, seconds): a rate is their ratio, not an average of per-step rates
@@ -99,6 +99,7 @@ class RateCheck:
         self.interval: dict[int, int] = {}     # batch size → steps between explorations of the losing side
         self.burst: dict[int, int] = {}        # batch size → steps left of an exploration of speculation
         self.last_speculated = False
+        self.exploring = False                 # the last speculate() was an exploration of losing speculation
 
     def observe(self, num_decodes: int, speculated: bool, tokens: int, seconds: float) -> None:
         cold, self.last_speculated = speculated and not self.last_speculated, speculated
@@ -115,8 +116,8 @@ class RateCheck:
                                           else min(2 * interval, self.EXPLORE_MAX))
 
     def pays(self, num_decodes: int) -> bool:
-        """Speculation has not been measured delivering clearly less than plain decoding at this batch size (below
-        MARGIN × plain: the planner already prices each choice, and the rates still move with the prompts)."""
+        """Speculation has not been measured delivering less than plain decoding at this batch size (below MARGIN ×
+        plain: the rates move with the prompts, and a margin keeps a tie from flipping sides every verdict)."""
         spec, plain = self.rate(True, num_decodes), self.rate(False, num_decodes)
         return spec is None or plain is None or spec >= self.MARGIN * plain
 
@@ -125,23 +126,39 @@ class RateCheck:
         sums = self.sums[speculated].get(num_decodes)
         return sums[0] / sums[1] if sums else None
 
-    def speculate(self, num_decodes: int) -> bool:
+    def speculate(self, num_decodes: int, may_explore: bool = True) -> bool:
         """This step's side: the one that pays, except one step in EXPLORE_EVERY (plain, while speculation pays)
-        or BURST steps in the backed-off interval (speculation, while it loses), which measure the other."""
+        or BURST steps in the backed-off interval (speculation, while it loses: `exploring`), which measure the
+        other. An exploration of losing speculation that is due waits while `may_explore` is false."""
+        self.exploring = False
         if self.burst.get(num_decodes):
             self.burst[num_decodes] -= 1
+            self.exploring = True
             return True
         n = self.steps[num_decodes] = self.steps.get(num_decodes, 0) + 1
         pays = self.pays(num_decodes)
         if n >= (self.EXPLORE_EVERY if pays else self.interval.get(num_decodes, self.EXPLORE_EVERY)):
+            if not pays and not may_explore:
+                return False
             self.steps[num_decodes] = 0           # steps are counted from the last exploration
             if not pays:
                 self.burst[num_decodes] = self.BURST - 1
+                self.exploring = True
             return not pays
         return pays
 
 
+EXPLORE_BUDGET = 0.01   # explorations may cost at most this share of the decode time observed
+
+
 class Speculator:
+    """Exploration is what keeps speculation from losing for good on one bad estimate, and what makes it lose
+    where it cannot pay: a try plans with the prior acceptance and pays the draft's catch-up over every token it
+    missed (a 500-token prompt: ~20 ms, a tenth of a 128-token answer at the bundled pair's speed). So tries
+    (the planner's with the prior, the rate check's bursts) are charged what they cost beyond plain decoding, and
+    one starts only while those charges stay within EXPLORE_BUDGET of the decode time observed: whatever the
+    pair and traffic, learning costs at most that share."""
+
     def __init__(self, config: SpecConfig, proposer: Proposer, sampler: Sampler, cost: CostModel):
         """`cost`: the backend's measured step costs; the proposer's timed steps are recorded there as "draft"."""
         self.config, self.proposer, self.sampler, self.cost = config, proposer, sampler, cost
@@ -151,12 +168,24 @@ class Speculator:
         self.explore_after = RateCheck.EXPLORE_EVERY   # idle plans before one plans with the prior
         self._empty_plan: tuple | None = None    # (request ids, rounds) of the last plan, if it chose no one
         self.catch_up_s = 0.0          # of this step's proposal: the draft computing tokens it had not seen
+        self.decode_s = 0.0            # seconds of the decode-only steps observed
+        self.explore_cost_s = 0.0      # what exploring steps cost beyond plain decoding's rate, catch-up included
+        self._exploring = False        # the last plan was an exploration (prior or rate-check burst), not a choice
 
     def observe(self, num_decodes: int, speculated: bool, tokens: int, seconds: float) -> None:
         """A decode-only step's outcome (adaptive speculation checks its decisions against these). A speculating
         step's catch-up is left out: it is the draft's share of prompts (and of tokens decoded while it sat out),
-        paid once per token, not a cost of every step that speculates."""
+        paid once per token, not a cost of every step that speculates. An exploring step is charged its time
+        beyond plain decoding's for the same tokens (its catch-up alone before plain steps are measured)."""
+        self.decode_s += seconds
+        if speculated and self._exploring:
+            plain = self.rate_check.rate(False, num_decodes)
+            self.explore_cost_s += max(0.0, seconds - tokens / plain) if plain else self.catch_up_s
         self.rate_check.observe(num_decodes, speculated, tokens, seconds - self.catch_up_s if speculated else seconds)
+
+    def may_explore(self) -> bool:
+        """Whether explorations so far have cost within EXPLORE_BUDGET of the decode time observed."""
+        return self.explore_cost_s <= EXPLORE_BUDGET * self.decode_s
 
     def max_gamma(self, req: Request, capacity: int) -> int:
         left = min(req.params.max_tokens - len(req.output_ids), capacity - req.num_tokens) - 1
@@ -177,15 +206,17 @@ class Speculator:
         (the scheduler's token budget left after the decodes); `step_cost(guesses)` prices the step."""
         cands = [(r, g) for r in decodes if (g := self.max_gamma(r, capacity)) > 0]
         chosen: dict[str, int] = {}
+        self._exploring = False
         if not self.config.adaptive:
             for r, g in cands:
                 g = min(g, budget - sum(chosen.values()))
                 if g > 0:
                     chosen[r.request_id] = g
             return chosen
-        if not cands or not self.rate_check.speculate(len(decodes)):
+        if not cands or not self.rate_check.speculate(len(decodes), self.may_explore()):
             return chosen
-        explore = self.idle_plans >= self.explore_after
+        burst = self.rate_check.exploring
+        explore = self.idle_plans >= self.explore_after and self.may_explore()
         key = (tuple(r.request_id for r in decodes), self.stats.rounds)
         if not explore and self._empty_plan == key:
             self.idle_plans += 1      # the same requests, no round since their plan was empty: it would be again
@@ -222,6 +253,7 @@ class Speculator:
         elif chosen:
             self.explore_after = RateCheck.EXPLORE_EVERY
         self._empty_plan = None if chosen else key
+        self._exploring = bool(chosen) and (explore or burst)
         return chosen
 
     def _worth_catching_up(self, req: Request, plain_step: float, spec_step: float, gain: float) -> bool:

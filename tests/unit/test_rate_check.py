@@ -136,3 +136,32 @@ def test_a_lagging_draft_catches_up_only_where_the_rest_of_the_request_pays_for_
     assert spec.plan([long], capacity=4096, budget=64, step_cost=cost)["long"] >= 1
     short.num_computed_draft = short.num_tokens - 1        # a draft that keeps up pays nothing first
     assert spec.plan([short], capacity=4096, budget=64, step_cost=cost)["short"] >= 1
+
+
+def test_explorations_cost_at_most_the_budget_of_decode_time():
+    """A pair that never pays (every guess rejected, each try's catch-up 200 ms: 8 sequences' 500-token prompts)
+    still gets tried again, but the
+    tries — with the prior, and the rate check's bursts — are charged their time beyond plain decoding's, and none
+    starts while the charges exceed EXPLORE_BUDGET of the decode time observed: over a long run the loss to
+    learning stays within the budget (plus the one try that crossed it)."""
+    from runtime.spec_decode.speculator import EXPLORE_BUDGET
+
+    spec = _speculator(prior_acceptance=0.7)
+    cost = lambda guesses: 0.010 + sum(0.001 + 0.002 * g for g in guesses)     # noqa: E731
+    reqs = [Request([1, 2, 3], SamplingParams(max_tokens=10_000), request_id=f"r{i}") for i in range(2)]
+    tries, worst = 0, 0.0
+    for _ in range(2_000):
+        plan = spec.plan(reqs, capacity=20_000, budget=64, step_cost=cost)
+        if plan:
+            tries += 1
+            spec.catch_up_s = 0.200 if spec._exploring else 0.0
+            for r in reqs:
+                if r.request_id in plan:
+                    spec._account(r, proposed=plan[r.request_id], accepted=0)
+            spec.observe(2, True, tokens=2, seconds=0.012 + spec.catch_up_s)
+            worst = max(worst, 0.012 + spec.catch_up_s)
+        else:
+            spec.observe(2, False, tokens=2, seconds=0.010)
+    assert tries >= 2, "a pair measured useless is still tried again"
+    assert spec.explore_cost_s > 0
+    assert spec.explore_cost_s <= EXPLORE_BUDGET * spec.decode_s + worst
