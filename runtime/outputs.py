@@ -68,6 +68,8 @@ class ModelInput:
         for req in plan.decodes:
             start = req.num_computed
             prop = proposals.get(req.request_id)
+            if prop is not None and not prop.tokens:      # nothing to verify (prompt lookup found no match):
+                prop = None                                # a plain decode, batched with the others
             tokens = req.tokens(start, start + 1) + (list(prop.tokens) if prop is not None else [])
             seqs.append(SeqInput(req, start, tokens, len(tokens) if prop is not None else 1, prop))
         for req, n in plan.chunks:

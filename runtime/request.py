@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from .constraints import Constraint
 
 
@@ -154,6 +156,8 @@ class Request:
     first_scheduled: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
+    seen: np.ndarray | None = field(default=None, repr=False)   # sorted distinct ids of the first seen_upto tokens
+    seen_upto: int = 0                                           # (sampler.seen_ids keeps them for penalties)
 
     def __post_init__(self):
         if not self.request_id:     # unguessable: a client cannot name (or collide with) another client's request

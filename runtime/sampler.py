@@ -35,13 +35,36 @@ def adjusts_logits(req: Request) -> bool:
     return p.repetition_penalty != 1.0 or bool(p.presence_penalty or p.frequency_penalty or p.logit_bias)
 
 
+def _with_ids(seen: np.ndarray, ids: Sequence[int]) -> np.ndarray:
+    """`seen` (sorted, distinct) with `ids` added: inserted one by one where they are few, else a merge."""
+    if len(ids) > 8:
+        return np.union1d(seen, np.asarray(ids, np.int64))
+    for t in ids:
+        i = int(np.searchsorted(seen, t))
+        if i == len(seen) or seen[i] != t:
+            seen = np.insert(seen, i, t)
+    return seen
+
+
+def seen_ids(req: Request, ahead: Sequence[int] = ()) -> np.ndarray:
+    """The distinct ids of the request's sequence and `ahead` (sorted), kept on the request as its tokens arrive:
+    a repetition penalty re-derived them from the whole sequence every token (~100 µs at 600 tokens, a tenth of
+    a bundled-target decode step). A request's tokens only ever grow."""
+    n = req.num_tokens
+    if req.seen is None or req.seen_upto > n:
+        req.seen, req.seen_upto = np.unique(np.asarray(req.tokens(0, n), np.int64)), n
+    elif req.seen_upto < n:
+        req.seen, req.seen_upto = _with_ids(req.seen, req.tokens(req.seen_upto, n)), n
+    return _with_ids(req.seen, ahead) if len(ahead) else req.seen
+
+
 def adjust_logits(logits: np.ndarray, req: Request, ahead: Sequence[int] = ()) -> np.ndarray:
     """Penalties for tokens already seen, then the logit bias (in place on a float64 copy the caller owns).
     `ahead`: tokens after the request's own that count as seen (speculative guesses before this position: a
     guess is only judged once every guess before it was accepted, so they are the sequence there)."""
     p = req.params
     if p.repetition_penalty != 1.0:
-        seen = np.unique(np.asarray(req.all_ids + list(ahead)))
+        seen = seen_ids(req, ahead)
         vals = logits[seen]
         logits[seen] = np.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
     if (p.presence_penalty or p.frequency_penalty) and (req.output_ids or ahead):

@@ -40,6 +40,10 @@ class Proposer(Protocol):
         """After verification: only the first `num_valid` tokens of `req` are its true sequence."""
         ...
 
+    def forget(self, req: Request) -> None:
+        """`req` has finished: drop what the proposer keeps for it."""
+        ...
+
 
 def choose(logits: np.ndarray, req: Request, sampler: Sampler, position: int,
            guesses: Sequence[int] = ()) -> tuple[int, np.ndarray | None]:

@@ -149,13 +149,15 @@ class RateCheck:
 
 
 EXPLORE_BUDGET = 0.01   # explorations may cost at most this share of the decode time observed
+WARM_ROUNDS = 8         # verifications before the engine's acceptance is its own, not the prior's
 
 
 class Speculator:
     """Exploration is what keeps speculation from losing for good on one bad estimate, and what makes it lose
     where it cannot pay: a try plans with the prior acceptance and pays the draft's catch-up over every token it
     missed (a 500-token prompt: ~20 ms, a tenth of a 128-token answer at the bundled pair's speed). So tries
-    (the planner's with the prior, the rate check's bursts) are charged what they cost beyond plain decoding, and
+    (the planner's with the prior, the first WARM_ROUNDS on it, the rate check's bursts) are charged what they
+    cost beyond plain decoding, and
     one starts only while those charges stay within EXPLORE_BUDGET of the decode time observed: whatever the
     pair and traffic, learning costs at most that share."""
 
@@ -216,6 +218,9 @@ class Speculator:
         if not cands or not self.rate_check.speculate(len(decodes), self.may_explore()):
             return chosen
         burst = self.rate_check.exploring
+        unmeasured = self.stats.rounds < WARM_ROUNDS      # the estimates are still mostly the prior
+        if unmeasured and not self.may_explore():
+            return chosen
         explore = self.idle_plans >= self.explore_after and self.may_explore()
         key = (tuple(r.request_id for r in decodes), self.stats.rounds)
         if not explore and self._empty_plan == key:
@@ -253,7 +258,7 @@ class Speculator:
         elif chosen:
             self.explore_after = RateCheck.EXPLORE_EVERY
         self._empty_plan = None if chosen else key
-        self._exploring = bool(chosen) and (explore or burst)
+        self._exploring = bool(chosen) and (explore or burst or unmeasured)
         return chosen
 
     def _worth_catching_up(self, req: Request, plain_step: float, spec_step: float, gain: float) -> bool:
@@ -307,3 +312,4 @@ class Speculator:
 
     def forget(self, req: Request) -> None:
         self.stats.history.pop(req.request_id, None)
+        self.proposer.forget(req)

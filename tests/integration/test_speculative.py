@@ -6,6 +6,8 @@ import random
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from artifact.errors import ArtifactError
 from runtime.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -63,6 +65,31 @@ def test_ngram_lookup():
     ng = NgramProposer(max_n=3, min_n=1)
     assert ng.lookup([1, 2, 3, 4, 9, 1, 2, 3], 3) == [4, 9, 1]
     assert ng.lookup([5, 6, 7], 2) == []
+
+
+def scan_lookup(ids: list[int], gamma: int, min_n: int, max_n: int) -> list[int]:
+    """Prompt lookup by scanning the whole sequence (what the index replaced): the slow truth."""
+    for n in range(min(max_n, len(ids) - 1), min_n - 1, -1):
+        for start in range(len(ids) - n - 1, -1, -1):
+            if ids[start:start + n] == ids[-n:]:
+                return ids[start + n:start + n + gamma]
+    return []
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=12), min_size=1, max_size=12),
+       st.integers(1, 3), st.integers(0, 3), st.integers(1, 6))
+def test_ngram_index_grown_step_by_step_equals_a_full_scan(chunks, min_n, extra_n, gamma):
+    """The index as a request's tokens arrive in chunks (a prompt, then accepted guesses and single tokens) gives
+    at every point the guesses a scan of the whole sequence gives (few symbols: many repeats and ties)."""
+    proposer, ids = NgramProposer(max_n=min_n + extra_n, min_n=min_n), []
+    req = Request([], SamplingParams(max_tokens=1), request_id="r")
+    for chunk in chunks:
+        ids += chunk
+        req.prompt_ids = list(ids)
+        assert proposer.propose([req], [gamma])[0].tokens == scan_lookup(ids, gamma, min_n, min_n + extra_n)
+    proposer.forget(req)
+    assert not proposer._index
 
 
 def test_rejection_sampling_preserves_target_distribution():

@@ -150,7 +150,7 @@ def test_explorations_cost_at_most_the_budget_of_decode_time():
     cost = lambda guesses: 0.010 + sum(0.001 + 0.002 * g for g in guesses)     # noqa: E731
     reqs = [Request([1, 2, 3], SamplingParams(max_tokens=10_000), request_id=f"r{i}") for i in range(2)]
     tries, worst = 0, 0.0
-    for _ in range(2_000):
+    for _ in range(6_000):
         plan = spec.plan(reqs, capacity=20_000, budget=64, step_cost=cost)
         if plan:
             tries += 1

@@ -54,3 +54,6 @@ class PagedDraftProposer:
 
     def rollback(self, req: Request, num_valid: int) -> None:
         req.num_computed_draft = min(req.num_computed_draft, num_valid)
+
+    def forget(self, req: Request) -> None:
+        pass                        # its KV lives in the request's slot, given back with it
