@@ -1,6 +1,6 @@
 """Write a deterministic random-weight Hugging Face checkpoint with a real trained byte-level BPE tokenizer.
 
-Tiny presets feed the tests; realistic shapes (smollm2-135m, qwen2.5-0.5b) feed the benchmarks. Weights
+Tiny presets feed the tests; realistic shapes (smollm2-135m, qwen2.5-0.5b, qwen2.5-1.5b) feed the benchmarks. Weights
 are N(0, 0.02) from a seeded generator, so the same command always writes the same bytes.
 
     python tools/make_checkpoint.py --preset smollm2-135m --out /tmp/smollm2
@@ -34,6 +34,8 @@ PRESETS: dict[str, dict] = {
     "smollm2-135m": dict(arch="LlamaForCausalLM", hidden=576, layers=30, heads=9, kv_heads=3, ffn=1536,
                          vocab=49152, tied=True, rope_theta=100000.0, max_pos=8192),
     "qwen2.5-0.5b": dict(arch="Qwen2ForCausalLM", hidden=896, layers=24, heads=14, kv_heads=2, ffn=4864,
+                         vocab=151936, tied=True, rope_theta=1000000.0, max_pos=32768),
+    "qwen2.5-1.5b": dict(arch="Qwen2ForCausalLM", hidden=1536, layers=28, heads=12, kv_heads=2, ffn=8960,
                          vocab=151936, tied=True, rope_theta=1000000.0, max_pos=32768),
 }
 MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral"}
