@@ -244,3 +244,17 @@ def test_batched_verification_equals_one_call_per_sequence(engines, precision):
                 assert np.array_equal(a[slot, :, :end], b[slot, :, :end]), f"slot {slot}: KV differs"
 
     check()
+
+
+def test_batched_verification_of_a_sequence_at_the_end_of_its_slot(engines):
+    """A sequence near the end of its context guesses less than another with tokens to go, and padded to that
+    one's longer row its KV would pass its slot's end: it is verified in a call of its own, and both requests
+    still get plain decoding's tokens."""
+    target = engines("target", "int8")
+    cache = CacheConfig(kv_budget_bytes=96 << 20, max_model_len=64)
+    ps = [prompts(1, seed=50, lo=50, hi=51)[0], prompts(1, seed=51, lo=10, hi=11)[0]]
+    params = [SamplingParams(max_tokens=14, ignore_eos=True), SamplingParams(max_tokens=40, ignore_eos=True)]
+    plain = [o["token_ids"] for o in engine_for(target, cache=cache).generate(ps, params)]
+    eng = engine_for(target, target, "draft", cache=cache)          # the target as its own draft: all accepted
+    assert [o["token_ids"] for o in eng.generate(ps, params)] == plain
+    assert eng.stats.failed_steps == 0 and eng.speculator.stats.accepted > 0

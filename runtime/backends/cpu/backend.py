@@ -81,7 +81,10 @@ class CpuBackend:
             self.cost.record("dec", len(decodes), time.perf_counter() - t0)
             for i, row in zip(decodes, out):
                 logits[i] = row[None]
-        verifications = [i for i, s in enumerate(inp.seqs) if s.proposal is not None]
+        # rows are padded to the longest: one whose padding would pass its slot's end runs alone
+        longest = max((len(s.tokens) for s in inp.seqs if s.proposal is not None), default=0)
+        verifications = [i for i, s in enumerate(inp.seqs)
+                         if s.proposal is not None and s.start + longest <= pool.capacity]
         if self.runner.batches_verifications and len(verifications) > 1:
             seqs = [inp.seqs[i] for i in verifications]
             t0 = time.perf_counter()
