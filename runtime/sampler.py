@@ -51,7 +51,7 @@ def seen_ids(req: Request, ahead: Sequence[int] = ()) -> np.ndarray:
     a repetition penalty re-derived them from the whole sequence every token (~100 µs at 600 tokens, a tenth of
     a bundled-target decode step). A request's tokens only ever grow."""
     n = req.num_tokens
-    if req.seen is None or req.seen_upto > n:
+    if req.seen is None:
         req.seen, req.seen_upto = np.unique(np.asarray(req.tokens(0, n), np.int64)), n
     elif req.seen_upto < n:
         req.seen, req.seen_upto = _with_ids(req.seen, req.tokens(req.seen_upto, n)), n

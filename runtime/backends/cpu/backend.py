@@ -81,18 +81,8 @@ class CpuBackend:
             self.cost.record("dec", len(decodes), time.perf_counter() - t0)
             for i, row in zip(decodes, out):
                 logits[i] = row[None]
-        # rows are padded to the longest: one whose padding would pass its slot's end runs alone
-        longest = max((len(s.tokens) for s in inp.seqs if s.proposal is not None), default=0)
-        verifications = [i for i, s in enumerate(inp.seqs)
-                         if s.proposal is not None and s.start + longest <= pool.capacity]
-        if self.runner.batches_verifications and len(verifications) > 1:
-            seqs = [inp.seqs[i] for i in verifications]
-            t0 = time.perf_counter()
-            out = self.runner.verify(pool, [(s.req.slot, s.tokens, s.start) for s in seqs],
-                                     self.kv.fenced_slots({s.req.slot for s in seqs}))
-            self.cost.record("ver", len(seqs) * max(len(s.tokens) for s in seqs), time.perf_counter() - t0)
-            for i, rows in zip(verifications, out):
-                logits[i] = rows
+        if self.runner.batches_verifications:
+            self._verify_batched(inp, logits)
         for i, s in enumerate(inp.seqs):
             if s.is_decode or logits[i] is not None:
                 continue
@@ -102,6 +92,22 @@ class CpuBackend:
                 self.cost.record("ver", len(s.tokens), time.perf_counter() - t0)
             logits[i] = out if s.num_logits else None
         return RunnerOutput(logits)
+
+    def _verify_batched(self, inp: ModelInput, logits: list) -> None:
+        """The step's verifications in one call, their logits into `logits`. Rows are padded to the longest, so one
+        whose padding would pass its slot's end is left to a call of its own (as is a lone verification)."""
+        pool = self.kv.slots
+        longest = max((len(s.tokens) for s in inp.seqs if s.proposal is not None), default=0)
+        batch = [i for i, s in enumerate(inp.seqs) if s.proposal is not None and s.start + longest <= pool.capacity]
+        if len(batch) < 2:
+            return
+        seqs = [inp.seqs[i] for i in batch]
+        t0 = time.perf_counter()
+        out = self.runner.verify(pool, [(s.req.slot, s.tokens, s.start) for s in seqs],
+                                 self.kv.fenced_slots({s.req.slot for s in seqs}))
+        self.cost.record("ver", len(seqs) * max(len(s.tokens) for s in seqs), time.perf_counter() - t0)
+        for i, rows in zip(batch, out):
+            logits[i] = rows
 
     def step_cost(self, num_decodes: int) -> Callable[[Sequence[int]], float]:
         """Plain decodes batched; verifications batched (each row padded to the longest: "ver" is keyed by the

@@ -137,6 +137,11 @@ class ModelRunner:
         self.num_layers, self.vocab_size = m["num_layers"], m["vocab_size"]
         self.kv_heads, self.head_dim, self.max_seq_len = m["num_kv_heads"], m["head_dim"], m["max_seq_len"]
         self.kv_layout = KVLayout.from_manifest(self.manifest["kv_cache"])   # float32, or int8 (--kv-cache int8)
+        # Whether verify() may put several sequences' guesses in one call: qs.CausalAttention places each row's
+        # tokens by its own seqlens_k (GroupQueryAttention refuses several new tokens on a past in a batch > 1), and
+        # a batch-invariant graph gives each row the bits it would get alone (greedy speculation stays plain greedy).
+        self.batches_verifications = (precision.get("attention") == "qs.CausalAttention"
+                                      and precision.get("batch_invariant") is True)
         self._logits = np.empty((0, self.vocab_size), np.float32)
         # (pool id, first slot, slots) → (pool, binding, session): each entry holds the session too, because an
         # IOBinding does not keep its session alive, and a binding that outlives its session crashes when freed
@@ -214,14 +219,6 @@ class ModelRunner:
             index = np.array([rows[i][0] - lo for i in group], np.int64)
             out[group] = self.execute(ids, seqlens, index, pool, SlotRange(lo, width))
         return out
-
-    @property
-    def batches_verifications(self) -> bool:
-        """Whether verify() may put several sequences' guesses in one call: qs.CausalAttention places each row's
-        tokens by its own seqlens_k (GroupQueryAttention refuses several new tokens on a past in a batch > 1), and
-        a batch-invariant graph gives each row the bits it would get alone (greedy speculation stays plain greedy)."""
-        precision = self.manifest["precision"]
-        return precision.get("attention") == "qs.CausalAttention" and precision.get("batch_invariant") is True
 
     def verify(self, pool: SlotPool, rows: list[tuple[int, list[int], int]], fenced: set[int]) -> list[np.ndarray]:
         """Several sequences' tokens in one call per contiguous range of slots (batches_verifications engines):
