@@ -99,10 +99,15 @@ async def stream_one(client, model: str, prompt: str, max_tokens: int) -> Stream
     return s
 
 
-async def level(client, model: str, prompts: list[str], max_tokens: int) -> dict:
-    t0 = time.perf_counter()
-    streams = await asyncio.gather(*[stream_one(client, model, p, max_tokens) for p in prompts])
-    wall = max(s.chunks[-1] for s in streams) - t0
+async def level(client, model: str, waves: list[list[str]], max_tokens: int) -> dict:
+    """Each wave's prompts streamed at once, the waves one after another; figures over every stream (aggregate:
+    tokens over the waves' summed wall time). Several waves steady a conc-1 figure, one request otherwise."""
+    streams, wall = [], 0.0
+    for prompts in waves:
+        t0 = time.perf_counter()
+        wave = await asyncio.gather(*[stream_one(client, model, p, max_tokens) for p in prompts])
+        wall += max(s.chunks[-1] for s in wave) - t0
+        streams += wave
     gaps = np.concatenate([np.diff(s.chunks) for s in streams if len(s.chunks) > 1]) * 1e3
     return {"ttft_ms": float(np.median([s.ttft for s in streams]) * 1e3),
             "decode_tps_per_stream": float(np.nanmedian([s.decode_tps for s in streams])),
@@ -142,9 +147,10 @@ async def measure(name: str, url: str, args, rnd: int) -> dict:
     for c in args.concurrency:
         # distinct prompts per stream, level and round: no server can answer from its prefix cache (the header
         # names the level too: without it a level's first stream repeated the previous level's first prompt)
-        prompts = [f"# round {rnd} level {c} stream {i}\n"
-                   + text[(i * 7 + rnd) * 997 % (len(text) - n_chars):][:n_chars] for i in range(c)]
-        out[f"conc{c}"] = await level(client, model, prompts, args.max_tokens)
+        waves = [[f"# round {rnd} level {c} wave {w} stream {i}\n"
+                  + text[(i * 7 + rnd + 101 * w) * 997 % (len(text) - n_chars):][:n_chars] for i in range(c)]
+                 for w in range(args.waves)]
+        out[f"conc{c}"] = await level(client, model, waves, args.max_tokens)
     start = (rnd * 4099) % (len(text) - n_chars)
     out["prefix"] = await prefix_case(client, model, text[start:start + n_chars], args.max_tokens, f"{name} {rnd}")
     await client.close()
@@ -293,6 +299,9 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=445)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--waves", type=int, default=1,
+                    help="waves of `concurrency` requests per level and round, one after another (conc 1: one "
+                         "request is a noisy figure)")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--plot", type=Path, default=None)
     args = ap.parse_args()
