@@ -165,16 +165,21 @@ struct Micro {
 };
 
 // Row → int8 on max|x|/127: qs_quantize_row's values (zero point 128) shifted to signed, and 8 × each block's sum.
+// (Locals and restrict: a store through int8_t* may alias anything, so the loops re-read p.k and p.blocks after
+// every byte and stayed scalar — 17 % of a 445-token smollm2 prefill.)
 void quantize(const Problem& p, int64_t row) {
+  const int64_t k = p.k, blocks = p.blocks;
   thread_local std::vector<uint8_t> u;
-  u.resize(static_cast<size_t>(p.k));
-  qs_quantize_row(p.x + row * p.k, p.k, u.data(), p.x_scale + row);
-  int8_t* q = p.xq + row * p.k;
-  for (int64_t i = 0; i < p.k; ++i) q[i] = static_cast<int8_t>(static_cast<int32_t>(u[i]) - 128);
-  for (int64_t b = 0; b < p.blocks; ++b) {
+  u.resize(static_cast<size_t>(k));
+  qs_quantize_row(p.x + row * k, k, u.data(), p.x_scale + row);
+  const uint8_t* __restrict from = u.data();
+  int8_t* __restrict q = p.xq + row * k;
+  for (int64_t i = 0; i < k; ++i) q[i] = static_cast<int8_t>(from[i] ^ 0x80);     // u − 128 as a signed byte
+  int32_t* __restrict sums = p.xsum8 + row * blocks;
+  for (int64_t b = 0; b < blocks; ++b) {
     int32_t sum = 0;
     for (int64_t i = 0; i < kBlock; ++i) sum += q[b * kBlock + i];
-    p.xsum8[row * p.blocks + b] = 8 * sum;
+    sums[b] = 8 * sum;
   }
 }
 
