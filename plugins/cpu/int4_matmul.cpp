@@ -164,17 +164,15 @@ struct Micro {
   static void run(const Problem& p, int64_t row0, int64_t panel0) { micro<R, P>(p, row0, panel0); }
 };
 
-// Row → int8 on max|x|/127: qs_quantize_row's values (zero point 128) shifted to signed, and 8 × each block's sum.
-// (Locals and restrict: a store through int8_t* may alias anything, so the loops re-read p.k and p.blocks after
-// every byte and stayed scalar — 17 % of a 445-token smollm2 prefill.)
+// Row → int8 on max|x|/127: qs_quantize_row's values (zero point 128) flipped to signed in place, and 8 × each
+// block's sum. (Locals and restrict: a store through int8_t* may alias anything, so these loops re-read p.k and
+// p.blocks after every byte and stayed scalar — 17 % of a 445-token smollm2 prefill.)
 void quantize(const Problem& p, int64_t row) {
   const int64_t k = p.k, blocks = p.blocks;
-  thread_local std::vector<uint8_t> u;
-  u.resize(static_cast<size_t>(k));
-  qs_quantize_row(p.x + row * k, k, u.data(), p.x_scale + row);
-  const uint8_t* __restrict from = u.data();
   int8_t* __restrict q = p.xq + row * k;
-  for (int64_t i = 0; i < k; ++i) q[i] = static_cast<int8_t>(from[i] ^ 0x80);     // u − 128 as a signed byte
+  uint8_t* __restrict u = reinterpret_cast<uint8_t*>(q);
+  qs_quantize_row(p.x + row * k, k, u, p.x_scale + row);
+  for (int64_t i = 0; i < k; ++i) u[i] ^= 0x80;                  // u − 128 as a signed byte
   int32_t* __restrict sums = p.xsum8 + row * blocks;
   for (int64_t b = 0; b < blocks; ++b) {
     int32_t sum = 0;

@@ -157,9 +157,8 @@ class Speculator:
     where it cannot pay: a try plans with the prior acceptance and pays the draft's catch-up over every token it
     missed (a 500-token prompt: ~20 ms, a tenth of a 128-token answer at the bundled pair's speed). So tries
     (the planner's with the prior, the first WARM_ROUNDS on it, the rate check's bursts) are charged what they
-    cost beyond plain decoding, and
-    one starts only while those charges stay within EXPLORE_BUDGET of the decode time observed: whatever the
-    pair and traffic, learning costs at most that share."""
+    cost beyond plain decoding, and one starts only while those charges stay within EXPLORE_BUDGET of the decode
+    time observed: whatever the pair and traffic, learning costs at most that share."""
 
     def __init__(self, config: SpecConfig, proposer: Proposer, sampler: Sampler, cost: CostModel):
         """`cost`: the backend's measured step costs; the proposer's timed steps are recorded there as "draft"."""

@@ -140,10 +140,9 @@ def test_a_lagging_draft_catches_up_only_where_the_rest_of_the_request_pays_for_
 
 def test_explorations_cost_at_most_the_budget_of_decode_time():
     """A pair that never pays (every guess rejected, each try's catch-up 200 ms: 8 sequences' 500-token prompts)
-    still gets tried again, but the
-    tries — with the prior, and the rate check's bursts — are charged their time beyond plain decoding's, and none
-    starts while the charges exceed EXPLORE_BUDGET of the decode time observed: over a long run the loss to
-    learning stays within the budget (plus the one try that crossed it)."""
+    still gets tried again, but the tries — with the prior, and the rate check's bursts — are charged their time
+    beyond plain decoding's, and none starts while the charges exceed EXPLORE_BUDGET of the decode time observed:
+    over a long run the loss to learning stays within the budget (plus the one try that crossed it)."""
     from runtime.spec_decode.speculator import EXPLORE_BUDGET
 
     spec = _speculator(prior_acceptance=0.7)
