@@ -1,6 +1,6 @@
 """What adaptive speculation costs or gives where it cannot pay: the bundled pair in process, one request at a time
 (conc 1), plain decoding vs a draft vs prompt lookup, each adaptive, on held-out code with the sampling the bundled
-target's generation_config gives (repetition penalty 1.3). Each round every engine runs the same 4 prompts in turn
+target's generation_config gives (repetition penalty 1.3). Each round runs 4 prompts, each on every engine in turn
 (engine order rotating); a round's figure is decode tokens ÷ decode seconds; ratios to plain per round, medians and
 quartiles. Also what speculation did: guesses proposed and accepted, and what its tries were charged.
 
@@ -38,15 +38,17 @@ def main() -> None:
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, repetition_penalty=1.3)
     rates: dict[str, list[float]] = {name: [] for name in engines}
     for rnd in range(args.rounds):
-        prompts = [f"# {rnd} {i}\n" + text[(i * 7 + rnd * 13) * 997 % (len(text) - 1600):][:1600] for i in range(4)]
-        order = list(engines.items())
-        for name, engine in order[rnd % len(order):] + order[:rnd % len(order)]:
-            tokens = seconds = 0.0
-            for prompt in prompts:
+        tokens, seconds = dict.fromkeys(engines, 0.0), dict.fromkeys(engines, 0.0)
+        for i in range(4):          # each prompt on every engine in turn: the machine's drift hits all alike
+            prompt = f"# {rnd} {i}\n" + text[(i * 7 + rnd * 13) * 997 % (len(text) - 1600):][:1600]
+            order = list(engines.items())
+            k = (4 * rnd + i) % len(order)
+            for name, engine in order[k:] + order[:k]:
                 usage = engine.generate([prompt], [params])[0]["usage"]
-                tokens += usage.completion_tokens - 1
-                seconds += (usage.completion_tokens - 1) * usage.tpot_s
-            rates[name].append(tokens / seconds)
+                tokens[name] += usage.completion_tokens - 1
+                seconds[name] += (usage.completion_tokens - 1) * usage.tpot_s
+        for name in engines:
+            rates[name].append(tokens[name] / seconds[name])
     out = {"rounds": args.rounds, "rates": rates, "engines": {}}
     for name, engine in engines.items():
         ratios = np.array(rates[name]) / np.array(rates["off"])

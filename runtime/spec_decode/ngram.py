@@ -39,6 +39,7 @@ class NgramIndex:
 
 class NgramProposer:
     name = "ngram"
+    free = True
 
     def __init__(self, max_n: int = 4, min_n: int = 2):
         self.max_n, self.min_n = max_n, min_n

@@ -21,6 +21,8 @@ class Proposal:
 @runtime_checkable
 class Proposer(Protocol):
     name: str                         # "draft" (a model: its steps are timed for the planner) or "ngram"
+    free: bool                        # guessing costs a lookup, not a model step: the speculator asks before it
+                                      # plans, and plans only the sequences that have a guess
 
     def propose(self, reqs: list[Request], gammas: list[int]) -> list[Proposal]:
         """One proposal per request (gammas[i] tokens, may be fewer if the proposer has nothing)."""

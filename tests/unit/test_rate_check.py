@@ -164,3 +164,47 @@ def test_explorations_cost_at_most_the_budget_of_decode_time():
     assert tries >= 2, "a pair measured useless is still tried again"
     assert spec.explore_cost_s > 0
     assert spec.explore_cost_s <= EXPLORE_BUDGET * spec.decode_s + worst
+
+
+def test_prompt_lookup_plans_only_the_sequences_it_has_a_guess_for():
+    """A lookup costs a few dictionary reads, so it runs before the plan: a sequence with no earlier match of its
+    last n-gram is not planned at all (its step is plain, not a speculating step that found nothing), and one with
+    a match is planned no further than its guess goes and verifies exactly those tokens."""
+    from runtime.spec_decode.ngram import NgramProposer
+
+    spec = Speculator(SpecConfig(prior_acceptance=0.9), proposer=NgramProposer(), sampler=None, cost=CostModel())
+    cost = lambda guesses: 0.010 + sum(0.001 * (g + 1) for g in guesses)       # noqa: E731  guesses are cheap
+    repeats = Request([7, 8, 9, 10, 11, 7, 8, 9], SamplingParams(max_tokens=100), request_id="repeats")
+    fresh = Request(list(range(20, 40)), SamplingParams(max_tokens=100), request_id="fresh")
+    assert spec.plan([fresh], capacity=1000, budget=64, step_cost=cost) == {}
+    assert spec._planned is None and spec._looked_up == {}
+    plan = spec.plan([fresh, repeats], capacity=1000, budget=64, step_cost=cost)
+    assert set(plan) == {"repeats"} and 1 <= plan["repeats"] <= 5     # "10 11 7 8 9" follows the first "7 8 9"
+    proposals = spec.propose([repeats], [plan["repeats"]])
+    assert proposals["repeats"].tokens == [10, 11, 7, 8, 9][:plan["repeats"]]
+
+
+def test_what_a_speculating_step_costs_beyond_its_price_is_learned_per_guess():
+    """The cost model prices model calls; a speculating step measured slower than its price (the draft's and the
+    rejection sampler's Python, weights coming back into cache) spreads the difference over its guesses, and the
+    planner prices each guess that much more: a plan that paid on the model calls alone stops."""
+    spec = _speculator(prior_acceptance=0.7)
+    cost = lambda guesses: 0.010 + sum(0.001 + 0.002 * g for g in guesses)     # noqa: E731
+    req = Request([1, 2, 3], SamplingParams(max_tokens=10_000), request_id="r")
+    for _ in range(10):
+        spec._account(req, proposed=4, accepted=2)                             # α = 2/3, past the prior
+    spec.observe(1, False, tokens=1, seconds=0.010)                            # plain: 100 tok/s, all model
+    plan = spec.plan([req], capacity=20_000, budget=64, step_cost=cost)
+    assert plan, "on the model calls alone a guess pays"
+    plans = []
+    for _ in range(300):
+        plan = spec.plan([req], capacity=20_000, budget=64, step_cost=cost)
+        plans.append(plan.get("r", 0))
+        if plan:    # 8 ms a guess unpriced; 3 tokens a step, so the rate check (≥ 140 tok/s vs 100) never objects
+            spec.observe(1, True, tokens=3, seconds=cost([plan["r"]]) + 0.008 * plan["r"])
+        else:       # the rate check's plain steps, then the planner's own no
+            spec.observe(1, False, tokens=1, seconds=0.010)
+    assert plans[0] and not any(plans[-100:]), "the learned price stops the plan"
+    # it stops once a guess's price exceeds what γ = 1 at α = 2/3 gains over plain: 1.667 / (13 ms + u) < 100/s
+    assert 0.0036 < spec.unseen_per_guess <= 0.008
+    assert spec.rate_check.pays(1)

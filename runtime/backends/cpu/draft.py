@@ -22,6 +22,7 @@ from ...spec_decode.proposer import Proposal, choose
 
 class DraftModelProposer:
     name = "draft"
+    free = False
 
     def __init__(self, runner: ModelRunner, kv: KVCacheManager, sampler: Sampler):
         self.runner, self.kv, self.pool, self.sampler = runner, kv, kv.pools[1], sampler

@@ -20,6 +20,7 @@ from ...spec_decode.proposer import Proposal
 
 class PagedDraftProposer:
     name = "draft"
+    free = False
 
     def __init__(self, runner: PagedModelRunner, kv: PagedKVManager, sampler: Sampler):
         self.runner, self.kv, self.sampler = runner, kv, sampler
