@@ -82,7 +82,7 @@ class Engine:
         self._failed_grammars: dict[str, str] = {}     # request id → why its grammar failed this step
         self.speculator, planner = None, None
         if backend.proposer is not None:
-            self.speculator = Speculator(config.spec, backend.proposer, self.sampler, backend.cost)
+            self.speculator = Speculator(config.spec, backend.proposer, self.sampler, backend.cost, backend.step_cost)
             planner = speculation_planner(self.speculator, backend)
         self.scheduler = Scheduler(config.scheduler, self.kv, planner)
         self.requests: dict[str, Request] = {}
@@ -336,7 +336,7 @@ def speculation_planner(speculator: Speculator, backend) -> Callable[[list[Reque
     the Engine, so the engine has no reference cycle and is freed (with its ONNX Runtime sessions) when dropped,
     not inside some later garbage collection."""
     def plan(decodes: list[Request], budget: int) -> dict[str, int]:
-        return speculator.plan(decodes, backend.max_model_len, budget, backend.step_cost(len(decodes)))
+        return speculator.plan(decodes, backend.max_model_len, budget)
     return plan
 
 

@@ -4,6 +4,11 @@ target's generation_config gives (repetition penalty 1.3). Each round runs 4 pro
 (engine order rotating); a round's figure is decode tokens ÷ decode seconds; ratios to plain per round, medians and
 quartiles. Also what speculation did: guesses proposed and accepted, and what its tries were charged.
 
+Each engine with speculation also runs every prompt with its speculation switched off ("draft/off", "ngram/off"),
+and its ratio to that is the headline: the same ONNX Runtime sessions and memory on both sides. Separate engine
+instances differ by themselves (identical plain engines in one process read 0.99-1.01x of each other, and
+a whole run's ratios moved 0.96-0.99x between runs).
+
     python tools/bench_spec_auto.py --rounds 16 --json tools/results/spec_auto_in_process_epyc.json
 """
 
@@ -11,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +27,17 @@ from runtime.request import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = ROOT / "compile" / "data" / "heldout_code.txt"
+
+
+@contextmanager
+def speculation_off(engine: Engine):
+    """The engine as `--speculation off` runs it: no planner hook, no speculator to observe steps."""
+    hook, speculator = engine.scheduler.plan_speculation, engine.speculator
+    engine.scheduler.plan_speculation, engine.speculator = None, None
+    try:
+        yield engine
+    finally:
+        engine.scheduler.plan_speculation, engine.speculator = hook, speculator
 
 
 def main() -> None:
@@ -36,35 +53,51 @@ def main() -> None:
                "draft": Engine(args.target, EngineConfig(draft=args.draft, speculation="draft")),
                "ngram": Engine(args.target, EngineConfig(speculation="ngram"))}
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, repetition_penalty=1.3)
-    rates: dict[str, list[float]] = {name: [] for name in engines}
+    runs = [(name, engine, False) for name, engine in engines.items()]
+    runs += [(f"{name}/off", engines[name], True) for name in ("draft", "ngram")]
+    rates: dict[str, list[float]] = {name: [] for name, _, _ in runs}
     for rnd in range(args.rounds):
-        tokens, seconds = dict.fromkeys(engines, 0.0), dict.fromkeys(engines, 0.0)
+        tokens, seconds = dict.fromkeys(rates, 0.0), dict.fromkeys(rates, 0.0)
         for i in range(4):          # each prompt on every engine in turn: the machine's drift hits all alike
             prompt = f"# {rnd} {i}\n" + text[(i * 7 + rnd * 13) * 997 % (len(text) - 1600):][:1600]
-            order = list(engines.items())
-            k = (4 * rnd + i) % len(order)
-            for name, engine in order[k:] + order[:k]:
-                usage = engine.generate([prompt], [params])[0]["usage"]
+            k = (4 * rnd + i) % len(runs)
+            for name, engine, off in runs[k:] + runs[:k]:
+                if off:
+                    with speculation_off(engine):
+                        usage = engine.generate([prompt], [params])[0]["usage"]
+                else:
+                    usage = engine.generate([prompt], [params])[0]["usage"]
                 tokens[name] += usage.completion_tokens - 1
                 seconds[name] += (usage.completion_tokens - 1) * usage.tpot_s
-        for name in engines:
+        for name in rates:
             rates[name].append(tokens[name] / seconds[name])
     out = {"rounds": args.rounds, "rates": rates, "engines": {}}
-    for name, engine in engines.items():
-        ratios = np.array(rates[name]) / np.array(rates["off"])
-        entry = {"tok_s": float(np.median(rates[name])), "ratio": float(np.median(ratios)),
-                 "ratio_quartiles": [float(np.percentile(ratios, 25)), float(np.percentile(ratios, 75))]}
-        if engine.speculator is not None:
+
+    def ratio(name: str, base: str) -> dict:
+        r = np.array(rates[name]) / np.array(rates[base])
+        return {"ratio": float(np.median(r)),
+                "ratio_quartiles": [float(np.percentile(r, 25)), float(np.percentile(r, 75))]}
+
+    for name in rates:
+        entry = {"tok_s": float(np.median(rates[name])), "vs_off_engine": ratio(name, "off")}
+        engine = engines[name.split("/")[0]]
+        if name in ("draft", "ngram"):
             s = engine.speculator
-            entry.update(proposed=s.stats.proposed, accepted=s.stats.accepted, explore_cost_s=s.explore_cost_s,
-                         decode_s=s.decode_s)
+            entry.update(vs_own_off=ratio(name, f"{name}/off"), proposed=s.stats.proposed, accepted=s.stats.accepted,
+                         explore_cost_s=s.explore_cost_s, decode_s=s.decode_s)
         out["engines"][name] = entry
-        extra = (f"; proposed {entry['proposed']}, accepted {entry['accepted']}, tries charged "
-                 f"{entry['explore_cost_s']:.3f} s of {entry['decode_s']:.2f} s decoding") if "proposed" in entry else ""
-        print(f"{name:6s} {entry['tok_s']:7.1f} tok/s  {entry['ratio']:.3f}x of off "
-              f"[{entry['ratio_quartiles'][0]:.3f}-{entry['ratio_quartiles'][1]:.3f}]{extra}")
+        line = f"{name:9s} {entry['tok_s']:7.1f} tok/s  {fmt(entry['vs_off_engine'])} of the plain engine"
+        if "vs_own_off" in entry:
+            line += (f", {fmt(entry['vs_own_off'])} of itself with speculation off; proposed {entry['proposed']}, "
+                     f"accepted {entry['accepted']}, tries charged {entry['explore_cost_s']:.3f} s of "
+                     f"{entry['decode_s']:.2f} s decoding")
+        print(line)
     if args.json:
         args.json.write_text(json.dumps(out, indent=2))
+
+
+def fmt(r: dict) -> str:
+    return f"{r['ratio']:.3f}x [{r['ratio_quartiles'][0]:.3f}-{r['ratio_quartiles'][1]:.3f}]"
 
 
 if __name__ == "__main__":

@@ -161,9 +161,11 @@ class Speculator:
     cost beyond plain decoding, and one starts only while those charges stay within EXPLORE_BUDGET of the decode
     time observed: whatever the pair and traffic, learning costs at most that share."""
 
-    def __init__(self, config: SpecConfig, proposer: Proposer, sampler: Sampler, cost: CostModel):
-        """`cost`: the backend's measured step costs; the proposer's timed steps are recorded there as "draft"."""
-        self.config, self.proposer, self.sampler, self.cost = config, proposer, sampler, cost
+    def __init__(self, config: SpecConfig, proposer: Proposer, sampler: Sampler, cost: CostModel,
+                 price: Callable[[int], Callable[[Sequence[int]], float]] | None = None):
+        """`cost`: the backend's measured step costs; the proposer's timed steps are recorded there as "draft".
+        `price`: the backend's step_cost, what plan() prices a step of so many decodes with unless told."""
+        self.config, self.proposer, self.sampler, self.cost, self.price = config, proposer, sampler, cost, price
         self.stats = SpecStats(recent_counts=(config.prior_acceptance * config.prior_tokens, config.prior_tokens))
         self.rate_check = RateCheck()
         self.idle_plans = 0            # plans in a row that chose no one (while someone could speculate)
@@ -176,6 +178,8 @@ class Speculator:
         self._looked_up: dict[str, Proposal] = {}    # a free proposer's guesses, taken while planning this step
         self.unseen_per_guess = 0.0    # seconds a guess costs that the cost model does not price (see observe)
         self._planned: tuple[float, int] | None = None   # the last plan's priced seconds and guesses, if it chose
+        self._looked = False           # this step's plan ran a lookup (see observe)
+        self._asleep, self._asleep_on = 0, ([], 0)   # plans left that would be empty while (decodes, rounds) stay
 
     def observe(self, num_decodes: int, speculated: bool, tokens: int, seconds: float) -> None:
         """A decode-only step's outcome (adaptive speculation checks its decisions against these). A speculating
@@ -187,10 +191,15 @@ class Speculator:
         rejection sampler's Python per guess, each model's weights coming back into cache after the other's ran.
         On the bundled pair that was 0.6 ms of a 2.3 ms step, and a plan priced at 1.06x of plain delivered
         0.78x. So each speculating step's time beyond its price (catch-up aside) is spread over its guesses,
-        and the planner prices every guess that much more (UNSEEN_WEIGHT: a moving average)."""
+        and the planner prices every guess that much more (UNSEEN_WEIGHT: a moving average).
+
+        A step whose lookup found nothing is plain but for the lookup: the rate check counts it on speculation's
+        side, so lookups that cost more than their guesses save turn themselves off."""
         self.decode_s += seconds
-        if speculated and self._planned is not None:
-            priced, guesses = self._planned
+        planned, self._planned = self._planned, None
+        speculated, self._looked = speculated or self._looked, False
+        if speculated and planned is not None:
+            priced, guesses = planned
             unseen = min(max(seconds - self.catch_up_s - priced, -priced), priced) / guesses
             self.unseen_per_guess += UNSEEN_WEIGHT * (unseen - self.unseen_per_guess)
         if speculated and self._exploring:
@@ -216,47 +225,73 @@ class Speculator:
         return (accepted + k * self.stats.recent) / (tried + k)
 
     def plan(self, decodes: list[Request], capacity: int, budget: int,
-             step_cost: Callable[[Sequence[int]], float]) -> dict[str, int]:
+             step_cost: Callable[[Sequence[int]], float] | None = None) -> dict[str, int]:
         """γ per request id for the decodes that should speculate this step, at most `budget` guesses in all
-        (the scheduler's token budget left after the decodes); `step_cost(guesses)` prices the step."""
-        chosen: dict[str, int] = {}
-        self._exploring, self._looked_up, self._planned = False, {}, None
-        if self.config.adaptive:      # first the checks that end most steps, so a plain step pays little more
-            may_explore = self.may_explore()
-            if not (decodes and self.rate_check.speculate(len(decodes), may_explore)):
-                return chosen
-            explore = self.idle_plans >= self.explore_after and may_explore
-            key = (tuple(r.request_id for r in decodes), self.stats.rounds)
-            if not explore and self._empty_plan == key:
-                self.idle_plans += 1  # the same requests, no round since their plan was empty: it would be again
-                return chosen
-        cands = [(r, g) for r in decodes if (g := self.max_gamma(r, capacity)) > 0]
+        (the scheduler's token budget left after the decodes); `step_cost(guesses)` prices the step (default:
+        `price`'s, made only once the cheap exits are past)."""
+        self._exploring, self._looked_up, self._planned, self._looked = False, {}, None, False
         if not self.config.adaptive:
-            cands = self._look_up(cands)
-            for r, g in cands:
-                g = min(g, budget - sum(chosen.values()))
-                if g > 0:
-                    chosen[r.request_id] = g
-            return chosen
-        if not cands:
-            return chosen
+            return self._every_guess(decodes, capacity, budget)
+        # first the checks that end most steps, so that a plain step pays little more than this call
+        if self._asleep and self._asleep_on == (decodes, self.stats.rounds):
+            self._asleep -= 1         # the empty plan below, skipped: nothing it reads can have changed
+            self.idle_plans += 1
+            return {}
+        may_explore = self.may_explore()
+        if not may_explore and self.stats.rounds < WARM_ROUNDS:
+            return {}                 # the estimates are still mostly the prior, and tries are over budget
+        if not (decodes and self.rate_check.speculate(len(decodes), may_explore)):
+            return {}
+        explore = self.idle_plans >= self.explore_after and may_explore
+        key = (tuple(r.request_id for r in decodes), self.stats.rounds)
+        if not explore and self._empty_plan == key:
+            self.idle_plans += 1      # the same requests, no round since their plan was empty: it would be again,
+            # until they change or it is time to explore
+            self._asleep, self._asleep_on = max(0, self.explore_after - self.idle_plans), (decodes, key[1])
+            return {}
+        cands = self._look_up([(r, g) for r in decodes if (g := self.max_gamma(r, capacity)) > 0])
+        if not cands:                 # no one may guess, or a lookup found nothing: no plan to remember
+            return {}
         burst = self.rate_check.exploring
         unmeasured = self.stats.rounds < WARM_ROUNDS      # the estimates are still mostly the prior
-        if unmeasured and not may_explore:
-            return chosen
-        cands = self._look_up(cands)
-        if not cands:                 # a lookup found no guess: a plain step, and no plan to remember
-            return chosen
+        choice = self._choose(cands, len(decodes), budget, step_cost or self.price(len(decodes)),
+                              self.config.prior_acceptance if explore else 0.0)
+        if choice is None:            # nothing measured yet: no basis for a decision
+            return {}
+        chosen, self._planned = choice
+        self.idle_plans = 0 if chosen or explore else self.idle_plans + 1
+        if explore:                   # reset once the estimates choose speculation by themselves
+            self.explore_after = min(2 * self.explore_after, RateCheck.EXPLORE_MAX)
+        elif chosen:
+            self.explore_after = RateCheck.EXPLORE_EVERY
+        self._empty_plan = None if chosen else key
+        self._exploring = bool(chosen) and (explore or burst or unmeasured)
+        return chosen
+
+    def _every_guess(self, decodes: list[Request], capacity: int, budget: int) -> dict[str, int]:
+        """Not adaptive: everyone guesses as far as they may, within the budget."""
+        chosen: dict[str, int] = {}
+        for r, g in self._look_up([(r, g) for r in decodes if (g := self.max_gamma(r, capacity)) > 0]):
+            g = min(g, budget - sum(chosen.values()))
+            if g > 0:
+                chosen[r.request_id] = g
+        return chosen
+
+    def _choose(self, cands: list[tuple[Request, int]], num_decodes: int, budget: int,
+                step_cost: Callable[[Sequence[int]], float], floor: float
+                ) -> tuple[dict[str, int], tuple[float, int] | None] | None:
+        """Who guesses how far (acceptance at least `floor`), and the plan's priced seconds and guesses (None if
+        no one); None where nothing is measured yet."""
         base = step_cost([])
-        if base <= 0:                 # nothing measured yet: no basis for a decision
-            return chosen
-        floor = self.config.prior_acceptance if explore else 0.0
+        if base <= 0:
+            return None
         # What a step costs beyond its model calls (scheduling, sampling, delivery), from plain steps' measured rate:
         # a step that speculates pays it once for several tokens.
-        plain = self.rate_check.rate(False, len(decodes))
-        overhead = max(0.0, len(decodes) / plain - base) if plain else 0.0
+        plain = self.rate_check.rate(False, num_decodes)
+        overhead = max(0.0, num_decodes / plain - base) if plain else 0.0
         unseen = max(0.0, self.unseen_per_guess)
-        tokens, guesses, rate = float(len(decodes)), [], len(decodes) / (base + overhead)
+        chosen: dict[str, int] = {}
+        tokens, guesses, rate = float(num_decodes), [], num_decodes / (base + overhead)
         for r, gmax in sorted(cands, key=lambda c: self._alpha(c[0]), reverse=True):
             alpha, best = max(floor, self._alpha(r)), 0
             before = rate
@@ -274,16 +309,7 @@ class Speculator:
             chosen[r.request_id] = best
             guesses.append(best)
             tokens += gain
-        self.idle_plans = 0 if chosen or explore else self.idle_plans + 1
-        if explore:                   # reset once the estimates choose speculation by themselves
-            self.explore_after = min(2 * self.explore_after, RateCheck.EXPLORE_MAX)
-        elif chosen:
-            self.explore_after = RateCheck.EXPLORE_EVERY
-        self._empty_plan = None if chosen else key
-        if chosen:
-            self._planned = (step_cost(guesses) + overhead, sum(guesses))
-        self._exploring = bool(chosen) and (explore or burst or unmeasured)
-        return chosen
+        return chosen, ((step_cost(guesses) + overhead, sum(guesses)) if chosen else None)
 
     def _look_up(self, cands: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
         """A free proposer's guesses now (prompt lookup: a few dictionary reads), so that only sequences that have
@@ -292,6 +318,7 @@ class Speculator:
         if not self.proposer or not self.proposer.free or not cands:
             return cands
         found = self.proposer.propose([r for r, _ in cands], [g for _, g in cands])
+        self._looked = True
         self._looked_up = {r.request_id: p for (r, _), p in zip(cands, found) if p.tokens}
         return [(r, len(p.tokens)) for (r, _), p in zip(cands, found) if p.tokens]
 
