@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -62,10 +62,7 @@ def main() -> None:
             prompt = f"# {rnd} {i}\n" + text[(i * 7 + rnd * 13) * 997 % (len(text) - 1600):][:1600]
             k = (4 * rnd + i) % len(runs)
             for name, engine, off in runs[k:] + runs[:k]:
-                if off:
-                    with speculation_off(engine):
-                        usage = engine.generate([prompt], [params])[0]["usage"]
-                else:
+                with speculation_off(engine) if off else nullcontext():
                     usage = engine.generate([prompt], [params])[0]["usage"]
                 tokens[name] += usage.completion_tokens - 1
                 seconds[name] += (usage.completion_tokens - 1) * usage.tpot_s

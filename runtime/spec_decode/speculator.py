@@ -170,7 +170,7 @@ class Speculator:
         self.rate_check = RateCheck()
         self.idle_plans = 0            # plans in a row that chose no one (while someone could speculate)
         self.explore_after = RateCheck.EXPLORE_EVERY   # idle plans before one plans with the prior
-        self._empty_plan: tuple | None = None    # (request ids, rounds) of the last plan, if it chose no one
+        self._empty_plan: tuple | None = None    # (decodes, rounds) of the last plan, if it chose no one
         self.catch_up_s = 0.0          # of this step's proposal: the draft computing tokens it had not seen
         self.decode_s = 0.0            # seconds of the decode-only steps observed
         self.explore_cost_s = 0.0      # what exploring steps cost beyond plain decoding's rate, catch-up included
@@ -179,7 +179,6 @@ class Speculator:
         self.unseen_per_guess = 0.0    # seconds a guess costs that the cost model does not price (see observe)
         self._planned: tuple[float, int] | None = None   # the last plan's priced seconds and guesses, if it chose
         self._looked = False           # this step's plan ran a lookup (see observe)
-        self._asleep, self._asleep_on = 0, ([], 0)   # plans left that would be empty while (decodes, rounds) stay
 
     def observe(self, num_decodes: int, speculated: bool, tokens: int, seconds: float) -> None:
         """A decode-only step's outcome (adaptive speculation checks its decisions against these). A speculating
@@ -233,27 +232,21 @@ class Speculator:
         if not self.config.adaptive:
             return self._every_guess(decodes, capacity, budget)
         # first the checks that end most steps, so that a plain step pays little more than this call
-        if self._asleep and self._asleep_on == (decodes, self.stats.rounds):
-            self._asleep -= 1         # the empty plan below, skipped: nothing it reads can have changed
-            self.idle_plans += 1
+        rounds, explore_due = self.stats.rounds, self.idle_plans >= self.explore_after
+        if self._empty_plan == (decodes, rounds) and not (explore_due and self.may_explore()):
+            self.idle_plans += 1      # the same requests, no round since their plan was empty: it would be again
             return {}
         may_explore = self.may_explore()
-        if not may_explore and self.stats.rounds < WARM_ROUNDS:
+        if not may_explore and rounds < WARM_ROUNDS:
             return {}                 # the estimates are still mostly the prior, and tries are over budget
         if not (decodes and self.rate_check.speculate(len(decodes), may_explore)):
             return {}
-        explore = self.idle_plans >= self.explore_after and may_explore
-        key = (tuple(r.request_id for r in decodes), self.stats.rounds)
-        if not explore and self._empty_plan == key:
-            self.idle_plans += 1      # the same requests, no round since their plan was empty: it would be again,
-            # until they change or it is time to explore
-            self._asleep, self._asleep_on = max(0, self.explore_after - self.idle_plans), (decodes, key[1])
-            return {}
-        cands = self._look_up([(r, g) for r in decodes if (g := self.max_gamma(r, capacity)) > 0])
+        explore = explore_due and may_explore
+        cands = self._candidates(decodes, capacity)
         if not cands:                 # no one may guess, or a lookup found nothing: no plan to remember
             return {}
         burst = self.rate_check.exploring
-        unmeasured = self.stats.rounds < WARM_ROUNDS      # the estimates are still mostly the prior
+        unmeasured = rounds < WARM_ROUNDS         # the estimates are still mostly the prior
         choice = self._choose(cands, len(decodes), budget, step_cost or self.price(len(decodes)),
                               self.config.prior_acceptance if explore else 0.0)
         if choice is None:            # nothing measured yet: no basis for a decision
@@ -264,14 +257,14 @@ class Speculator:
             self.explore_after = min(2 * self.explore_after, RateCheck.EXPLORE_MAX)
         elif chosen:
             self.explore_after = RateCheck.EXPLORE_EVERY
-        self._empty_plan = None if chosen else key
+        self._empty_plan = None if chosen else (list(decodes), rounds)   # a copy: preemption edits plan lists
         self._exploring = bool(chosen) and (explore or burst or unmeasured)
         return chosen
 
     def _every_guess(self, decodes: list[Request], capacity: int, budget: int) -> dict[str, int]:
         """Not adaptive: everyone guesses as far as they may, within the budget."""
         chosen: dict[str, int] = {}
-        for r, g in self._look_up([(r, g) for r in decodes if (g := self.max_gamma(r, capacity)) > 0]):
+        for r, g in self._candidates(decodes, capacity):
             g = min(g, budget - sum(chosen.values()))
             if g > 0:
                 chosen[r.request_id] = g
@@ -311,10 +304,12 @@ class Speculator:
             tokens += gain
         return chosen, ((step_cost(guesses) + overhead, sum(guesses)) if chosen else None)
 
-    def _look_up(self, cands: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
-        """A free proposer's guesses now (prompt lookup: a few dictionary reads), so that only sequences that have
-        one are planned, each as far as its guess goes: planning γ first and finding no guess (most steps of
-        most text) counted plain steps as speculating ones. A model's guesses come after the plan (propose)."""
+    def _candidates(self, decodes: list[Request], capacity: int) -> list[tuple[Request, int]]:
+        """(request, most guesses) for those that may guess. A free proposer's guesses are taken now (prompt
+        lookup: a few dictionary reads), so that only sequences that have one are planned, each as far as its
+        guess goes: planning γ first and finding no guess (most steps of most text) counted plain steps as
+        speculating ones. A model's guesses come after the plan (propose)."""
+        cands = [(r, g) for r in decodes if (g := self.max_gamma(r, capacity)) > 0]
         if not self.proposer or not self.proposer.free or not cands:
             return cands
         found = self.proposer.propose([r for r, _ in cands], [g for _, g in cands])
