@@ -403,16 +403,19 @@ inline void combine(const float* max, const float* sum, const float* acc, int n,
 // covers the rows' segments). The rows share each block of keys and values while it is in L1; each row's arithmetic (its
 // dots, each segment's softmax, and the sums of values in key order) is the same as if it were alone, so results
 // do not depend on the tiling.
+//
+// Segment by segment, each whole (its scores, its softmax, its values) before the next: a segment's scores stay
+// in L1, where whole rows' scores (a prompt tile's 48 rows over 8k keys: 1.5 MB) went out to L2 and L3 and back
+// for each pass. Every score, softmax and sum is the same arithmetic in the same order either way.
 template <int D, typename T>
 void attend_tile(const Step<T>& st, int64_t b, int64_t s0, int64_t count, int64_t h0, int64_t nh, int seg0, int seg1,
                  Partials& p, int64_t row0 = 0) {
   const int64_t kvh = h0 / (st.heads / st.kv_heads);
   const int rows = static_cast<int>(count * nh);
+  constexpr int stride = kSegment;                // a row's scores of one segment
   thread_local std::vector<float> scores, qbuf;
   thread_local std::vector<int> lo, len;
-  const int64_t capacity = std::min(st.capacity, st.max_pos);
-  const int stride = static_cast<int>(capacity) + 8;      // a row's scores, with room for a padded last block
-  if (scores.size() < static_cast<size_t>(rows) * stride) scores.resize(static_cast<size_t>(rows) * stride);
+  scores.resize(static_cast<size_t>(rows) * stride);
   qbuf.resize(static_cast<size_t>(rows) * D);
   lo.assign(rows, 0);
   len.assign(rows, 0);
@@ -427,92 +430,93 @@ void attend_tile(const Step<T>& st, int64_t b, int64_t s0, int64_t count, int64_
     len[r] = static_cast<int>(pos + 1 - lo[r]);
     max_len = std::max(max_len, len[r]);
   }
-  // The keys [k_begin, k_end) after each row's first key: its segments seg0..seg1 (rows share their first key: 0
-  // without a window; under a window a task is one token, whose heads share its position).
-  const int k_begin = seg0 * kSegment, k_end = std::min(max_len, seg1 * kSegment);
-  if (k_begin >= k_end) return;
-  // scores: blocks of 8 keys; a block is taken by every row that covers it fully, and each row's last partial
-  // block is scored against a zero-padded copy (a block never straddles a segment).
-  alignas(64) T tail[8 * D];
-  for (int r = 0; r < rows; ++r) {
-    int full = len[r] / 8 * 8;
-    if (full < len[r] && full >= k_begin && full < k_end) {
-      std::memset(tail, 0, sizeof tail);
-      std::memcpy(tail, keys + static_cast<int64_t>(lo[r] + full) * D, sizeof(T) * D * (len[r] - full));
-      dot8<D>(&qbuf[r * D], tail, &scores[static_cast<size_t>(r) * stride + full]);
-    }
-  }
   // Half keys and values are widened once per block for all the tile's rows (converting them row by row bound the
   // loops), unless the rows are few: a decode task's (the heads of one KV group) read each block once or twice,
   // so a copy only adds to the reads and they take the cache as it is (the same arithmetic either way). Rows that
-  // attend share their first key (see above): `first` is it.
+  // attend share their first key (0 without a window; under a window a task is one token, whose heads share its
+  // position): `first` is it.
   int first = 0;
   for (int r = 0; r < rows; ++r)
     if (len[r]) first = lo[r];
   const bool share = rows >= kMinSharedRows;
   alignas(64) float wide[kValueBlock * D];
-  for (int k = k_begin; k < k_end; k += 8) {
-    const T* block = keys + static_cast<int64_t>(first + k) * D;
-    auto covers = [&](int r) { return k + 8 <= len[r] / 8 * 8; };
-    auto out = [&](int r) { return &scores[static_cast<size_t>(r) * stride + k]; };
-    qs_stream_ahead(block, sizeof(T) * 8 * D);    // a task reads its keys once: ask ahead
-    if (!share) {
-      for (int r = 0; r < rows; ++r)
-        if (covers(r)) dot8<D>(&qbuf[r * D], block, out(r));
-      continue;
+  alignas(64) T tail[8 * D];
+  for (int seg = seg0; seg < seg1; ++seg) {
+    // this segment's keys [k_begin, k_end) after each row's first key; scores[r·stride + j] is key k_begin + j's
+    const int k_begin = seg * kSegment, k_end = std::min(max_len, (seg + 1) * kSegment);
+    if (k_begin >= k_end) break;
+    auto score = [&](int r, int k) { return &scores[static_cast<size_t>(r) * stride + (k - k_begin)]; };
+    // scores: blocks of 8 keys; a block is taken by every row that covers it fully, and each row's last partial
+    // block is scored against a zero-padded copy (a block never straddles a segment).
+    for (int r = 0; r < rows; ++r) {
+      int full = len[r] / 8 * 8;
+      if (full < len[r] && full >= k_begin && full < k_end) {
+        std::memset(tail, 0, sizeof tail);
+        std::memcpy(tail, keys + static_cast<int64_t>(lo[r] + full) * D, sizeof(T) * D * (len[r] - full));
+        dot8<D>(&qbuf[r * D], tail, score(r, full));
+      }
     }
-    if (k + 8 > max_len / 8 * 8) continue;      // no row covers the block (its keys may run past the cache)
+    for (int k = k_begin; k < k_end; k += 8) {
+      const T* block = keys + static_cast<int64_t>(first + k) * D;
+      auto covers = [&](int r) { return k + 8 <= len[r] / 8 * 8; };
+      qs_stream_ahead(block, sizeof(T) * 8 * D);    // a task reads its keys once: ask ahead
+      if (!share) {
+        for (int r = 0; r < rows; ++r)
+          if (covers(r)) dot8<D>(&qbuf[r * D], block, score(r, k));
+        continue;
+      }
+      if (k + 8 > max_len / 8 * 8) continue;      // no row covers the block (its keys may run past the cache)
 #ifdef __AVX512F__
-    pack8<D>(block, wide);
-    in_pairs(rows, covers, [](int, int) { return true; },
-             [&](int r) {
-               const float* q[1] = {&qbuf[r * D]};
-               float* o[1] = {out(r)};
-               dot8_packed<D, 1>(q, wide, o);
-             },
-             [&](int r0, int r1) {
-               const float* q[2] = {&qbuf[r0 * D], &qbuf[r1 * D]};
-               float* o[2] = {out(r0), out(r1)};
-               dot8_packed<D, 2>(q, wide, o);
-             });
+      pack8<D>(block, wide);
+      in_pairs(rows, covers, [](int, int) { return true; },
+               [&](int r) {
+                 const float* q[1] = {&qbuf[r * D]};
+                 float* o[1] = {score(r, k)};
+                 dot8_packed<D, 1>(q, wide, o);
+               },
+               [&](int r0, int r1) {
+                 const float* q[2] = {&qbuf[r0 * D], &qbuf[r1 * D]};
+                 float* o[2] = {score(r0, k), score(r1, k)};
+                 dot8_packed<D, 2>(q, wide, o);
+               });
 #else
-    const float* widened = as_float(block, 8 * D, wide);
-    for (int r = 0; r < rows; ++r)
-      if (covers(r)) dot8<D>(&qbuf[r * D], widened, out(r));
-#endif
-  }
-  for (int r = 0; r < rows; ++r)
-    for (int seg = seg0; seg < std::min(seg1, segments_of(len[r])); ++seg) {
-      int from = seg * kSegment, n = std::min(kSegment, len[r] - from);
-      size_t at = static_cast<size_t>(row0 + r) * p.segs + seg;
-      p.max[at] = softmax_unnormalised(&scores[static_cast<size_t>(r) * stride + from], n, &p.sum[at]);
-    }
-  // values: blocks of kValueBlock keys, each row adds its share in key order to its segment's sum (rows of equal
-  // shares two at a time, sharing each value load)
-  for (int k = k_begin; k < k_end; k += kValueBlock) {
-    auto count = [&](int r) { return std::min(k + kValueBlock, len[r]) - k; };
-    auto score = [&](int r) { return &scores[static_cast<size_t>(r) * stride + k]; };
-    auto sum = [&](int r) { return &p.acc[(static_cast<size_t>(row0 + r) * p.segs + k / kSegment) * D]; };
-    const T* block = values + static_cast<int64_t>(first + k) * D;
-    auto one = [&](const auto* v, int r) {
-      const float* s[1] = {score(r)};
-      float* a[1] = {sum(r)};
-      accumulate<D, 1>(s, v, count(r), a);
-    };
-    qs_stream_ahead(block, sizeof(T) * kValueBlock * D);    // and its values
-    if (!share) {
+      const float* widened = as_float(block, 8 * D, wide);
       for (int r = 0; r < rows; ++r)
-        if (count(r) > 0) one(block, r);
-      continue;
+        if (covers(r)) dot8<D>(&qbuf[r * D], widened, score(r, k));
+#endif
     }
-    const float* widened = as_float(block, std::min(kValueBlock, max_len - k) * D, wide);
-    in_pairs(rows, [&](int r) { return count(r) > 0; }, [&](int r0, int r1) { return count(r0) == count(r1); },
-             [&](int r) { one(widened, r); },
-             [&](int r0, int r1) {
-               const float* s[2] = {score(r0), score(r1)};
-               float* a[2] = {sum(r0), sum(r1)};
-               accumulate<D, 2>(s, widened, count(r0), a);
-             });
+    for (int r = 0; r < rows; ++r) {
+      if (seg >= segments_of(len[r])) continue;
+      int n = std::min(kSegment, len[r] - k_begin);
+      size_t at = static_cast<size_t>(row0 + r) * p.segs + seg;
+      p.max[at] = softmax_unnormalised(score(r, k_begin), n, &p.sum[at]);
+    }
+    // values: blocks of kValueBlock keys, each row adds its share in key order to its segment's sum (rows of equal
+    // shares two at a time, sharing each value load)
+    for (int k = k_begin; k < k_end; k += kValueBlock) {
+      auto count = [&](int r) { return std::min(k + kValueBlock, len[r]) - k; };
+      auto sum = [&](int r) { return &p.acc[(static_cast<size_t>(row0 + r) * p.segs + seg) * D]; };
+      const T* block = values + static_cast<int64_t>(first + k) * D;
+      auto one = [&](const auto* v, int r) {
+        const float* s[1] = {score(r, k)};
+        float* a[1] = {sum(r)};
+        accumulate<D, 1>(s, v, count(r), a);
+      };
+      qs_stream_ahead(block, sizeof(T) * kValueBlock * D);    // and its values
+      if (!share) {
+        for (int r = 0; r < rows; ++r)
+          if (count(r) > 0) one(block, r);
+        continue;
+      }
+      const float* widened = as_float(block, std::min(kValueBlock, max_len - k) * D, wide);
+      in_pairs(rows, [&](int r) { return count(r) > 0; }, [&](int r0, int r1) { return count(r0) == count(r1); },
+               [&](int r) { one(widened, r); },
+               [&](int r0, int r1) {
+                 const float* s[2] = {score(r0, k), score(r1, k)};
+                 float* a[2] = {sum(r0), sum(r1)};
+                 accumulate<D, 2>(s, widened, count(r0), a);
+               });
+    }
   }
 }
 
