@@ -80,14 +80,18 @@ class RateCheck:
     plain ones the draft first catches up on every token it missed (left out of the measured rate, see
     Speculator.observe, but paid). So while speculation keeps
     losing at a batch size, the steps between its explorations double (EXPLORE_EVERY up to EXPLORE_MAX), and
-    return to EXPLORE_EVERY once it pays. The first speculating step after plain ones is not measured (the
-    draft's weights and KV come back into cache, its catch-up tail runs): a single exploring step measured that
-    way lost where steady speculation won (433 vs 773 tok/s on the bundled pair at batch 1), so an exploration
-    of speculation runs BURST steps and its verdict is taken after the last."""
+    return to EXPLORE_EVERY once it pays. The first step after a switch of sides is not measured, either way: the
+    first speculating one pays the draft's weights and KV coming back into cache and its catch-up tail (a single
+    exploring step measured that way lost where steady speculation won: 433 vs 773 tok/s on the bundled pair at
+    batch 1), and the first plain one the target's decode graph coming back (prompt lookup at batch 1: 1.24x the
+    time a token of steady plain steps took, so plain decoding measured only there read slow and speculation that
+    lost ~10 % "paid"). So an exploration of speculation runs BURST steps, one of plain decoding PLAIN_BURST, and
+    the verdict is taken after the last."""
 
     EXPLORE_EVERY = 32
     EXPLORE_MAX = 1024
     BURST = 4
+    PLAIN_BURST = 2
     WEIGHT = 0.1
     MARGIN = 1.02
 
@@ -97,12 +101,12 @@ class RateCheck:
         self.sums: dict[bool, dict[int, tuple[float, float]]] = {True: {}, False: {}}
         self.steps: dict[int, int] = {}
         self.interval: dict[int, int] = {}     # batch size → steps between explorations of the losing side
-        self.burst: dict[int, int] = {}        # batch size → steps left of an exploration of speculation
+        self.burst: dict[int, tuple[bool, int]] = {}   # batch size → (side, steps left) of an exploration
         self.last_speculated = False
         self.exploring = False                 # the last speculate() was an exploration of losing speculation
 
     def observe(self, num_decodes: int, speculated: bool, tokens: int, seconds: float) -> None:
-        cold, self.last_speculated = speculated and not self.last_speculated, speculated
+        cold, self.last_speculated = speculated != self.last_speculated, speculated
         if seconds <= 0 or cold:
             return
         sums = self.sums[speculated]
@@ -110,7 +114,7 @@ class RateCheck:
         w = self.WEIGHT
         sums[num_decodes] = (tokens, seconds) if old is None else ((1 - w) * old[0] + w * tokens,
                                                                      (1 - w) * old[1] + w * seconds)
-        if speculated and old is not None and not self.burst.get(num_decodes):   # a verdict sets the next interval
+        if speculated and old is not None and not self.burst.get(num_decodes, (True, 0))[1]:   # a verdict: next interval
             interval = self.interval.get(num_decodes, self.EXPLORE_EVERY)
             self.interval[num_decodes] = (self.EXPLORE_EVERY if self.pays(num_decodes)
                                           else min(2 * interval, self.EXPLORE_MAX))
@@ -129,23 +133,23 @@ class RateCheck:
         return sums[0] / sums[1] if sums else None
 
     def speculate(self, num_decodes: int, may_explore: bool = True) -> bool:
-        """This step's side: the one that pays, except one step in EXPLORE_EVERY (plain, while speculation pays)
-        or BURST steps in the backed-off interval (speculation, while it loses: `exploring`), which measure the
-        other. An exploration of losing speculation that is due waits while `may_explore` is false."""
+        """This step's side: the one that pays, except PLAIN_BURST steps in EXPLORE_EVERY (plain, while speculation
+        pays) or BURST steps in the backed-off interval (speculation, while it loses: `exploring`), which measure
+        the other. An exploration of losing speculation that is due waits while `may_explore` is false."""
+        side, left = self.burst.get(num_decodes, (False, 0))
+        if left:
+            self.burst[num_decodes] = (side, left - 1)
+            self.exploring = side
+            return side
         self.exploring = False
-        if self.burst.get(num_decodes):
-            self.burst[num_decodes] -= 1
-            self.exploring = True
-            return True
         n = self.steps[num_decodes] = self.steps.get(num_decodes, 0) + 1
         pays = self.pays(num_decodes)
         if n >= (self.EXPLORE_EVERY if pays else self.interval.get(num_decodes, self.EXPLORE_EVERY)):
             if not pays and not may_explore:
                 return False
             self.steps[num_decodes] = 0           # steps are counted from the last exploration
-            if not pays:
-                self.burst[num_decodes] = self.BURST - 1
-                self.exploring = True
+            self.burst[num_decodes] = (not pays, (self.PLAIN_BURST if pays else self.BURST) - 1)
+            self.exploring = not pays
             return not pays
         return pays
 

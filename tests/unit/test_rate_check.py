@@ -17,7 +17,8 @@ def sides(check: RateCheck, n: int, steps: int) -> str:
 
 def test_speculation_runs_until_measured_losing_and_both_sides_stay_measured():
     check, every, burst = RateCheck(), RateCheck.EXPLORE_EVERY, RateCheck.BURST
-    assert sides(check, 4, every) == "s" * (every - 1) + "p"          # nothing measured: speculate, explore plain
+    plain_burst = RateCheck.PLAIN_BURST
+    assert sides(check, 4, every - 1 + plain_burst) == "s" * (every - 1) + "p" * plain_burst   # explore plain
     check.observe(4, False, tokens=4, seconds=0.04)                   # 100 tok/s plain
     check.observe(4, True, tokens=8, seconds=0.05)                    # first after plain: not measured (cold)
     assert check.pays(4) and check.rate(True, 4) is None
@@ -28,6 +29,19 @@ def test_speculation_runs_until_measured_losing_and_both_sides_stay_measured():
     for _ in range(20):                                               # speculation gets better (new traffic)
         check.observe(4, True, tokens=15, seconds=0.1)
     assert check.pays(4) and sides(check, 4, every)[:every - 1] == "s" * (every - 1)
+
+
+def test_the_first_step_after_a_switch_of_sides_is_not_measured_either_way():
+    """The first plain step after speculating ones pays the target's decode graph coming back into cache (prompt
+    lookup at batch 1: 1.24x a steady plain step's time a token); measured, it made plain decoding read slow."""
+    check = RateCheck()
+    check.observe(1, False, tokens=1, seconds=0.001)                  # steady plain: 1,000 tok/s
+    check.observe(1, True, tokens=2, seconds=0.010)                   # first speculating step: cold
+    check.observe(1, True, tokens=2, seconds=0.002)                   # 1,000 tok/s speculating
+    check.observe(1, False, tokens=1, seconds=0.010)                  # first plain step after: cold
+    assert check.rate(True, 1) == 1000 and check.rate(False, 1) == 1000
+    check.observe(1, False, tokens=1, seconds=0.002)                  # steady plain again: measured
+    assert check.rate(False, 1) < 1000
 
 
 def test_rates_are_decayed_tokens_over_decayed_seconds_and_ignore_empty_steps():
