@@ -1,7 +1,8 @@
 """Adaptive speculation checks its decisions against measured outcomes: per batch size, decode-only steps with
-speculation must deliver at least MARGIN × the tokens per second of plain steps, else speculation stops there; one
-step in EXPLORE_EVERY measures the other side. Its acceptance estimates count the guesses tried, and estimates
-that keep speculation off are tried again with the prior, ever more rarely."""
+speculation must deliver at least MARGIN × the tokens per second of plain steps, else speculation stops there; a
+short burst every EXPLORE_EVERY steps measures the other side (its first step, cold, is not measured). Its
+acceptance estimates count the guesses tried, and estimates that keep speculation off are tried again with the
+prior, ever more rarely."""
 
 from runtime.request import Request, SamplingParams
 from runtime.spec_decode.speculator import CostModel, RateCheck, SpecConfig, Speculator
