@@ -114,7 +114,7 @@ class RateCheck:
         w = self.WEIGHT
         sums[num_decodes] = (tokens, seconds) if old is None else ((1 - w) * old[0] + w * tokens,
                                                                      (1 - w) * old[1] + w * seconds)
-        if speculated and old is not None and not self.burst.get(num_decodes, (True, 0))[1]:   # a verdict: next interval
+        if speculated and old is not None and not self.burst.get(num_decodes, (False, 0))[1]:   # a verdict: next interval
             interval = self.interval.get(num_decodes, self.EXPLORE_EVERY)
             self.interval[num_decodes] = (self.EXPLORE_EVERY if self.pays(num_decodes)
                                           else min(2 * interval, self.EXPLORE_MAX))
