@@ -4,6 +4,8 @@ short burst every EXPLORE_EVERY steps measures the other side (its first step, c
 acceptance estimates count the guesses tried, and estimates that keep speculation off are tried again with the
 prior, ever more rarely."""
 
+import pytest
+
 from runtime.request import Request, SamplingParams
 from runtime.spec_decode.speculator import CostModel, RateCheck, SpecConfig, Speculator
 
@@ -43,6 +45,29 @@ def test_the_first_step_after_a_switch_of_sides_is_not_measured_either_way():
     assert check.rate(True, 1) == 1000 and check.rate(False, 1) == 1000
     check.observe(1, False, tokens=1, seconds=0.002)                  # steady plain again: measured
     assert check.rate(False, 1) < 1000
+
+
+def test_one_slow_plain_step_does_not_make_losing_speculation_pay():
+    """Plain decoding is the reference, measured rarely while speculation runs: a step slowed by something else
+    (the first decode after a prompt's prefill, a GC pause, 4x a steady step) counts as PLAIN_CLIP x the average.
+    Unclipped, it took plain's rate from 1,000 to 769 tok/s, and lookups losing 1 % "paid" until plain's next
+    burst (prompt lookup at batch 1 spent 31 % of its steps speculating; clipped, 5 %)."""
+    check = RateCheck()
+    for _ in range(20):
+        check.observe(1, False, tokens=1, seconds=0.001)              # steady plain: 1,000 tok/s
+    check.observe(1, True, tokens=1, seconds=0.001)                   # (cold)
+    for _ in range(20):
+        check.observe(1, True, tokens=1, seconds=0.00101)             # speculation: 990 tok/s, losing
+    check.observe(1, False, tokens=1, seconds=0.001)                  # (cold)
+    assert not check.pays(1)
+    check.observe(1, False, tokens=1, seconds=0.004)                  # one slow plain step
+    w, clip = RateCheck.WEIGHT, RateCheck.PLAIN_CLIP
+    assert check.rate(False, 1) == pytest.approx(1 / ((1 - w) * 0.001 + w * clip * 0.001), rel=1e-12)
+    assert not check.pays(1)
+    once = check.rate(False, 1)
+    for _ in range(3):                             # a lasting slow-down is still followed, 2.5 % a step at most
+        check.observe(1, False, tokens=1, seconds=0.004)
+    assert check.rate(False, 1) == pytest.approx(once / (1 - w + w * clip) ** 3, rel=1e-12)
 
 
 def test_rates_are_decayed_tokens_over_decayed_seconds_and_ignore_empty_steps():
