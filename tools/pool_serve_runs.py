@@ -1,0 +1,68 @@
+"""Pool the rounds of several bench_serve runs: per-round ratios to a baseline server, their median, quartiles and a
+bootstrap interval of the median.
+
+One run's servers are one set of processes, and separate instances of the same engine differ by ~1-3 % by
+themselves (memory placement); at conc 1 this machine's rounds swing ±20-30 %. A 0.98x verdict needs more rounds
+than one run gives and more than one set of servers, so run bench_serve several times (each starts fresh servers)
+and pool them here:
+
+    python tools/pool_serve_runs.py --baseline spec-off --metric conc1.decode_tps_per_stream RUN1.json RUN2.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+
+
+def pooled_ratios(paths: list[Path], baseline: str, metric: str) -> dict[str, np.ndarray]:
+    """Server name → its per-round ratios to `baseline` on `metric` ("conc8.aggregate_tps"), over every run that
+    measured both; rounds pair up by index within a run."""
+    level, figure = metric.split(".", 1)
+    ratios: dict[str, list[float]] = {}
+    for path in paths:
+        rounds = json.loads(path.read_text())["rounds"]
+        if baseline not in rounds:
+            raise SystemExit(f"{path}: no server named {baseline!r} (it has {', '.join(rounds)})")
+        base = [r[level][figure] for r in rounds[baseline] if level in r]
+        for name, runs in rounds.items():
+            if name != baseline:
+                ratios.setdefault(name, []).extend(r[level][figure] / b for r, b in zip(runs, base) if level in r)
+    return {name: np.array(r) for name, r in ratios.items() if r}
+
+
+def bootstrap_median(x: np.ndarray, draws: int = 5000, seed: int = 0) -> tuple[float, float]:
+    """The 5th and 95th percentiles of the median of resampled rounds."""
+    rng = np.random.default_rng(seed)
+    medians = np.median(rng.choice(x, size=(draws, len(x))), axis=1)
+    return float(np.percentile(medians, 5)), float(np.percentile(medians, 95))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("runs", type=Path, nargs="+", help="bench_serve --json outputs")
+    ap.add_argument("--baseline", required=True, help="the server the ratios are taken against")
+    ap.add_argument("--metric", action="append", help="LEVEL.FIGURE, e.g. conc1.decode_tps_per_stream (repeatable; "
+                    "default: conc1 decode, conc4 and conc8 aggregate)")
+    ap.add_argument("--json", type=Path, help="also write the pooled figures here")
+    args = ap.parse_args()
+    metrics = args.metric or ["conc1.decode_tps_per_stream", "conc4.aggregate_tps", "conc8.aggregate_tps"]
+    out: dict[str, dict] = {"runs": [str(p) for p in args.runs], "baseline": args.baseline, "pooled": {}}
+    for metric in metrics:
+        for name, x in pooled_ratios(args.runs, args.baseline, metric).items():
+            lo, hi = bootstrap_median(x)
+            q1, q3 = np.percentile(x, [25, 75])
+            out["pooled"].setdefault(metric, {})[name] = {
+                "rounds": len(x), "median": float(np.median(x)), "quartiles": [float(q1), float(q3)],
+                "median_90pct_interval": [lo, hi]}
+            print(f"{metric:30s} {name:12s} {len(x):4d} rounds  {np.median(x):.3f}x [{q1:.3f}-{q3:.3f}]  "
+                  f"median's 90 % interval {lo:.3f}-{hi:.3f}")
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
