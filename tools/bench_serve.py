@@ -67,17 +67,21 @@ def start(cmd: list[str], url: str, log: Path, timeout: float = 600) -> subproce
 
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"{cmd[0]} exited with {proc.returncode}; see {log}")
-        try:
-            if httpx.get(f"{url}/models", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise SystemExit(f"{cmd[0]} did not come up in {timeout:.0f} s; see {log}")
+    try:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise SystemExit(f"{cmd[0]} exited with {proc.returncode}; see {log}")
+            try:
+                if httpx.get(f"{url}/models", timeout=2).status_code == 200:
+                    return proc
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise SystemExit(f"{cmd[0]} did not come up in {timeout:.0f} s; see {log}")
+    except BaseException:           # a timeout, or a SIGTERM while it loads: not left running
+        proc.kill()
+        proc.wait()
+        raise
 
 
 async def stream_one(client, model: str, prompt: str, max_tokens: int) -> Stream:
@@ -368,6 +372,7 @@ def main() -> None:
                       + ", ".join(f"{c}: ttft {v['ttft_ms']:.0f} ms, {v['decode_tps_per_stream']:.0f} tok/s"
                                   for c, v in runs[name][-1].items() if c.startswith("conc")), file=sys.stderr)
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)      # a second kill must not cut the clean-up short
         for p, _, _ in procs.values():
             p.terminate()
         for p, _, _ in procs.values():

@@ -19,18 +19,20 @@ import numpy as np
 
 
 def pooled_ratios(paths: list[Path], baseline: str, metric: str) -> dict[str, np.ndarray]:
-    """Server name → its per-round ratios to `baseline` on `metric` ("conc8.aggregate_tps"), over every run that
-    measured both; rounds pair up by index within a run."""
+    """Server name → its per-round ratios to `baseline` on `metric` ("conc8.aggregate_tps"), over every run given
+    (each must have the baseline): a round is divided by the same round of its own run's baseline, and rounds
+    where either lacks the figure are left out."""
     level, figure = metric.split(".", 1)
     ratios: dict[str, list[float]] = {}
     for path in paths:
         rounds = json.loads(path.read_text())["rounds"]
         if baseline not in rounds:
             raise SystemExit(f"{path}: no server named {baseline!r} (it has {', '.join(rounds)})")
-        base = [r[level][figure] for r in rounds[baseline] if level in r]
         for name, runs in rounds.items():
             if name != baseline:
-                ratios.setdefault(name, []).extend(r[level][figure] / b for r, b in zip(runs, base) if level in r)
+                ratios.setdefault(name, []).extend(
+                    r[level][figure] / b[level][figure] for r, b in zip(runs, rounds[baseline])
+                    if r.get(level, {}).get(figure) is not None and b.get(level, {}).get(figure))
     return {name: np.array(r) for name, r in ratios.items() if r}
 
 

@@ -35,7 +35,7 @@ class NgramIndex:
                     self.latest[tuple(ids[end - n:end])] = end - n
             return
         for n in range(self.min_n, self.max_n + 1):
-            lo, hi = max(first_end, n) - n, len(ids) - n       # starts of the n-grams ending in [first_end, len - 1)
+            lo, hi = max(first_end, n) - n, len(ids) - n       # starts of the n-grams ending in [first_end, len)
             if hi > lo:
                 self.latest.update(zip(zip(*(ids[lo + i:hi + i] for i in range(n))), range(lo, hi)))
 
@@ -54,6 +54,8 @@ class NgramProposer:
     free = True
 
     def __init__(self, max_n: int = 4, min_n: int = 2):
+        if not 1 <= min_n <= max_n:     # an empty n-gram would match everywhere (and extend()'s paths differ on it)
+            raise ValueError(f"prompt lookup needs 1 <= min_n <= max_n (got min_n={min_n}, max_n={max_n})")
         self.max_n, self.min_n = max_n, min_n
         self._index: dict[str, NgramIndex] = {}
 

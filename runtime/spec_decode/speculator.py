@@ -112,7 +112,7 @@ class RateCheck:
 
     def observe(self, num_decodes: int, speculated: bool, tokens: int, seconds: float) -> None:
         cold, self.last_speculated = speculated != self.last_speculated, speculated
-        if seconds <= 0 or cold:
+        if seconds <= 0 or tokens <= 0 or cold:
             return
         sums = self.sums[speculated]
         old = sums.get(num_decodes)

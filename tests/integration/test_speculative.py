@@ -65,6 +65,8 @@ def test_ngram_lookup():
     ng = NgramProposer(max_n=3, min_n=1)
     assert ng.lookup([1, 2, 3, 4, 9, 1, 2, 3], 3) == [4, 9, 1]
     assert ng.lookup([5, 6, 7], 2) == []
+    with pytest.raises(ValueError, match="1 <= min_n <= max_n"):
+        NgramProposer(max_n=3, min_n=0)
 
 
 def scan_lookup(ids: list[int], gamma: int, min_n: int, max_n: int) -> list[int]:

@@ -77,7 +77,12 @@ def test_rates_are_decayed_tokens_over_decayed_seconds_and_ignore_empty_steps():
     w = RateCheck.WEIGHT
     assert check.rate(False, 2) == ((1 - w) * 10 + w * 20) / ((1 - w) * 0.1 + w * 0.1)   # decayed tokens / seconds
     check.observe(2, True, tokens=5, seconds=0.0)
+    check.observe(2, True, tokens=0, seconds=0.01)
     assert check.rate(True, 2) is None
+    check.observe(2, False, tokens=2, seconds=0.01)                  # back to plain (cold: not measured)
+    before = check.rate(False, 2)
+    check.observe(2, False, tokens=0, seconds=0.01)                  # a step that yielded nothing
+    assert check.rate(False, 2) == before
 
 
 def test_exploring_a_losing_side_backs_off_and_resets_when_it_pays():
