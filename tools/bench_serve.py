@@ -194,6 +194,12 @@ def with_acceptance(result: dict, before, after) -> dict:
     return result
 
 
+def round_ratios(rounds: list[dict], base: list[dict], case: str, key: str) -> list[float]:
+    """Each round's figure over the same round's of the baseline, leaving out rounds where either lacks it."""
+    return [r[case][key] / b[case][key] for r, b in zip(rounds, base)
+            if r.get(case, {}).get(key) is not None and b.get(case, {}).get(key)]
+
+
 def summarize(runs: dict[str, list[dict]], baseline: str | None) -> dict:
     """Median and spread over rounds of every figure, and ratios to the baseline (same round's figures)."""
     summary = {}
@@ -206,8 +212,7 @@ def summarize(runs: dict[str, list[dict]], baseline: str | None) -> dict:
                     continue
                 entry = {"median": float(np.median(values)), "min": float(min(values)), "max": float(max(values))}
                 if baseline and name != baseline and case != "speculation":
-                    ratios = [r[case][key] / b[case][key] for r, b in zip(rounds, runs[baseline])
-                              if r[case][key] is not None and b[case][key]]
+                    ratios = round_ratios(rounds, runs[baseline], case, key)
                     if ratios:
                         entry["ratio"] = float(np.median(ratios))
                         entry["ratio_range"] = [float(min(ratios)), float(max(ratios))]

@@ -13,9 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_serve import round_ratios  # noqa: E402
 
 
 def pooled_ratios(paths: list[Path], baseline: str, metric: str) -> dict[str, np.ndarray]:
@@ -30,9 +34,7 @@ def pooled_ratios(paths: list[Path], baseline: str, metric: str) -> dict[str, np
             raise SystemExit(f"{path}: no server named {baseline!r} (it has {', '.join(rounds)})")
         for name, runs in rounds.items():
             if name != baseline:
-                ratios.setdefault(name, []).extend(
-                    r[level][figure] / b[level][figure] for r, b in zip(runs, rounds[baseline])
-                    if r.get(level, {}).get(figure) is not None and b.get(level, {}).get(figure))
+                ratios.setdefault(name, []).extend(round_ratios(runs, rounds[baseline], level, figure))
     return {name: np.array(r) for name, r in ratios.items() if r}
 
 
