@@ -1,13 +1,15 @@
-"""Two builds of our cpu kernels (the `runtime._native` op library) on one engine, interleaved in one process.
+"""Two builds of our cpu kernels (the `runtime._native` op library) on one engine, or two engines of one checkpoint
+(a graph change: `--old-engine`, built before it), interleaved in one process.
 
 For kernel work: keep a copy of the library before a change (`cp .venv/.../runtime/_native*.so /tmp/old.so`),
-rebuild (`pip install -e .`), then compare. Both builds load the same engine with the same threads; rounds
+rebuild (`pip install -e .`), then compare. For graph work: keep the engine compiled before the change. Both builds load the same engine with the same threads; rounds
 alternate between them so the machine's drift hits both alike. Per round: a prompt of `--context` tokens from
 empty (prefill), a `--chunk`-token prompt chunk after it (a prefix-cache hit's or a chat turn's uncached tail),
 and decode steps at batch 1 and `--batch` at that context. Prints medians with the spread of the per-round
 new/old ratios, says whether the two builds' logits are bitwise equal, and writes JSON with `--json`.
 
     python tools/bench_native.py engines/target --old /tmp/old.so --threads 1 --context 1400 --chunk 48
+    python tools/bench_native.py /tmp/q05-int4-new --old-engine /tmp/q05-int4 --context 590 --chunk 48
 """
 
 from __future__ import annotations
@@ -52,17 +54,20 @@ def measure(r: model_runner.ModelRunner, pool, ids: list[int], context: int, bat
         for step in range(steps):
             rows = [(slot, 7, context + step) for slot in range(1, b + 1)]
             t = time.perf_counter()
-            r.decode(pool, rows, set())
+            decode_logits = np.array(r.decode(pool, rows, set()))
             times.append(time.perf_counter() - t)
         out[f"decode_b{b}_ms"] = float(np.median(times)) * 1e3
-    out["_logits"] = (prefill_logits, chunk_logits)
+        out[f"_logits_b{b}"] = decode_logits
+    out["_logits"] = (prefill_logits, chunk_logits) + tuple(out.pop(f"_logits_b{b}") for b in sorted({1, batch}))
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("engine", type=Path)
-    ap.add_argument("--old", required=True, help="the other build of the op library (a copy of runtime/_native*.so)")
+    ap.add_argument("--old", default=None, help="the other build of the op library (a copy of runtime/_native*.so); "
+                    "default: this install's")
+    ap.add_argument("--old-engine", type=Path, default=None, help="the other engine (default: ENGINE)")
     ap.add_argument("--new", default=None, help="default: this install's library")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--context", type=int, default=1400, help="prompt tokens prefilled from empty")
@@ -72,8 +77,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
-    builds = {"old": args.old, "new": args.new or cpu_ops.library()}
-    runners = {name: runner(args.engine, lib, args.threads) for name, lib in builds.items()}
+    if not (args.old or args.old_engine):
+        ap.error("give --old (another build of the library) or --old-engine (another engine), or both")
+    builds = {"old": args.old or cpu_ops.library(), "new": args.new or cpu_ops.library()}
+    engines = {"old": args.old_engine or args.engine, "new": args.engine}
+    runners = {name: runner(engines[name], lib, args.threads) for name, lib in builds.items()}
     capacity = args.context + args.chunk + args.steps + 8
     pools = {name: r.new_pool(args.batch + 1, capacity) for name, r in runners.items()}
     ids = [int(t) for t in np.random.default_rng(0).integers(5, 8000, args.context + args.chunk)]
@@ -86,7 +94,7 @@ def main() -> None:
         for name in builds:
             rounds[name].append(got[name])
     summary = {}
-    print(f"{args.engine}, {args.threads} thread(s), context {args.context}, chunk {args.chunk}, {args.rounds} rounds")
+    print(f"{args.engine}" + (f" vs {args.old_engine}" if args.old_engine else "") + f", {args.threads} thread(s), context {args.context}, chunk {args.chunk}, {args.rounds} rounds")
     for key in rounds["old"][0]:
         old, new = np.array([r[key] for r in rounds["old"]]), np.array([r[key] for r in rounds["new"]])
         ratio = new / old
@@ -94,7 +102,7 @@ def main() -> None:
                         "ratio_range": [float(ratio.min()), float(ratio.max())]}
         print(f"{key:16s} old {np.median(old):8.2f}  new {np.median(new):8.2f}  new/old {np.median(ratio):.3f} "
               f"[{ratio.min():.3f}-{ratio.max():.3f}]")
-    print("logits bitwise equal (prefill and chunk, every round):", equal)
+    print("logits bitwise equal (prefill, chunk and the last decode steps, every round):", equal)
     if args.json:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rounds": rounds,
                                          "summary": summary, "bitwise_equal": bool(equal)}, indent=1))

@@ -63,26 +63,80 @@ def plus_bias(ctx: Ctx, y: str, bias: str, name: str) -> str:
     return ctx.b.op("Add", [y, bias], f"{name}/Add") if bias else y
 
 
+@dataclass(frozen=True)
+class SkipNorm:
+    """A residual add and RMS norm (`skip_rms_norm`) left for the linear that reads it: qs.Int4MatMul takes it in as
+    its prologue and writes the sum, `residual`, as its second output. Any other reader takes `normed(ctx, it)`,
+    the SkipSimplifiedLayerNormalization it stands for."""
+
+    x: str
+    skip: str
+    gamma: str
+    name: str
+
+    @property
+    def residual(self) -> str:
+        return f"{self.name}/residual"
+
+
+def linears_fold(ctx: Ctx) -> bool:
+    """Whether this graph's linears take in the small ops around them (qs.Int4MatMul: norm, SwiGLU, bias). Always
+    with qs.Int4MatMul; a test turns it off to build the graph it replaces."""
+    return ctx.target == "cpu" and ctx.precision == "int4" and ctx.own_int4
+
+
+def normed(ctx: Ctx, x: str | SkipNorm) -> str:
+    """`x` as a value: a SkipNorm emitted as the SkipSimplifiedLayerNormalization it stands for (once)."""
+    if not isinstance(x, SkipNorm):
+        return x
+    if x.name not in ctx.shared:
+        ctx.shared[x.name] = ctx.b.node("SkipSimplifiedLayerNormalization", [x.x, x.skip, x.gamma],
+                                        f"{x.name}/SkipLayerNorm", domain=MS_DOMAIN, epsilon=ctx.spec.rms_norm_eps,
+                                        outputs=[f"{x.name}/SkipLayerNorm/output_0", "", "", x.residual])[0]
+    return ctx.shared[x.name]
+
+
+def int4_linear(ctx: Ctx, x: str | SkipNorm, weight: np.ndarray, bias: str, name: str, swiglu: bool = False) -> str:
+    """x @ weight ([K, N]) in one qs.Int4MatMul with what it folds in (plugins/cpu/int4_matmul.cpp, each bitwise the
+    op it replaces): the bias; a pending skip RMS norm (x a SkipNorm: the op also writes its residual) or, with
+    `swiglu`, silu(gate) · up of x [..., 2K] as its prologue. At batch 1 every op's dispatch cost more than its
+    arithmetic: qwen2.5-0.5b's int4 graph went from 221 nodes to 126."""
+    b, (k, n) = ctx.b, weight.shape
+    inputs, outputs, attrs = [x, b.weight(f"{name}.weight_int4_panels", int4.pack_panels(weight)), bias], None, {}
+    if isinstance(x, SkipNorm):
+        inputs = [x.x, inputs[1], bias, x.skip, x.gamma]
+        outputs = [f"{name}/Int4MatMul/output_0", x.residual]
+        attrs = dict(prologue=2, epsilon=float(ctx.spec.rms_norm_eps))
+    elif swiglu:
+        attrs = dict(prologue=1)
+    while inputs[-1] == "":
+        inputs.pop()
+    return b.node("Int4MatMul", inputs, f"{name}/Int4MatMul", domain=QS_DOMAIN, outputs=outputs, K=k, N=n, **attrs)[0]
+
+
 def panel_matmul(ctx: Ctx, x: str, bits: int, weights: list[str], k: int, n: int, name: str,
                  output: str | None = None) -> str:
     """qs.Int8MatMul (weights: panels, channel scales, zero-point sums; compile.quantize.int8.pack_panels) or
     qs.Int4MatMul (weights: panels with their block scales; compile.quantize.int4.pack_panels): x [..., k] → [..., n],
-    activations quantized per row inside the op (plugins/cpu). The linears' and the LM head's."""
+    activations quantized per row inside the op (plugins/cpu). The int8 linears' and the LM heads' (int4 linears: `int4_linear`)."""
     return ctx.b.node(f"Int{bits}MatMul", [x, *weights], f"{name}/Int{bits}MatMul", domain=QS_DOMAIN,
                       outputs=[output] if output else None, K=k, N=n)[0]
 
 
-def linear(ctx: Ctx, x: str, weight: np.ndarray, bias: np.ndarray | None, name: str) -> str:
+def linear(ctx: Ctx, x: str | SkipNorm, weight: np.ndarray, bias: np.ndarray | None, name: str) -> str:
     """x @ weight.T (+ bias).   x: [..., in]   weight: [out, in] (HF layout)   → [..., out]
 
     fp32/fp16: MatMul.  int8: `row_quantized_matmul` (per-channel int8 weight, activations quantized per row,
     so batch-invariant), or the same arithmetic in one qs.Int8MatMul with the weight packed for it where the
     engine uses our kernels.  int4: MatMulNBits (block-wise, accuracy_level 4), or qs.Int4MatMul (blocks of 32,
-    activations int8 per row) with our kernels on AVX-512.  fp8: DequantizeLinear(e4m3, per
+    activations int8 per row, `int4_linear`: the bias and a pending norm folded in) with our kernels on AVX-512.  fp8: DequantizeLinear(e4m3, per
     channel) → MatMul, which the runtime folds to fp32 once at load (`session.disable_quant_qdq`).
     """
     b, w = ctx.b, np.asarray(weight, np.float32).T          # [K, N]
     bias_name = ctx.float_weight(f"{name}.bias", bias) if bias is not None else ""
+    if linears_fold(ctx):
+        return int4_linear(ctx, x, w, bias_name, name)
+    x = normed(ctx, x)
     if ctx.precision == "int8" and ctx.target == "tensorrt":      # weight-only Q/DQ: TensorRT fuses it into the GEMM
         q, scale = int8.quantize(w)
         wq = b.op("DequantizeLinear", [b.weight(f"{name}.weight_int8", q), ctx.float_weight(f"{name}.weight_scale", scale)],
@@ -102,7 +156,7 @@ def linear(ctx: Ctx, x: str, weight: np.ndarray, bias: np.ndarray | None, name: 
         q, scale = int8.quantize(w, levels=int8.WEIGHT_LEVELS)
         return row_quantized_matmul(ctx, x, b.weight(f"{name}.weight_int8", q),
                                     b.weight(f"{name}.weight_scale", scale), w.shape[0], bias_name, name)
-    if ctx.precision == "int4" and ctx.own_int4:
+    if ctx.precision == "int4" and ctx.own_int4:         # unfolded: only where a test builds the graph it replaces
         weights = [b.weight(f"{name}.weight_int4_panels", int4.pack_panels(w))]
         return plus_bias(ctx, panel_matmul(ctx, x, 4, weights, *w.shape, name), bias_name, name)
     if ctx.precision == "int4":
@@ -203,17 +257,22 @@ def rms_norm(ctx: Ctx, x: str, gamma: np.ndarray, name: str) -> str:
                       num_outputs=1, axis=-1, epsilon=ctx.spec.rms_norm_eps, stash_type=1)[0]
 
 
-def skip_rms_norm(ctx: Ctx, x: str, skip: str, gamma: np.ndarray, name: str) -> tuple[str, str]:
+def skip_rms_norm(ctx: Ctx, x: str, skip: str, gamma: np.ndarray, name: str) -> tuple[str | SkipNorm, str]:
     """Residual add fused with the next norm:
 
         x ──┐
             Add ──▶ residual (output 3)
         skip┘  └──▶ RMSNorm(gamma) ──▶ normed (output 0)
+
+    Where the linears fold norms in (`linears_fold`), a SkipNorm for the next linear to take in.
     """
     g = ctx.float_weight(f"{name}.weight", gamma)
     if ctx.target == "tensorrt":
         residual = ctx.b.op("Add", [x, skip], f"{name}/SkipAdd")
         return _rms_norm_standard(ctx, residual, g, name), residual
+    if linears_fold(ctx):
+        pending = SkipNorm(x, skip, g, name)
+        return pending, pending.residual
     outs = ctx.b.node("SkipSimplifiedLayerNormalization", [x, skip, g], f"{name}/SkipLayerNorm",
                       num_outputs=4, domain=MS_DOMAIN, epsilon=ctx.spec.rms_norm_eps)
     return outs[0], outs[3]
@@ -274,10 +333,14 @@ def attention(ctx: Ctx, x: str, w: dict[str, np.ndarray], layer: int, kv: dict[s
 
 def mlp(ctx: Ctx, x: str, w: dict[str, np.ndarray], layer: int) -> str:
     """SwiGLU:  x ─▶ MatMul(Wgate|Wup) ─▶ Split ─▶ gate·sigmoid(gate) · up ─▶ MatMul(Wdown); with our cpu ops
-    the middle is one qs.SwiGLU (plugins/cpu/swiglu.cpp) instead of four ops."""
+    the middle is one qs.SwiGLU (plugins/cpu/swiglu.cpp) instead of four ops, and with qs.Int4MatMul none: the
+    down projection computes it."""
     name, ffn = f"/model/layers.{layer}/mlp", ctx.spec.intermediate_size
     gate_up = linear(ctx, x, np.concatenate([w["gate_proj.weight"], w["up_proj.weight"]], axis=0), None,
                      f"{name}/gate_up_proj")
+    if linears_fold(ctx):             # silu(gate) · up computed by the down projection as its prologue
+        return int4_linear(ctx, gate_up, np.asarray(w["down_proj.weight"], np.float32).T, "", f"{name}/down_proj",
+                           swiglu=True)
     if ctx.target == "cpu" and ctx.own_kernels:
         prod = ctx.b.op("SwiGLU", [gate_up], f"{name}/SwiGLU", domain=QS_DOMAIN)
         return linear(ctx, prod, w["down_proj.weight"], None, f"{name}/down_proj")
@@ -392,7 +455,7 @@ class Embeddings:
         return b.node("Cast", [y], "/lm_head/Cast", outputs=["logits"], to=TensorProto.FLOAT)[0]
 
 
-def lm_head(ctx: Ctx, hidden: str, embeddings: Embeddings, weight: np.ndarray | None) -> str:
+def lm_head(ctx: Ctx, hidden: str | SkipNorm, embeddings: Embeddings, weight: np.ndarray | None) -> str:
     """Logits only where the runtime asks (`logits_indices` into the flattened batch×sequence tokens):
 
         hidden [B,S,H] ─▶ Reshape [B·S,H] ─▶ Gather(logits_indices) ─▶ head ─▶ logits [N,V]
@@ -400,6 +463,6 @@ def lm_head(ctx: Ctx, hidden: str, embeddings: Embeddings, weight: np.ndarray | 
     Prefill asks for one row per sequence, decode for every row, verification for γ+1 per sequence,
     so the vocabulary projection is never computed for tokens nobody reads.
     """
-    flat = ctx.b.op("Reshape", [hidden, ctx.b.const([-1, ctx.spec.hidden_size])], "/lm_head/Reshape")
+    flat = ctx.b.op("Reshape", [normed(ctx, hidden), ctx.b.const([-1, ctx.spec.hidden_size])], "/lm_head/Reshape")
     rows = ctx.b.op("Gather", [flat, "logits_indices"], "/lm_head/Gather", axis=0)
     return embeddings.head(rows, weight)

@@ -44,6 +44,14 @@ inline void qs_stream_ahead(const void* data, size_t bytes = 1) {
 // One row → uint8 (zero point 128) on its own scale max|x|/127; shared by RowQuantize, Int8MatMul and Int4MatMul.
 void qs_quantize_row(const float* __restrict x, int64_t k, uint8_t* __restrict q, float* __restrict scale);
 
+// The ops a linear may take in as its prologue (prologues.cpp), each a row at a time and bitwise the op it replaces:
+// qs.SwiGLU's row, silu(gate) · up of x [2f] (gate | up) → out [f];
+void qs_swiglu_row(const float* __restrict x, int64_t f, float* __restrict out);
+// ONNX Runtime's SkipSimplifiedLayerNormalization's row: sum = x + skip (written where `sum` is not null),
+// out = sum / sqrt(Σ sum² / k + epsilon) · gamma, the squares summed in order in float.
+void qs_skip_rms_norm_row(const float* x, const float* skip, const float* gamma, int64_t k, float epsilon, float* sum,
+                          float* out);
+
 // fn(row) for rows [0, rows), in tasks of `per_task` rows on ONNX Runtime's pool (inline when one task suffices:
 // a decode step's few rows are not worth a dispatch). Rows are independent; each is computed the same way
 // whichever task takes it.

@@ -3,9 +3,8 @@
 // One op for the four a cpu MLP used between its two linears (Split, Sigmoid and Mul, which ONNX Runtime fuses
 // into QuickGelu, and Mul): at batch 1 each op's dispatch costs more than its arithmetic (~9 µs a layer for the
 // three, ~3 % of a smollm2 int8 decode step), and the gate and up halves are read once, not copied by Split.
-// A row's result depends on that row alone (batch invariance), computed in a fixed order:
-//
-//     e = exp(-|g|),   sigmoid(g) = g ≥ 0 ? 1 / (1 + e) : e / (1 + e),   out = g · sigmoid(g) · u
+// A row's result depends on that row alone (batch invariance): qs_swiglu_row (prologues.cpp), which qs.Int4MatMul
+// also runs as its prologue where the compiler folds this op into the down projection.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -16,23 +15,7 @@
 
 namespace {
 
-constexpr int kBlock = 256;            // elements per pass (the exp's scratch stays in L1)
 constexpr int64_t kRowsPerTask = 8;
-
-void swiglu_row(const float* __restrict x, int64_t f, float* __restrict out) {
-  alignas(64) float e[kBlock];
-  for (int64_t i0 = 0; i0 < f; i0 += kBlock) {
-    const int n = static_cast<int>(std::min<int64_t>(kBlock, f - i0));
-    const float* g = x + i0;
-    const float* u = x + f + i0;
-    for (int i = 0; i < n; ++i) e[i] = -std::fabs(g[i]);
-    qs_exp_inplace(e, n);
-    for (int i = 0; i < n; ++i) {
-      float s = (g[i] >= 0.0f ? 1.0f : e[i]) / (1.0f + e[i]);
-      out[i0 + i] = g[i] * s * u[i];
-    }
-  }
-}
 
 struct SwiGLUKernel {
   SwiGLUKernel(const OrtApi&, const OrtKernelInfo*) {}
@@ -49,7 +32,7 @@ struct SwiGLUKernel {
     const float* in = x.GetTensorData<float>();
     float* out = ctx.GetOutput(0, shape).GetTensorMutableData<float>();
     if (f == 0) return;
-    qs_for_rows(ctx, rows, kRowsPerTask, [&](int64_t row) { swiglu_row(in + row * 2 * f, f, out + row * f); });
+    qs_for_rows(ctx, rows, kRowsPerTask, [&](int64_t row) { qs_swiglu_row(in + row * 2 * f, f, out + row * f); });
   }
 };
 

@@ -6,6 +6,7 @@ import shutil
 from functools import partial
 
 import numpy as np
+import onnx
 import pytest
 from click.testing import CliRunner
 from safetensors.numpy import load_file, save_file
@@ -14,6 +15,7 @@ from runtime import cpu_ops
 from artifact import load
 from compile.build import build
 from compile.cli import main
+from compile.graph import layers
 from compile.config import CompileConfig, QuantConfig
 from compile.quantize import fp8, int8, kv_int8
 from compile.reference import ReferenceModel
@@ -201,3 +203,38 @@ def test_kv_cache_auto(checkpoint, tmp_path, precision, kernels, kv):
     manifest = build(CompileConfig(checkpoint("llama"), tmp_path / "e", precision, report=False, kernels=kernels),
                      log=lambda _: None)
     assert manifest["kv_cache"]["dtype"] == kv
+
+
+@pytest.mark.parametrize("name", ["qwen2", "llama"])
+def test_int4_linears_fold_the_ops_around_them_bit_for_bit(name, checkpoint, tmp_path, monkeypatch):
+    """With qs.Int4MatMul the norms, SwiGLU and attention biases around the linears are folded into them (one op where
+    a decode step ran two or three): the graph has none of those nodes left but the first and last norms, and its
+    logits — a prompt, a chunk after it, decode at batch 1 and 3 — are bitwise those of the same checkpoint built
+    without folding."""
+    folded, plain = tmp_path / "folded", tmp_path / "plain"
+    build(CompileConfig(checkpoint(name), folded, "int4", report=False), log=lambda _: None)
+    ops = [n.op_type for n in onnx.load(folded / "model.onnx", load_external_data=False).graph.node]
+    if "Int4MatMul" not in ops:
+        pytest.skip("this install builds int4 engines on MatMulNBits (our int4 op needs AVX-512)")
+    monkeypatch.setattr(layers, "linears_fold", lambda ctx: False)
+    build(CompileConfig(checkpoint(name), plain, "int4", report=False), log=lambda _: None)
+    plain_ops = [n.op_type for n in onnx.load(plain / "model.onnx", load_external_data=False).graph.node]
+    layers_n = read_spec(checkpoint(name)).num_layers
+    assert ops.count("SkipSimplifiedLayerNormalization") == 1 and "SwiGLU" not in ops and "Add" not in ops
+    assert plain_ops.count("SkipSimplifiedLayerNormalization") == 2 * layers_n
+    assert plain_ops.count("SwiGLU") == layers_n and ops.count("Int4MatMul") == plain_ops.count("Int4MatMul")
+    assert plain_ops.count("Add") == (layers_n if name == "qwen2" else 0)       # qwen2's q/k/v biases
+
+    ids = [int(t) for t in np.random.default_rng(7).integers(3, 200, 40)]
+    got = {}
+    for label, engine_dir in (("folded", folded), ("plain", plain)):
+        runner = ModelRunner(engine_dir)
+        pool = runner.new_pool(4, 64)
+        out = [np.array(runner.prefill(pool, 0, ids[:30], 0)), np.array(runner.prefill(pool, 0, ids[30:], 30))]
+        for slot in (1, 2, 3):
+            runner.prefill(pool, slot, ids[:20 + slot], 0)
+        out.append(runner.decode(pool, [(1, 5, 21)], set()))
+        out.append(runner.decode(pool, [(1, 6, 22), (2, 7, 22), (3, 8, 23)], set()))
+        got[label] = out
+    for a, b in zip(got["folded"], got["plain"]):
+        assert a.shape == b.shape and np.array_equal(a, b)
