@@ -80,9 +80,10 @@ class SkipNorm:
 
 
 def linears_fold(ctx: Ctx) -> bool:
-    """Whether this graph's linears take in the small ops around them (qs.Int4MatMul: norm, SwiGLU, bias). Always
-    with qs.Int4MatMul; a test turns it off to build the graph it replaces."""
-    return ctx.target == "cpu" and ctx.precision == "int4" and ctx.own_int4
+    """Whether this graph's linears take in the small ops around them (norm, SwiGLU, bias): always with qs.Int4MatMul
+    and qs.Int8MatMul; a test turns it off to build the graph they replace."""
+    return ctx.target == "cpu" and ((ctx.precision == "int4" and ctx.own_int4) or
+                                    (ctx.precision == "int8" and ctx.own_kernels and ctx.batch_invariant))
 
 
 def normed(ctx: Ctx, x: str | SkipNorm) -> str:
@@ -96,46 +97,58 @@ def normed(ctx: Ctx, x: str | SkipNorm) -> str:
     return ctx.shared[x.name]
 
 
-def int4_linear(ctx: Ctx, x: str | SkipNorm, weight: np.ndarray, bias: str, name: str, swiglu: bool = False) -> str:
-    """x @ weight ([K, N]) in one qs.Int4MatMul with what it folds in (plugins/cpu/int4_matmul.cpp, each bitwise the
-    op it replaces): the bias; a pending skip RMS norm (x a SkipNorm: the op also writes its residual) or, with
-    `swiglu`, silu(gate) · up of x [..., 2K] as its prologue. At batch 1 every op's dispatch cost more than its
-    arithmetic: qwen2.5-0.5b's int4 graph went from 221 nodes to 126."""
-    b, (k, n) = ctx.b, weight.shape
-    inputs, outputs, attrs = [x, b.weight(f"{name}.weight_int4_panels", int4.pack_panels(weight)), bias], None, {}
+def folded_linear(ctx: Ctx, x: str | SkipNorm, w: np.ndarray, bias: str, name: str, swiglu: bool = False) -> str:
+    """x @ w ([K, N]) in one qs.Int4MatMul or qs.Int8MatMul with what it folds in (plugins/cpu/prologues.cpp, each
+    bitwise the op it replaces): the bias; a pending skip RMS norm (x a SkipNorm: the op also writes its residual)
+    or, with `swiglu`, silu(gate) · up of x [..., 2K] as its prologue. At batch 1 every op's dispatch cost more than
+    its arithmetic: qwen2.5-0.5b's int4 graph went from 221 nodes to 126."""
+    b, (k, n) = ctx.b, w.shape
+    if ctx.precision == "int4":
+        bits, weights = 4, [b.weight(f"{name}.weight_int4_panels", int4.pack_panels(w))]
+    else:
+        q, scale = int8.quantize(w, levels=int8.WEIGHT_LEVELS)
+        packed, zsum = int8.pack_panels(q)
+        bits, weights = 8, [b.weight(f"{name}.weight_int8_panels", packed), b.weight(f"{name}.weight_scale", scale),
+                            b.weight(f"{name}.weight_zsum", zsum)]
+    inputs, outputs, attrs = [x, *weights, bias], None, {}
     if isinstance(x, SkipNorm):
-        inputs = [x.x, inputs[1], bias, x.skip, x.gamma]
-        outputs = [f"{name}/Int4MatMul/output_0", x.residual]
+        inputs = [x.x, *weights, bias, x.skip, x.gamma]
+        outputs = [f"{name}/Int{bits}MatMul/output_0", x.residual]
         attrs = dict(prologue=2, epsilon=float(ctx.spec.rms_norm_eps))
     elif swiglu:
         attrs = dict(prologue=1)
     while inputs[-1] == "":
         inputs.pop()
-    return b.node("Int4MatMul", inputs, f"{name}/Int4MatMul", domain=QS_DOMAIN, outputs=outputs, K=k, N=n, **attrs)[0]
+    return b.node(f"Int{bits}MatMul", inputs, f"{name}/Int{bits}MatMul", domain=QS_DOMAIN, outputs=outputs, K=k, N=n,
+                  **attrs)[0]
 
 
 def panel_matmul(ctx: Ctx, x: str, bits: int, weights: list[str], k: int, n: int, name: str,
                  output: str | None = None) -> str:
     """qs.Int8MatMul (weights: panels, channel scales, zero-point sums; compile.quantize.int8.pack_panels) or
     qs.Int4MatMul (weights: panels with their block scales; compile.quantize.int4.pack_panels): x [..., k] → [..., n],
-    activations quantized per row inside the op (plugins/cpu). The int8 linears' and the LM heads' (int4 linears: `int4_linear`)."""
+    activations quantized per row inside the op (plugins/cpu): the LM head's, and the linears' where they do not fold
+    (`folded_linear`)."""
     return ctx.b.node(f"Int{bits}MatMul", [x, *weights], f"{name}/Int{bits}MatMul", domain=QS_DOMAIN,
                       outputs=[output] if output else None, K=k, N=n)[0]
 
 
-def linear(ctx: Ctx, x: str | SkipNorm, weight: np.ndarray, bias: np.ndarray | None, name: str) -> str:
+def linear(ctx: Ctx, x: str | SkipNorm, weight: np.ndarray, bias: np.ndarray | None, name: str,
+           swiglu: bool = False) -> str:
     """x @ weight.T (+ bias).   x: [..., in]   weight: [out, in] (HF layout)   → [..., out]
 
     fp32/fp16: MatMul.  int8: `row_quantized_matmul` (per-channel int8 weight, activations quantized per row,
     so batch-invariant), or the same arithmetic in one qs.Int8MatMul with the weight packed for it where the
     engine uses our kernels.  int4: MatMulNBits (block-wise, accuracy_level 4), or qs.Int4MatMul (blocks of 32,
-    activations int8 per row, `int4_linear`: the bias and a pending norm folded in) with our kernels on AVX-512.  fp8: DequantizeLinear(e4m3, per
-    channel) → MatMul, which the runtime folds to fp32 once at load (`session.disable_quant_qdq`).
+    activations int8 per row) with our kernels on AVX-512.  Our ops take in the bias, a pending norm (x a
+    SkipNorm) or, with `swiglu` (x: gate | up), the MLP's activation: `folded_linear`.  fp8: DequantizeLinear(e4m3,
+    per channel) → MatMul, which the runtime folds to fp32 once at load (`session.disable_quant_qdq`).
     """
     b, w = ctx.b, np.asarray(weight, np.float32).T          # [K, N]
     bias_name = ctx.float_weight(f"{name}.bias", bias) if bias is not None else ""
     if linears_fold(ctx):
-        return int4_linear(ctx, x, w, bias_name, name)
+        return folded_linear(ctx, x, w, bias_name, name, swiglu)
+    assert not swiglu, "only our ops compute SwiGLU as a linear's prologue"
     x = normed(ctx, x)
     if ctx.precision == "int8" and ctx.target == "tensorrt":      # weight-only Q/DQ: TensorRT fuses it into the GEMM
         q, scale = int8.quantize(w)
@@ -146,7 +159,7 @@ def linear(ctx: Ctx, x: str | SkipNorm, weight: np.ndarray, bias: np.ndarray | N
         q, scale = int8.quantize(w)
         ins = [x, b.weight(f"{name}.weight_int8", q), b.weight(f"{name}.weight_scale", scale), "", bias_name]
         return b.op("DynamicQuantizeMatMul", ins, f"{name}/DynamicQuantizeMatMul", domain=MS_DOMAIN)
-    if ctx.precision == "int8" and ctx.own_kernels:          # the arithmetic of row_quantized_matmul, in one op
+    if ctx.precision == "int8" and ctx.own_kernels:          # unfolded (a test's): row_quantized_matmul in one op
         q, scale = int8.quantize(w, levels=int8.WEIGHT_LEVELS)
         packed, zsum = int8.pack_panels(q)
         weights = [b.weight(f"{name}.weight_int8_panels", packed), b.weight(f"{name}.weight_scale", scale),
@@ -333,14 +346,13 @@ def attention(ctx: Ctx, x: str, w: dict[str, np.ndarray], layer: int, kv: dict[s
 
 def mlp(ctx: Ctx, x: str, w: dict[str, np.ndarray], layer: int) -> str:
     """SwiGLU:  x ─▶ MatMul(Wgate|Wup) ─▶ Split ─▶ gate·sigmoid(gate) · up ─▶ MatMul(Wdown); with our cpu ops
-    the middle is one qs.SwiGLU (plugins/cpu/swiglu.cpp) instead of four ops, and with qs.Int4MatMul none: the
-    down projection computes it."""
+    the middle is one qs.SwiGLU (plugins/cpu/swiglu.cpp) instead of four ops, or none where the down projection
+    computes it (`folded_linear`)."""
     name, ffn = f"/model/layers.{layer}/mlp", ctx.spec.intermediate_size
     gate_up = linear(ctx, x, np.concatenate([w["gate_proj.weight"], w["up_proj.weight"]], axis=0), None,
                      f"{name}/gate_up_proj")
     if linears_fold(ctx):             # silu(gate) · up computed by the down projection as its prologue
-        return int4_linear(ctx, gate_up, np.asarray(w["down_proj.weight"], np.float32).T, "", f"{name}/down_proj",
-                           swiglu=True)
+        return linear(ctx, gate_up, w["down_proj.weight"], None, f"{name}/down_proj", swiglu=True)
     if ctx.target == "cpu" and ctx.own_kernels:
         prod = ctx.b.op("SwiGLU", [gate_up], f"{name}/SwiGLU", domain=QS_DOMAIN)
         return linear(ctx, prod, w["down_proj.weight"], None, f"{name}/down_proj")

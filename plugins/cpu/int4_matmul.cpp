@@ -17,11 +17,8 @@
 // the thread: a row's result never depends on the rows beside it.
 //
 // The op may also take in the small ops around a linear (a batch-1 decode step paid more for their dispatch than for
-// their arithmetic), each bitwise the op it replaces (prologues.cpp):
-//     bias [N] (input 2): y + bias, as an Add after the op;
-//     prologue = 1 (SwiGLU): x is [..., 2K] (gate | up) and the product reads silu(gate) · up;
-//     prologue = 2 (SkipSimplifiedLayerNormalization): inputs 3 and 4 are skip [..., K] and gamma [K]; the product
-//         reads (x + skip) / rms · gamma, and output 1 (optional) is x + skip, the residual stream.
+// their arithmetic), each bitwise the op it replaces (QsPrologue in ops.h, prologues.cpp): a bias [N] (input 2),
+// and SwiGLU or a skip RMS norm (skip and gamma: inputs 3 and 4; the residual x + skip: output 1) as its prologue.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -40,16 +37,9 @@
 namespace {
 
 constexpr int64_t kPanel = 16, kBlock = 32, kBlockBytes = 4 * 64 + kPanel * 2;
-enum Prologue : int64_t { kNone = 0, kSwiGLU = 1, kSkipRmsNorm = 2 };
 
 struct Problem {
-  const float* x;          // the op's input: [M, K], or [M, 2K] for SwiGLU
-  const float* skip;       // kSkipRmsNorm: [M, K], with gamma [K]; the sum goes to `residual` where asked for
-  const float* gamma;
-  float* residual;
-  float* staged;           // [M, K]: the prologue's rows, which the product quantizes
-  int64_t prologue;
-  float epsilon;
+  QsPrologueRows x;        // the rows the product quantizes: the input's, or its prologue's
   const uint8_t* w;
   float* y;
   int8_t* xq;              // [M, K]
@@ -181,27 +171,11 @@ struct Micro {
 // Row → int8 on max|x|/127: qs_quantize_row's values (zero point 128) flipped to signed in place, and 8 × each
 // block's sum. (Locals and restrict: a store through int8_t* may alias anything, so these loops re-read p.k and
 // p.blocks after every byte and stayed scalar — 17 % of a 445-token smollm2 prefill.)
-// The row the product reads: x's, or the prologue's computed from it.
-const float* prologue_row(const Problem& p, int64_t row) {
-  const int64_t k = p.k;
-  switch (p.prologue) {
-    case kSwiGLU:
-      qs_swiglu_row(p.x + row * 2 * k, k, p.staged + row * k);
-      return p.staged + row * k;
-    case kSkipRmsNorm:
-      qs_skip_rms_norm_row(p.x + row * k, p.skip + row * k, p.gamma, k, p.epsilon,
-                           p.residual != nullptr ? p.residual + row * k : nullptr, p.staged + row * k);
-      return p.staged + row * k;
-    default:
-      return p.x + row * k;
-  }
-}
-
 void quantize(const Problem& p, int64_t row) {
   const int64_t k = p.k, blocks = p.blocks;
   int8_t* __restrict q = p.xq + row * k;
   uint8_t* __restrict u = reinterpret_cast<uint8_t*>(q);
-  qs_quantize_row(prologue_row(p, row), k, u, p.x_scale + row);
+  qs_quantize_row(p.x.row(row), k, u, p.x_scale + row);
   for (int64_t i = 0; i < k; ++i) u[i] ^= 0x80;                  // u − 128 as a signed byte
   int32_t* __restrict sums = p.xsum8 + row * blocks;
   for (int64_t b = 0; b < blocks; ++b) {
@@ -212,88 +186,47 @@ void quantize(const Problem& p, int64_t row) {
 }
 
 struct Int4MatMulKernel {
-  int64_t k, n, prologue = kNone;
-  float epsilon = 0.0f;
+  int64_t k, n;
+  QsPrologue prologue;
 
-  Int4MatMulKernel(const OrtApi&, const OrtKernelInfo* info) {
-    Ort::ConstKernelInfo ki(info);
-    k = ki.GetAttribute<int64_t>("K");
-    n = ki.GetAttribute<int64_t>("N");
+  Int4MatMulKernel(const OrtApi&, const OrtKernelInfo* info)
+      : k(Ort::ConstKernelInfo(info).GetAttribute<int64_t>("K")),
+        n(Ort::ConstKernelInfo(info).GetAttribute<int64_t>("N")),
+        prologue(Ort::ConstKernelInfo(info), k, "qs.Int4MatMul") {
     if (k <= 0 || n <= 0 || k % kBlock)
       throw std::invalid_argument("qs.Int4MatMul: K must be a positive multiple of 32 and N positive");
-    try {                                   // absent in graphs without a prologue
-      prologue = ki.GetAttribute<int64_t>("prologue");
-    } catch (const Ort::Exception&) {
-    }
-    if (prologue == kSkipRmsNorm) epsilon = ki.GetAttribute<float>("epsilon");
-    if (prologue < kNone || prologue > kSkipRmsNorm)
-      throw std::invalid_argument("qs.Int4MatMul: prologue must be 0 (none), 1 (SwiGLU) or 2 (skip RMS norm)");
   }
 
   void Compute(OrtKernelContext* context) {
     Ort::KernelContext ctx(context);
-    auto x = ctx.GetInput(0);
-    std::vector<int64_t> shape = x.GetTensorTypeAndShapeInfo().GetShape();
-    const int64_t width = prologue == kSwiGLU ? 2 * k : k;
-    if (shape.empty() || shape.back() != width)
-      throw std::invalid_argument("qs.Int4MatMul: x's last dimension must be " + std::string(prologue == kSwiGLU ? "2K = " : "K = ") +
-                                  std::to_string(width));
+    std::vector<int64_t> shape = ctx.GetInput(0).GetTensorTypeAndShapeInfo().GetShape();
     Problem p{};
+    p.x = qs_bind_prologue(prologue, ctx, shape, 3, "qs.Int4MatMul");
     p.k = k;
     p.n = n;
     p.blocks = k / kBlock;
     p.panels = (n + kPanel - 1) / kPanel;
-    p.prologue = prologue;
-    p.epsilon = epsilon;
     auto w = ctx.GetInput(1);
     if (w.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(p.panels * p.blocks * kBlockBytes))
       throw std::invalid_argument("qs.Int4MatMul: the packed weight must hold ceil(N/16) panels of K/32 blocks of 288 bytes");
-    const size_t inputs = ctx.GetInputCount();
-    const float* bias = nullptr;
-    if (inputs > 2) {
-      auto b = ctx.GetInput(2);
-      if (b != nullptr) {
-        if (b.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(n))
-          throw std::invalid_argument("qs.Int4MatMul: the bias must hold N = " + std::to_string(n) + " values");
-        bias = b.GetTensorData<float>();
-      }
-    }
-    if (prologue == kSkipRmsNorm) {
-      auto skip = inputs > 3 ? ctx.GetInput(3) : Ort::ConstValue{nullptr};
-      auto gamma = inputs > 4 ? ctx.GetInput(4) : Ort::ConstValue{nullptr};
-      if (skip == nullptr || gamma == nullptr || skip.GetTensorTypeAndShapeInfo().GetShape() != shape ||
-          gamma.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(k))
-        throw std::invalid_argument("qs.Int4MatMul: the skip RMS norm needs skip shaped as x and gamma of K values");
-      p.skip = skip.GetTensorData<float>();
-      p.gamma = gamma.GetTensorData<float>();
-      if (ctx.GetOutputCount() > 1) {
-        auto residual = ctx.GetOutput(1, shape);
-        if (residual != nullptr) p.residual = residual.GetTensorMutableData<float>();
-      }
-    }
+    const float* bias = qs_bias_input(ctx, 2, n, "qs.Int4MatMul");
     p.y = output_rows(ctx, shape, n, &p.m);
     if (p.m == 0) return;
-    p.x = x.GetTensorData<float>();
     p.w = w.GetTensorData<uint8_t>();
 
     thread_local std::vector<int8_t> xq;
     thread_local std::vector<int32_t> xsum8;
-    thread_local std::vector<float> x_scale, staged;
+    thread_local std::vector<float> x_scale;
     xq.resize(static_cast<size_t>(p.m * p.k));
     xsum8.resize(static_cast<size_t>(p.m * p.blocks));
     x_scale.resize(static_cast<size_t>(p.m));
-    if (prologue != kNone) staged.resize(static_cast<size_t>(p.m * p.k));
     p.xq = xq.data();
     p.xsum8 = xsum8.data();
     p.x_scale = x_scale.data();
-    p.staged = staged.data();
+    qs_stage_rows(p.x, p.m);
     for_each_row<Problem, quantize>(ctx, p, p.m);
     PanelGemm<Problem, Micro, kRows, kPanels>::run(ctx, p, p.m, p.n, 2 * kPanels);
-    if (bias != nullptr)                    // after the product, as the Add it replaces: y's rounding, then the sum's
-      qs_for_rows(ctx, p.m, 64, [&](int64_t row) {
-        float* y = p.y + row * n;
-        for (int64_t j = 0; j < n; ++j) y[j] += bias[j];
-      });
+    qs_add_bias(ctx, p.y, p.m, n, bias);
   }
 };
 

@@ -18,6 +18,9 @@
 //
 // Every output is one row's dot product with one channel in the same order whatever M, the task split or the
 // thread, and the integer sum is exact anyway: a row's result never depends on the rows beside it.
+//
+// Like qs.Int4MatMul it may take in the ops around it (QsPrologue in ops.h, each bitwise the op it replaces): a bias
+// (input 4), SwiGLU or a skip RMS norm (skip and gamma: inputs 5 and 6; the residual: output 1) as its prologue.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -39,7 +42,7 @@ constexpr int kMaxRows = 4;           // rows of x per micro-kernel call
 constexpr int kMaxPanels = 4;         // panels per micro-kernel call
 
 struct Problem {
-  const float* x;
+  QsPrologueRows x;         // the rows the product quantizes: the input's, or its prologue's
   const int8_t* w;          // [panels][K4/4][16][4]
   const float* w_scale;     // [N]
   const int32_t* w_zsum;    // [N]
@@ -172,27 +175,26 @@ struct Micro {
 
 void quantize(const Problem& p, int64_t row) {
   uint8_t* q = p.xq + row * p.k4;
-  qs_quantize_row(p.x + row * p.k, p.k, q, p.x_scale + row);
+  qs_quantize_row(p.x.row(row), p.k, q, p.x_scale + row);
   std::fill(q + p.k, q + p.k4, uint8_t{128});     // meets the packed weight's zero rows
 }
 
 struct Int8MatMulKernel {
   int64_t k, n;
+  QsPrologue prologue;
 
-  Int8MatMulKernel(const OrtApi&, const OrtKernelInfo* info) {
-    Ort::ConstKernelInfo ki(info);
-    k = ki.GetAttribute<int64_t>("K");
-    n = ki.GetAttribute<int64_t>("N");
+  Int8MatMulKernel(const OrtApi&, const OrtKernelInfo* info)
+      : k(Ort::ConstKernelInfo(info).GetAttribute<int64_t>("K")),
+        n(Ort::ConstKernelInfo(info).GetAttribute<int64_t>("N")),
+        prologue(Ort::ConstKernelInfo(info), k, "qs.Int8MatMul") {
     if (k <= 0 || n <= 0) throw std::invalid_argument("qs.Int8MatMul: attributes K and N must be positive");
   }
 
   void Compute(OrtKernelContext* context) {
     Ort::KernelContext ctx(context);
-    auto x = ctx.GetInput(0);
-    std::vector<int64_t> shape = x.GetTensorTypeAndShapeInfo().GetShape();
-    if (shape.empty() || shape.back() != k)
-      throw std::invalid_argument("qs.Int8MatMul: x's last dimension must be K = " + std::to_string(k));
+    std::vector<int64_t> shape = ctx.GetInput(0).GetTensorTypeAndShapeInfo().GetShape();
     Problem p{};
+    p.x = qs_bind_prologue(prologue, ctx, shape, 5, "qs.Int8MatMul");
     p.k = k;
     p.n = n;
     p.k4 = (k + 3) / 4 * 4;
@@ -200,9 +202,9 @@ struct Int8MatMulKernel {
     auto w = ctx.GetInput(1);
     if (w.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(p.panels * p.k4 * kPanel))
       throw std::invalid_argument("qs.Int8MatMul: the packed weight must hold ceil(N/16)·16 × ceil(K/4)·4 values");
+    const float* bias = qs_bias_input(ctx, 4, n, "qs.Int8MatMul");
     p.y = output_rows(ctx, shape, n, &p.m);
     if (p.m == 0) return;
-    p.x = x.GetTensorData<float>();
     p.w = w.GetTensorData<int8_t>();
     auto w_scale = ctx.GetInput(2), w_zsum = ctx.GetInput(3);
     if (w_scale.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(n) ||
@@ -217,8 +219,10 @@ struct Int8MatMulKernel {
     x_scale.resize(static_cast<size_t>(p.m));
     p.xq = xq.data();
     p.x_scale = x_scale.data();
+    qs_stage_rows(p.x, p.m);
     for_each_row<Problem, quantize>(ctx, p, p.m);
     PanelGemm<Problem, Micro, kRowsPerCall, kPanelsPerCall>::run(ctx, p, p.m, p.n, kPanelsPerCall);
+    qs_add_bias(ctx, p.y, p.m, n, bias);
   }
 };
 
@@ -226,15 +230,21 @@ struct Int8MatMulOp : Ort::CustomOpBase<Int8MatMulOp, Int8MatMulKernel> {
   void* CreateKernel(const OrtApi& api, const OrtKernelInfo* info) const { return new Int8MatMulKernel(api, info); }
   const char* GetName() const { return "Int8MatMul"; }
   const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
-  size_t GetInputTypeCount() const { return 4; }
+  // x, the packed weight, w_scale, w_zsum; then optional: bias, skip, gamma
+  size_t GetInputTypeCount() const { return 7; }
   ONNXTensorElementDataType GetInputType(size_t i) const {
-    static constexpr ONNXTensorElementDataType types[] = {
-        ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT,
-        ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32};
-    return types[i];
+    return i == 1 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8
+                  : i == 3 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
   }
-  size_t GetOutputTypeCount() const { return 1; }
+  OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t i) const {
+    return i < 4 ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;
+  }
+  // y; then optional: the residual sum (skip RMS norm)
+  size_t GetOutputTypeCount() const { return 2; }
   ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+  OrtCustomOpInputOutputCharacteristic GetOutputCharacteristic(size_t i) const {
+    return i == 0 ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;
+  }
 };
 
 }  // namespace

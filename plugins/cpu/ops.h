@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #define ORT_API_MANUAL_INIT
 #include <onnxruntime_cxx_api.h>
@@ -51,6 +52,42 @@ void qs_swiglu_row(const float* __restrict x, int64_t f, float* __restrict out);
 // out = sum / sqrt(Σ sum² / k + epsilon) · gamma, the squares summed in order in float.
 void qs_skip_rms_norm_row(const float* x, const float* skip, const float* gamma, int64_t k, float epsilon, float* sum,
                           float* out);
+
+// What a linear (qs.Int4MatMul, qs.Int8MatMul) computes from its input before it quantizes a row, per its
+// `prologue` attribute: 0 nothing (x [..., K]); 1 SwiGLU (x [..., 2K] is gate | up); 2 skip RMS norm (inputs
+// `skip_input` and `skip_input` + 1 are skip [..., K] and gamma [K], attribute `epsilon`; output 1, where the graph
+// asks for it, is x + skip).
+struct QsPrologue {
+  enum Kind : int64_t { kNone = 0, kSwiGLU = 1, kSkipRmsNorm = 2 };
+  int64_t kind = kNone, k = 0;
+  float epsilon = 0.0f;
+
+  QsPrologue(const Ort::ConstKernelInfo& info, int64_t k, const char* op);
+  int64_t width() const { return kind == kSwiGLU ? 2 * k : k; }
+};
+
+// A call's rows: row(r) is what the product quantizes (x's row, or the prologue's computed into `staged`).
+struct QsPrologueRows {
+  const QsPrologue* prologue = nullptr;
+  const float* x = nullptr;
+  const float* skip = nullptr;
+  const float* gamma = nullptr;
+  float* residual = nullptr;
+  float* staged = nullptr;
+
+  const float* row(int64_t r) const;
+};
+
+// Checks x's shape against the prologue and binds the call's inputs (`rows` rows of x; the staged rows are
+// thread-local scratch of the caller's thread). Throws std::invalid_argument naming `op` on a mismatch.
+QsPrologueRows qs_bind_prologue(const QsPrologue& prologue, Ort::KernelContext& ctx, const std::vector<int64_t>& x_shape,
+                                size_t skip_input, const char* op);
+void qs_stage_rows(QsPrologueRows& rows, int64_t m);
+
+// The optional bias [n] at input `index` (nullptr where absent), and y[m, n] += bias after the product: the Add it
+// replaces, one rounding after y's.
+const float* qs_bias_input(Ort::KernelContext& ctx, size_t index, int64_t n, const char* op);
+void qs_add_bias(Ort::KernelContext& ctx, float* y, int64_t m, int64_t n, const float* bias);
 
 // fn(row) for rows [0, rows), in tasks of `per_task` rows on ONNX Runtime's pool (inline when one task suffices:
 // a decode step's few rows are not worth a dispatch). Rows are independent; each is computed the same way

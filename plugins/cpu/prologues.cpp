@@ -5,6 +5,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
 
 #include "ops.h"
 
@@ -43,4 +46,78 @@ void qs_skip_rms_norm_row(const float* x, const float* skip, const float* gamma,
   }
   const float rms = std::sqrt(squares / static_cast<float>(k) + epsilon);
   for (int64_t h = 0; h < k; ++h) out[h] = out[h] / rms * gamma[h];
+}
+
+QsPrologue::QsPrologue(const Ort::ConstKernelInfo& info, int64_t k_, const char* op) : k(k_) {
+  try {                                     // absent in graphs without a prologue
+    kind = info.GetAttribute<int64_t>("prologue");
+  } catch (const Ort::Exception&) {
+  }
+  if (kind < kNone || kind > kSkipRmsNorm)
+    throw std::invalid_argument(std::string(op) + ": prologue must be 0 (none), 1 (SwiGLU) or 2 (skip RMS norm)");
+  if (kind == kSkipRmsNorm) epsilon = info.GetAttribute<float>("epsilon");
+}
+
+const float* QsPrologueRows::row(int64_t r) const {
+  const int64_t k = prologue->k;
+  switch (prologue->kind) {
+    case QsPrologue::kSwiGLU:
+      qs_swiglu_row(x + r * 2 * k, k, staged + r * k);
+      return staged + r * k;
+    case QsPrologue::kSkipRmsNorm:
+      qs_skip_rms_norm_row(x + r * k, skip + r * k, gamma, k, prologue->epsilon,
+                           residual != nullptr ? residual + r * k : nullptr, staged + r * k);
+      return staged + r * k;
+    default:
+      return x + r * k;
+  }
+}
+
+QsPrologueRows qs_bind_prologue(const QsPrologue& prologue, Ort::KernelContext& ctx, const std::vector<int64_t>& x_shape,
+                                size_t skip_input, const char* op) {
+  const int64_t width = prologue.width();
+  if (x_shape.empty() || x_shape.back() != width)
+    throw std::invalid_argument(std::string(op) + ": x's last dimension must be " +
+                                (prologue.kind == QsPrologue::kSwiGLU ? "2K = " : "K = ") + std::to_string(width));
+  QsPrologueRows rows;
+  rows.prologue = &prologue;
+  rows.x = ctx.GetInput(0).GetTensorData<float>();
+  if (prologue.kind != QsPrologue::kSkipRmsNorm) return rows;
+  const size_t inputs = ctx.GetInputCount();
+  auto skip = inputs > skip_input ? ctx.GetInput(skip_input) : Ort::ConstValue{nullptr};
+  auto gamma = inputs > skip_input + 1 ? ctx.GetInput(skip_input + 1) : Ort::ConstValue{nullptr};
+  if (skip == nullptr || gamma == nullptr || skip.GetTensorTypeAndShapeInfo().GetShape() != x_shape ||
+      gamma.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(prologue.k))
+    throw std::invalid_argument(std::string(op) + ": the skip RMS norm needs skip shaped as x and gamma of K values");
+  rows.skip = skip.GetTensorData<float>();
+  rows.gamma = gamma.GetTensorData<float>();
+  if (ctx.GetOutputCount() > 1) {
+    auto residual = ctx.GetOutput(1, x_shape);
+    if (residual != nullptr) rows.residual = residual.GetTensorMutableData<float>();
+  }
+  return rows;
+}
+
+void qs_stage_rows(QsPrologueRows& rows, int64_t m) {
+  thread_local std::vector<float> staged;
+  if (rows.prologue->kind == QsPrologue::kNone) return;
+  staged.resize(static_cast<size_t>(m * rows.prologue->k));
+  rows.staged = staged.data();
+}
+
+const float* qs_bias_input(Ort::KernelContext& ctx, size_t index, int64_t n, const char* op) {
+  if (ctx.GetInputCount() <= index) return nullptr;
+  auto bias = ctx.GetInput(index);
+  if (bias == nullptr) return nullptr;
+  if (bias.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(n))
+    throw std::invalid_argument(std::string(op) + ": the bias must hold N = " + std::to_string(n) + " values");
+  return bias.GetTensorData<float>();
+}
+
+void qs_add_bias(Ort::KernelContext& ctx, float* y, int64_t m, int64_t n, const float* bias) {
+  if (bias == nullptr) return;
+  qs_for_rows(ctx, m, 64, [&](int64_t row) {
+    float* out = y + row * n;
+    for (int64_t j = 0; j < n; ++j) out[j] += bias[j];
+  });
 }

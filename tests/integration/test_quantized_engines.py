@@ -205,24 +205,24 @@ def test_kv_cache_auto(checkpoint, tmp_path, precision, kernels, kv):
     assert manifest["kv_cache"]["dtype"] == kv
 
 
-@pytest.mark.parametrize("name", ["qwen2", "llama"])
-def test_int4_linears_fold_the_ops_around_them_bit_for_bit(name, checkpoint, tmp_path, monkeypatch):
-    """With qs.Int4MatMul the norms, SwiGLU and attention biases around the linears are folded into them (one op where
-    a decode step ran two or three): the graph has none of those nodes left but the first and last norms, and its
-    logits — a prompt, a chunk after it, decode at batch 1 and 3 — are bitwise those of the same checkpoint built
-    without folding."""
-    folded, plain = tmp_path / "folded", tmp_path / "plain"
-    build(CompileConfig(checkpoint(name), folded, "int4", report=False), log=lambda _: None)
+@pytest.mark.parametrize("name,precision", [("qwen2", "int4"), ("llama", "int4"), ("qwen2", "int8"), ("llama", "int8")])
+def test_linears_fold_the_ops_around_them_bit_for_bit(name, precision, checkpoint, tmp_path, monkeypatch):
+    """With qs.Int4MatMul or qs.Int8MatMul the norms, SwiGLU and attention biases around the linears are folded into
+    them (one op where a decode step ran two or three): the graph has none of those nodes left but the first and last
+    norms, and its logits — a prompt, a chunk after it, decode at batch 1 and 3 — are bitwise those of the same
+    checkpoint built without folding."""
+    folded, plain, op = tmp_path / "folded", tmp_path / "plain", f"Int{precision[-1]}MatMul"
+    build(CompileConfig(checkpoint(name), folded, precision, report=False), log=lambda _: None)
     ops = [n.op_type for n in onnx.load(folded / "model.onnx", load_external_data=False).graph.node]
-    if "Int4MatMul" not in ops:
-        pytest.skip("this install builds int4 engines on MatMulNBits (our int4 op needs AVX-512)")
+    if op not in ops:
+        pytest.skip(f"this install builds {precision} engines without qs.{op}")
     monkeypatch.setattr(layers, "linears_fold", lambda ctx: False)
-    build(CompileConfig(checkpoint(name), plain, "int4", report=False), log=lambda _: None)
+    build(CompileConfig(checkpoint(name), plain, precision, report=False), log=lambda _: None)
     plain_ops = [n.op_type for n in onnx.load(plain / "model.onnx", load_external_data=False).graph.node]
     layers_n = read_spec(checkpoint(name)).num_layers
     assert ops.count("SkipSimplifiedLayerNormalization") == 1 and "SwiGLU" not in ops and "Add" not in ops
     assert plain_ops.count("SkipSimplifiedLayerNormalization") == 2 * layers_n
-    assert plain_ops.count("SwiGLU") == layers_n and ops.count("Int4MatMul") == plain_ops.count("Int4MatMul")
+    assert plain_ops.count("SwiGLU") == layers_n and ops.count(op) == plain_ops.count(op)
     assert plain_ops.count("Add") == (layers_n if name == "qwen2" else 0)       # qwen2's q/k/v biases
 
     ids = [int(t) for t in np.random.default_rng(7).integers(3, 200, 40)]

@@ -19,8 +19,9 @@ qs.Int4MatMul and qs.Int4Gather (int4_matmul.cpp): against float64 truth on the 
 
 qs.SwiGLU (swiglu.cpp): silu(gate) · up against float64 truth, and a row's bits alone = in any batch.
 
-qs.Int4MatMul's folds (prologues.cpp): with a bias, a skip RMS norm or SwiGLU taken in, bit for bit the two or three
-ops it replaces (ONNX Runtime's SkipSimplifiedLayerNormalization and Add, our SwiGLU), residual output included.
+qs.Int4MatMul's and qs.Int8MatMul's folds (prologues.cpp): with a bias, a skip RMS norm or SwiGLU taken in, bit for
+bit the two or three ops they replace (ONNX Runtime's SkipSimplifiedLayerNormalization and Add, our SwiGLU),
+residual output included.
 """
 
 from __future__ import annotations
@@ -498,26 +499,32 @@ def test_swiglu_refuses_an_odd_width():
         swiglu_session().run(None, {"x": np.zeros((1, 1, 5), np.float32)})
 
 
-def _fold_sessions(k: int, n: int, packed: np.ndarray, bias: np.ndarray, gamma: np.ndarray, prologue: int,
-                   residual: bool, threads: int) -> tuple[ort.InferenceSession, ort.InferenceSession]:
-    """(qs.Int4MatMul with the prologue and bias folded in, the ops it replaces in front of and behind a plain one).
-    prologue 2: x, skip [M, K] → y (+ r: x + skip); prologue 1: x [M, 2K] → y."""
-    eps = 1e-6
-    inits = [numpy_helper.from_array(packed, "w"), numpy_helper.from_array(bias, "b"),
-             numpy_helper.from_array(gamma, "g")]
-    mm = dict(domain=cpu_ops.DOMAIN, K=k, N=n)
+def _fold_sessions(bits: int, w: np.ndarray, bias: np.ndarray, gamma: np.ndarray, prologue: int, residual: bool,
+                   threads: int) -> tuple[ort.InferenceSession, ort.InferenceSession]:
+    """(qs.Int{bits}MatMul with the prologue and bias folded in, the ops it replaces in front of and behind a plain
+    one) over the weight w [K, N]. prologue 2: x, skip [M, K] → y (+ r: x + skip); prologue 1: x [M, 2K] → y."""
+    eps, (k, n) = 1e-6, w.shape
+    if bits == 4:
+        weights = {"w": int4.pack_panels(w)}
+    else:
+        q, scale = int8.quantize(w, levels=int8.WEIGHT_LEVELS)
+        packed, zsum = int8.pack_panels(q)
+        weights = {"w": packed, "ws": scale, "wz": zsum}
+    inits = [numpy_helper.from_array(a, name) for name, a in weights.items()]
+    inits += [numpy_helper.from_array(bias, "b"), numpy_helper.from_array(gamma, "g")]
+    op, mm, ws = f"Int{bits}MatMul", dict(domain=cpu_ops.DOMAIN, K=k, N=n), list(weights)
     if prologue == 2:
         ins = [helper.make_tensor_value_info(name, TensorProto.FLOAT, ["M", k]) for name in ("x", "skip")]
-        fused = [helper.make_node("Int4MatMul", ["x", "w", "b", "skip", "g"], ["y", "r"] if residual else ["y"],
+        fused = [helper.make_node(op, ["x", *ws, "b", "skip", "g"], ["y", "r"] if residual else ["y"],
                                   prologue=2, epsilon=eps, **mm)]
         plain = [helper.make_node("SkipSimplifiedLayerNormalization", ["x", "skip", "g"], ["h", "", "", "r"],
                                   domain="com.microsoft", epsilon=eps),
-                 helper.make_node("Int4MatMul", ["h", "w"], ["yb"], **mm), helper.make_node("Add", ["yb", "b"], ["y"])]
+                 helper.make_node(op, ["h", *ws], ["yb"], **mm), helper.make_node("Add", ["yb", "b"], ["y"])]
     else:
         ins = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", 2 * k])]
-        fused = [helper.make_node("Int4MatMul", ["x", "w", "b"], ["y"], prologue=1, **mm)]
+        fused = [helper.make_node(op, ["x", *ws, "b"], ["y"], prologue=1, **mm)]
         plain = [helper.make_node("SwiGLU", ["x"], ["h"], domain=cpu_ops.DOMAIN),
-                 helper.make_node("Int4MatMul", ["h", "w"], ["yb"], **mm), helper.make_node("Add", ["yb", "b"], ["y"])]
+                 helper.make_node(op, ["h", *ws], ["yb"], **mm), helper.make_node("Add", ["yb", "b"], ["y"])]
     sessions = []
     for nodes in (fused, plain):
         outs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)]
@@ -533,19 +540,19 @@ def _fold_sessions(k: int, n: int, packed: np.ndarray, bias: np.ndarray, gamma: 
     return sessions[0], sessions[1]
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(k=st.sampled_from([32, 64, 896, 1536]), n=st.sampled_from([1, 17, 300]), rows=st.sampled_from([1, 2, 5, 129]),
-       prologue=st.sampled_from([1, 2]), residual=st.booleans(), threads=st.sampled_from([1, 2]),
-       magnitude=st.sampled_from([1e-3, 1.0, 300.0]), seed=st.integers(0, 2**31))
-def test_int4_matmul_folds_are_the_ops_they_replace_bit_for_bit(k, n, rows, prologue, residual, threads, magnitude,
-                                                                seed):
-    """The folded op gives the bits of SkipSimplifiedLayerNormalization (or SwiGLU) → Int4MatMul → Add, the residual
-    sum too, for every row count and thread count; each row's bits alone are those among the others."""
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(bits=st.sampled_from([4, 8]), k=st.sampled_from([32, 64, 896, 1536]), n=st.sampled_from([1, 17, 300]),
+       rows=st.sampled_from([1, 2, 5, 129]), prologue=st.sampled_from([1, 2]), residual=st.booleans(),
+       threads=st.sampled_from([1, 2]), magnitude=st.sampled_from([1e-3, 1.0, 300.0]), seed=st.integers(0, 2**31))
+def test_linear_folds_are_the_ops_they_replace_bit_for_bit(bits, k, n, rows, prologue, residual, threads, magnitude,
+                                                           seed):
+    """The folded op gives the bits of SkipSimplifiedLayerNormalization (or SwiGLU) → Int{4,8}MatMul → Add, the
+    residual sum too, for every row count and thread count; each row's bits alone are those among the others."""
     residual = residual and prologue == 2
     rng = np.random.default_rng(seed)
-    packed = int4.pack_panels(rng.standard_normal((k, n)).astype(np.float32))
     bias, gamma = rng.standard_normal(n).astype(np.float32), (1 + rng.standard_normal(k) / 4).astype(np.float32)
-    fused, plain = _fold_sessions(k, n, packed, bias, gamma, prologue, residual, threads)
+    fused, plain = _fold_sessions(bits, rng.standard_normal((k, n)).astype(np.float32), bias, gamma, prologue,
+                                  residual, threads)
     width = 2 * k if prologue == 1 else k
     feed = {"x": (rng.standard_normal((rows, width)) * magnitude).astype(np.float32)}
     if prologue == 2:
@@ -559,7 +566,7 @@ def test_int4_matmul_folds_are_the_ops_they_replace_bit_for_bit(k, n, rows, prol
         assert all(np.array_equal(a[0], g[r]) for a, g in zip(alone, got))
 
 
-def test_int4_matmul_folds_refuse_what_they_cannot_compute():
+def test_linear_folds_refuse_what_they_cannot_compute():
     k, n = 64, 16
     packed = int4.pack_panels(np.ones((k, n), np.float32))
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", k])
