@@ -65,7 +65,7 @@ def plus_bias(ctx: Ctx, y: str, bias: str, name: str) -> str:
 
 @dataclass(frozen=True)
 class SkipNorm:
-    """A residual add and RMS norm (`skip_rms_norm`) left for the linear that reads it: qs.Int4MatMul takes it in as
+    """A residual add and RMS norm (`skip_rms_norm`) left for the linear that reads it: our linear op takes it in as
     its prologue and writes the sum, `residual`, as its second output. Any other reader takes `normed(ctx, it)`,
     the SkipSimplifiedLayerNormalization it stands for."""
 
@@ -102,14 +102,7 @@ def folded_linear(ctx: Ctx, x: str | SkipNorm, w: np.ndarray, bias: str, name: s
     bitwise the op it replaces): the bias; a pending skip RMS norm (x a SkipNorm: the op also writes its residual)
     or, with `swiglu`, silu(gate) · up of x [..., 2K] as its prologue. At batch 1 every op's dispatch cost more than
     its arithmetic: qwen2.5-0.5b's int4 graph went from 221 nodes to 126."""
-    b, (k, n) = ctx.b, w.shape
-    if ctx.precision == "int4":
-        bits, weights = 4, [b.weight(f"{name}.weight_int4_panels", int4.pack_panels(w))]
-    else:
-        q, scale = int8.quantize(w, levels=int8.WEIGHT_LEVELS)
-        packed, zsum = int8.pack_panels(q)
-        bits, weights = 8, [b.weight(f"{name}.weight_int8_panels", packed), b.weight(f"{name}.weight_scale", scale),
-                            b.weight(f"{name}.weight_zsum", zsum)]
+    (k, n), (bits, weights) = w.shape, packed_weights(ctx, w, name)
     inputs, outputs, attrs = [x, *weights, bias], None, {}
     if isinstance(x, SkipNorm):
         inputs = [x.x, *weights, bias, x.skip, x.gamma]
@@ -119,8 +112,20 @@ def folded_linear(ctx: Ctx, x: str | SkipNorm, w: np.ndarray, bias: str, name: s
         attrs = dict(prologue=1)
     while inputs[-1] == "":
         inputs.pop()
-    return b.node(f"Int{bits}MatMul", inputs, f"{name}/Int{bits}MatMul", domain=QS_DOMAIN, outputs=outputs, K=k, N=n,
-                  **attrs)[0]
+    return ctx.b.node(f"Int{bits}MatMul", inputs, f"{name}/Int{bits}MatMul", domain=QS_DOMAIN, outputs=outputs, K=k,
+                      N=n, **attrs)[0]
+
+
+def packed_weights(ctx: Ctx, w: np.ndarray, name: str) -> tuple[int, list[str]]:
+    """Our linear op's weight inputs for w [K, N]: (4, [panels with their block scales]) for qs.Int4MatMul, or
+    (8, [panels, channel scales, zero-point sums]) for qs.Int8MatMul."""
+    b = ctx.b
+    if ctx.precision == "int4":
+        return 4, [b.weight(f"{name}.weight_int4_panels", int4.pack_panels(w))]
+    q, scale = int8.quantize(w, levels=int8.WEIGHT_LEVELS)
+    packed, zsum = int8.pack_panels(q)
+    return 8, [b.weight(f"{name}.weight_int8_panels", packed), b.weight(f"{name}.weight_scale", scale),
+               b.weight(f"{name}.weight_zsum", zsum)]
 
 
 def panel_matmul(ctx: Ctx, x: str, bits: int, weights: list[str], k: int, n: int, name: str,
@@ -159,19 +164,13 @@ def linear(ctx: Ctx, x: str | SkipNorm, weight: np.ndarray, bias: np.ndarray | N
         q, scale = int8.quantize(w)
         ins = [x, b.weight(f"{name}.weight_int8", q), b.weight(f"{name}.weight_scale", scale), "", bias_name]
         return b.op("DynamicQuantizeMatMul", ins, f"{name}/DynamicQuantizeMatMul", domain=MS_DOMAIN)
-    if ctx.precision == "int8" and ctx.own_kernels:          # unfolded (a test's): row_quantized_matmul in one op
-        q, scale = int8.quantize(w, levels=int8.WEIGHT_LEVELS)
-        packed, zsum = int8.pack_panels(q)
-        weights = [b.weight(f"{name}.weight_int8_panels", packed), b.weight(f"{name}.weight_scale", scale),
-                   b.weight(f"{name}.weight_zsum", zsum)]
-        return plus_bias(ctx, panel_matmul(ctx, x, 8, weights, *w.shape, name), bias_name, name)
+    if (ctx.precision == "int8" and ctx.own_kernels) or (ctx.precision == "int4" and ctx.own_int4):
+        bits, weights = packed_weights(ctx, w, name)       # unfolded: only where a test builds what folding replaces
+        return plus_bias(ctx, panel_matmul(ctx, x, bits, weights, *w.shape, name), bias_name, name)
     if ctx.precision == "int8":
         q, scale = int8.quantize(w, levels=int8.WEIGHT_LEVELS)
         return row_quantized_matmul(ctx, x, b.weight(f"{name}.weight_int8", q),
                                     b.weight(f"{name}.weight_scale", scale), w.shape[0], bias_name, name)
-    if ctx.precision == "int4" and ctx.own_int4:         # unfolded: only where a test builds the graph it replaces
-        weights = [b.weight(f"{name}.weight_int4_panels", int4.pack_panels(w))]
-        return plus_bias(ctx, panel_matmul(ctx, x, 4, weights, *w.shape, name), bias_name, name)
     if ctx.precision == "int4":
         packed, scales = int4.quantize(w, ctx.block_size)
         ins = [b.weight(f"{name}.weight_q4", packed), ctx.float_weight(f"{name}.weight_scales", scales), "", "", bias_name]
