@@ -223,7 +223,6 @@ struct Int4MatMulKernel {
     p.xq = xq.data();
     p.xsum8 = xsum8.data();
     p.x_scale = x_scale.data();
-    qs_stage_rows(p.x, p.m);
     for_each_row<Problem, quantize>(ctx, p, p.m);
     PanelGemm<Problem, Micro, kRows, kPanels>::run(ctx, p, p.m, p.n, 2 * kPanels);
     qs_add_bias(ctx, p.y, p.m, n, bias);

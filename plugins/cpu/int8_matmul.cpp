@@ -219,7 +219,6 @@ struct Int8MatMulKernel {
     x_scale.resize(static_cast<size_t>(p.m));
     p.xq = xq.data();
     p.x_scale = x_scale.data();
-    qs_stage_rows(p.x, p.m);
     for_each_row<Problem, quantize>(ctx, p, p.m);
     PanelGemm<Problem, Micro, kRowsPerCall, kPanelsPerCall>::run(ctx, p, p.m, p.n, kPanelsPerCall);
     qs_add_bias(ctx, p.y, p.m, n, bias);

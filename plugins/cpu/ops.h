@@ -66,23 +66,22 @@ struct QsPrologue {
   int64_t width() const { return kind == kSwiGLU ? 2 * k : k; }
 };
 
-// A call's rows: row(r) is what the product quantizes (x's row, or the prologue's computed into `staged`).
+// A call's rows: row(r) is what the product quantizes — x's row, or the prologue's, computed into a scratch row of
+// the calling thread (valid until its next row()).
 struct QsPrologueRows {
   const QsPrologue* prologue = nullptr;
   const float* x = nullptr;
   const float* skip = nullptr;
   const float* gamma = nullptr;
   float* residual = nullptr;
-  float* staged = nullptr;
 
   const float* row(int64_t r) const;
 };
 
-// Checks x's shape against the prologue and binds the call's inputs (`rows` rows of x; the staged rows are
-// thread-local scratch of the caller's thread). Throws std::invalid_argument naming `op` on a mismatch.
+// Checks x's shape against the prologue and binds the call's inputs; skip, gamma or the residual output where the
+// prologue does not take them are refused too. Throws std::invalid_argument naming `op` on a mismatch.
 QsPrologueRows qs_bind_prologue(const QsPrologue& prologue, Ort::KernelContext& ctx, const std::vector<int64_t>& x_shape,
                                 size_t skip_input, const char* op);
-void qs_stage_rows(QsPrologueRows& rows, int64_t m);
 
 // The optional bias [n] at input `index` (nullptr where absent), and y[m, n] += bias after the product: the Add it
 // replaces, one rounding after y's.

@@ -33,10 +33,16 @@ void qs_swiglu_row(const float* __restrict x, int64_t f, float* __restrict out) 
 
 // ONNX Runtime's float kernel (contrib_ops/cpu/skip_layer_norm.cc, ComputeJob) step for step: the sum of squares
 // in element order, each square rounded before it is added (no fused multiply-add: this function is compiled
-// without contraction, as that kernel is), then a division and a multiplication per element.
+// without contraction, as that kernel is — GCC by the attribute, Clang by the pragma), then a division and a
+// multiplication per element.
+#if defined(__GNUC__) && !defined(__clang__)
 __attribute__((optimize("fp-contract=off")))
+#endif
 void qs_skip_rms_norm_row(const float* x, const float* skip, const float* gamma, int64_t k, float epsilon, float* sum,
                           float* out) {
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#endif
   float squares = 0.0f;
   for (int64_t h = 0; h < k; ++h) {
     const float v = x[h] + skip[h];
@@ -49,46 +55,65 @@ void qs_skip_rms_norm_row(const float* x, const float* skip, const float* gamma,
 }
 
 QsPrologue::QsPrologue(const Ort::ConstKernelInfo& info, int64_t k_, const char* op) : k(k_) {
-  try {                                     // absent in graphs without a prologue
+  const std::string name(op);
+  try {
     kind = info.GetAttribute<int64_t>("prologue");
-  } catch (const Ort::Exception&) {
+  } catch (const Ort::Exception&) {         // absent in graphs without a prologue — or of another type: refused
+    bool other_type = true;
+    try {
+      info.GetAttribute<float>("prologue");
+    } catch (const Ort::Exception&) {
+      try {
+        info.GetAttribute<std::string>("prologue");
+      } catch (const Ort::Exception&) {
+        other_type = false;
+      }
+    }
+    if (other_type) throw std::invalid_argument(name + ": the prologue attribute must be an integer");
   }
   if (kind < kNone || kind > kSkipRmsNorm)
-    throw std::invalid_argument(std::string(op) + ": prologue must be 0 (none), 1 (SwiGLU) or 2 (skip RMS norm)");
+    throw std::invalid_argument(name + ": prologue must be 0 (none), 1 (SwiGLU) or 2 (skip RMS norm)");
   if (kind == kSkipRmsNorm) epsilon = info.GetAttribute<float>("epsilon");
 }
 
+// Row by row into a scratch row of the thread that quantizes it next (a whole step's rows staged at once were M × K
+// floats kept per thread: ~300 MB for a 4,096-token step through an 18,944-wide down projection).
 const float* QsPrologueRows::row(int64_t r) const {
   const int64_t k = prologue->k;
-  switch (prologue->kind) {
-    case QsPrologue::kSwiGLU:
-      qs_swiglu_row(x + r * 2 * k, k, staged + r * k);
-      return staged + r * k;
-    case QsPrologue::kSkipRmsNorm:
-      qs_skip_rms_norm_row(x + r * k, skip + r * k, gamma, k, prologue->epsilon,
-                           residual != nullptr ? residual + r * k : nullptr, staged + r * k);
-      return staged + r * k;
-    default:
-      return x + r * k;
-  }
+  if (prologue->kind == QsPrologue::kNone) return x + r * k;
+  thread_local std::vector<float> staged;
+  staged.resize(static_cast<size_t>(k));
+  if (prologue->kind == QsPrologue::kSwiGLU)
+    qs_swiglu_row(x + r * 2 * k, k, staged.data());
+  else
+    qs_skip_rms_norm_row(x + r * k, skip + r * k, gamma, k, prologue->epsilon,
+                         residual != nullptr ? residual + r * k : nullptr, staged.data());
+  return staged.data();
 }
 
 QsPrologueRows qs_bind_prologue(const QsPrologue& prologue, Ort::KernelContext& ctx, const std::vector<int64_t>& x_shape,
                                 size_t skip_input, const char* op) {
+  const std::string name(op);
   const int64_t width = prologue.width();
   if (x_shape.empty() || x_shape.back() != width)
-    throw std::invalid_argument(std::string(op) + ": x's last dimension must be " +
+    throw std::invalid_argument(name + ": x's last dimension must be " +
                                 (prologue.kind == QsPrologue::kSwiGLU ? "2K = " : "K = ") + std::to_string(width));
   QsPrologueRows rows;
   rows.prologue = &prologue;
   rows.x = ctx.GetInput(0).GetTensorData<float>();
-  if (prologue.kind != QsPrologue::kSkipRmsNorm) return rows;
   const size_t inputs = ctx.GetInputCount();
-  auto skip = inputs > skip_input ? ctx.GetInput(skip_input) : Ort::ConstValue{nullptr};
-  auto gamma = inputs > skip_input + 1 ? ctx.GetInput(skip_input + 1) : Ort::ConstValue{nullptr};
+  auto input = [&](size_t i) { return inputs > i ? ctx.GetInput(i) : Ort::ConstValue{nullptr}; };
+  auto skip = input(skip_input), gamma = input(skip_input + 1);
+  if (prologue.kind != QsPrologue::kSkipRmsNorm) {
+    if (skip != nullptr || gamma != nullptr)
+      throw std::invalid_argument(name + ": skip and gamma are the skip RMS norm's inputs (prologue 2)");
+    if (ctx.GetOutputCount() > 1 && ctx.GetOutput(1, x_shape) != nullptr)
+      throw std::invalid_argument(name + ": the residual output comes with the skip RMS norm (prologue 2)");
+    return rows;
+  }
   if (skip == nullptr || gamma == nullptr || skip.GetTensorTypeAndShapeInfo().GetShape() != x_shape ||
       gamma.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(prologue.k))
-    throw std::invalid_argument(std::string(op) + ": the skip RMS norm needs skip shaped as x and gamma of K values");
+    throw std::invalid_argument(name + ": the skip RMS norm needs skip shaped as x and gamma of K values");
   rows.skip = skip.GetTensorData<float>();
   rows.gamma = gamma.GetTensorData<float>();
   if (ctx.GetOutputCount() > 1) {
@@ -96,13 +121,6 @@ QsPrologueRows qs_bind_prologue(const QsPrologue& prologue, Ort::KernelContext& 
     if (residual != nullptr) rows.residual = residual.GetTensorMutableData<float>();
   }
   return rows;
-}
-
-void qs_stage_rows(QsPrologueRows& rows, int64_t m) {
-  thread_local std::vector<float> staged;
-  if (rows.prologue->kind == QsPrologue::kNone) return;
-  staged.resize(static_cast<size_t>(m * rows.prologue->k));
-  rows.staged = staged.data();
 }
 
 const float* qs_bias_input(Ort::KernelContext& ctx, size_t index, int64_t n, const char* op) {

@@ -499,10 +499,11 @@ def test_swiglu_refuses_an_odd_width():
         swiglu_session().run(None, {"x": np.zeros((1, 1, 5), np.float32)})
 
 
-def _fold_sessions(bits: int, w: np.ndarray, bias: np.ndarray, gamma: np.ndarray, prologue: int, residual: bool,
+def _fold_sessions(bits: int, w: np.ndarray, bias: np.ndarray | None, gamma: np.ndarray, prologue: int, residual: bool,
                    threads: int) -> tuple[ort.InferenceSession, ort.InferenceSession]:
     """(qs.Int{bits}MatMul with the prologue and bias folded in, the ops it replaces in front of and behind a plain
-    one) over the weight w [K, N]. prologue 2: x, skip [M, K] → y (+ r: x + skip); prologue 1: x [M, 2K] → y."""
+    one) over the weight w [K, N]. prologue 2: x, skip [M, K] → y (+ r: x + skip); 1: x [M, 2K] → y; 0: x [M, K] → y.
+    Without a bias, no Add behind it and no bias input."""
     eps, (k, n) = 1e-6, w.shape
     if bits == 4:
         weights = {"w": int4.pack_panels(w)}
@@ -511,20 +512,27 @@ def _fold_sessions(bits: int, w: np.ndarray, bias: np.ndarray, gamma: np.ndarray
         packed, zsum = int8.pack_panels(q)
         weights = {"w": packed, "ws": scale, "wz": zsum}
     inits = [numpy_helper.from_array(a, name) for name, a in weights.items()]
-    inits += [numpy_helper.from_array(bias, "b"), numpy_helper.from_array(gamma, "g")]
-    op, mm, ws = f"Int{bits}MatMul", dict(domain=cpu_ops.DOMAIN, K=k, N=n), list(weights)
+    if prologue == 2:
+        inits.append(numpy_helper.from_array(gamma, "g"))
+    if bias is not None:
+        inits.append(numpy_helper.from_array(bias, "b"))
+    op, mm, ws, b = f"Int{bits}MatMul", dict(domain=cpu_ops.DOMAIN, K=k, N=n), list(weights), "b" if bias is not None else ""
+    behind = [helper.make_node(op, ["h", *ws], ["yb"], **mm), helper.make_node("Add", ["yb", "b"], ["y"])] \
+        if b else [helper.make_node(op, ["h", *ws], ["y"], **mm)]
     if prologue == 2:
         ins = [helper.make_tensor_value_info(name, TensorProto.FLOAT, ["M", k]) for name in ("x", "skip")]
-        fused = [helper.make_node(op, ["x", *ws, "b", "skip", "g"], ["y", "r"] if residual else ["y"],
+        fused = [helper.make_node(op, ["x", *ws, b, "skip", "g"], ["y", "r"] if residual else ["y"],
                                   prologue=2, epsilon=eps, **mm)]
         plain = [helper.make_node("SkipSimplifiedLayerNormalization", ["x", "skip", "g"], ["h", "", "", "r"],
-                                  domain="com.microsoft", epsilon=eps),
-                 helper.make_node(op, ["h", *ws], ["yb"], **mm), helper.make_node("Add", ["yb", "b"], ["y"])]
-    else:
+                                  domain="com.microsoft", epsilon=eps)] + behind
+    elif prologue == 1:
         ins = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", 2 * k])]
-        fused = [helper.make_node(op, ["x", *ws, "b"], ["y"], prologue=1, **mm)]
-        plain = [helper.make_node("SwiGLU", ["x"], ["h"], domain=cpu_ops.DOMAIN),
-                 helper.make_node(op, ["h", *ws], ["yb"], **mm), helper.make_node("Add", ["yb", "b"], ["y"])]
+        fused = [helper.make_node(op, ["x", *ws] + ([b] if b else []), ["y"], prologue=1, **mm)]
+        plain = [helper.make_node("SwiGLU", ["x"], ["h"], domain=cpu_ops.DOMAIN)] + behind
+    else:
+        ins = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", k])]
+        fused = [helper.make_node(op, ["x", *ws] + ([b] if b else []), ["y"], **mm)]
+        plain = [helper.make_node("Identity", ["x"], ["h"])] + behind
     sessions = []
     for nodes in (fused, plain):
         outs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)]
@@ -540,17 +548,20 @@ def _fold_sessions(bits: int, w: np.ndarray, bias: np.ndarray, gamma: np.ndarray
     return sessions[0], sessions[1]
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(bits=st.sampled_from([4, 8]), k=st.sampled_from([32, 64, 896, 1536]), n=st.sampled_from([1, 17, 300]),
-       rows=st.sampled_from([1, 2, 5, 129]), prologue=st.sampled_from([1, 2]), residual=st.booleans(),
-       threads=st.sampled_from([1, 2]), magnitude=st.sampled_from([1e-3, 1.0, 300.0]), seed=st.integers(0, 2**31))
-def test_linear_folds_are_the_ops_they_replace_bit_for_bit(bits, k, n, rows, prologue, residual, threads, magnitude,
-                                                           seed):
-    """The folded op gives the bits of SkipSimplifiedLayerNormalization (or SwiGLU) → Int{4,8}MatMul → Add, the
-    residual sum too, for every row count and thread count; each row's bits alone are those among the others."""
+       rows=st.sampled_from([0, 1, 2, 5, 129]), prologue=st.sampled_from([0, 1, 2]), with_bias=st.booleans(),
+       residual=st.booleans(), threads=st.sampled_from([1, 2]), magnitude=st.sampled_from([1e-3, 1.0, 300.0]),
+       seed=st.integers(0, 2**31))
+def test_linear_folds_are_the_ops_they_replace_bit_for_bit(bits, k, n, rows, prologue, with_bias, residual, threads,
+                                                           magnitude, seed):
+    """The folded op gives the bits of SkipSimplifiedLayerNormalization (or SwiGLU, or nothing) → Int{4,8}MatMul
+    (→ Add where there is a bias), the residual sum too, for every row count (none included) and thread count; each
+    row's bits alone are those among the others."""
     residual = residual and prologue == 2
     rng = np.random.default_rng(seed)
-    bias, gamma = rng.standard_normal(n).astype(np.float32), (1 + rng.standard_normal(k) / 4).astype(np.float32)
+    bias = rng.standard_normal(n).astype(np.float32) if with_bias else None
+    gamma = (1 + rng.standard_normal(k) / 4).astype(np.float32)
     fused, plain = _fold_sessions(bits, rng.standard_normal((k, n)).astype(np.float32), bias, gamma, prologue,
                                   residual, threads)
     width = 2 * k if prologue == 1 else k
@@ -561,9 +572,39 @@ def test_linear_folds_are_the_ops_they_replace_bit_for_bit(bits, k, n, rows, pro
     assert len(got) == len(want) == 1 + residual
     for g, w in zip(got, want):
         assert g.dtype == w.dtype and np.array_equal(g, w)
-    for r in {0, rows - 1}:
+    assert got[0].shape == (rows, n)
+    for r in ({0, rows - 1} if rows else ()):
         alone = fused.run(None, {name: v[r:r + 1] for name, v in feed.items()})
         assert all(np.array_equal(a[0], g[r]) for a, g in zip(alone, got))
+
+
+def test_int8_linear_folds_refuse_misplaced_inputs():
+    """qs.Int8MatMul's skip and gamma are inputs 5 and 6: a skip of the wrong shape, or skip and gamma without the
+    skip RMS norm, or the residual output without it, are refused with what is wrong."""
+    k, n = 64, 16
+    q, scale = int8.quantize(np.ones((k, n), np.float32), levels=int8.WEIGHT_LEVELS)
+    packed, zsum = int8.pack_panels(q)
+    inits = [numpy_helper.from_array(packed, "w"), numpy_helper.from_array(scale, "ws"),
+             numpy_helper.from_array(zsum, "wz"), numpy_helper.from_array(np.ones(k, np.float32), "g")]
+    ins = [helper.make_tensor_value_info(name, TensorProto.FLOAT, ["M", None]) for name in ("x", "skip")]
+    x, mm = np.ones((2, k), np.float32), dict(domain=cpu_ops.DOMAIN, K=k, N=n)
+    normed = _session([helper.make_node("Int8MatMul", ["x", "w", "ws", "wz", "", "skip", "g"], ["y"], prologue=2,
+                                        epsilon=1e-6, **mm)], inits, ins)
+    assert normed.run(None, {"x": x, "skip": x})[0].shape == (2, n)
+    with pytest.raises(Exception, match="skip shaped as x"):
+        normed.run(None, {"x": x, "skip": np.ones((2, k + 1), np.float32)})
+    plain = _session([helper.make_node("Int8MatMul", ["x", "w", "ws", "wz", "", "skip", "g"], ["y"], **mm)], inits, ins)
+    with pytest.raises(Exception, match="skip and gamma are the skip RMS norm's inputs"):
+        plain.run(None, {"x": x, "skip": x})
+    outs = [helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in ("y", "r")]
+    model = helper.make_model(helper.make_graph([helper.make_node("Int8MatMul", ["x", "w", "ws", "wz"], ["y", "r"], **mm)],
+                                                "g", ins[:1], outs, inits[:3]),
+                              opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(cpu_ops.DOMAIN, 1)])
+    so = ort.SessionOptions()
+    cpu_ops.register(so)
+    residual = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    with pytest.raises(Exception, match="residual output comes with the skip RMS norm"):
+        residual.run(None, {"x": x})
 
 
 def test_linear_folds_refuse_what_they_cannot_compute():
@@ -586,4 +627,7 @@ def test_linear_folds_refuse_what_they_cannot_compute():
         wrong_bias.run(None, {"x": np.ones((1, k), np.float32)})
     with pytest.raises(Exception, match="prologue must be"):
         _session([helper.make_node("Int4MatMul", ["x", "w"], ["y"], domain=cpu_ops.DOMAIN, K=k, N=n, prologue=3)],
+                 [w], [x])
+    with pytest.raises(Exception, match="prologue attribute must be an integer"):
+        _session([helper.make_node("Int4MatMul", ["x", "w"], ["y"], domain=cpu_ops.DOMAIN, K=k, N=n, prologue=2.0)],
                  [w], [x])
