@@ -2,8 +2,8 @@
 (a graph change: `--old-engine`, built before it), interleaved in one process.
 
 For kernel work: keep a copy of the library before a change (`cp .venv/.../runtime/_native*.so /tmp/old.so`),
-rebuild (`pip install -e .`), then compare. For graph work: keep the engine compiled before the change. Both builds load the same engine with the same threads; rounds
-alternate between them so the machine's drift hits both alike. Per round: a prompt of `--context` tokens from
+rebuild (`pip install -e .`), then compare. For graph work: keep the engine compiled before the change. Both sides
+run with the same threads; rounds alternate between them so the machine's drift hits both alike. Per round: a prompt of `--context` tokens from
 empty (prefill), a `--chunk`-token prompt chunk after it (a prefix-cache hit's or a chat turn's uncached tail),
 and decode steps at batch 1 and `--batch` at that context. Prints medians with the spread of the per-round
 new/old ratios, says whether the two builds' logits are bitwise equal, and writes JSON with `--json`.
@@ -49,16 +49,17 @@ def measure(r: model_runner.ModelRunner, pool, ids: list[int], context: int, bat
         chunk_logits = np.array(r.prefill(pool, 0, ids[context:], context))
         times.append(time.perf_counter() - t)
     out["chunk_ms"] = float(np.median(times)) * 1e3
+    logits = [prefill_logits, chunk_logits]
     for b in sorted({1, batch}):
         times = []
         for step in range(steps):
             rows = [(slot, 7, context + step) for slot in range(1, b + 1)]
             t = time.perf_counter()
-            decode_logits = np.array(r.decode(pool, rows, set()))
+            decoded = r.decode(pool, rows, set())          # a fresh array: nothing to copy
             times.append(time.perf_counter() - t)
         out[f"decode_b{b}_ms"] = float(np.median(times)) * 1e3
-        out[f"_logits_b{b}"] = decode_logits
-    out["_logits"] = (prefill_logits, chunk_logits) + tuple(out.pop(f"_logits_b{b}") for b in sorted({1, batch}))
+        logits.append(decoded)                            # the last step's
+    out["_logits"] = logits
     return out
 
 
@@ -94,7 +95,9 @@ def main() -> None:
         for name in builds:
             rounds[name].append(got[name])
     summary = {}
-    print(f"{args.engine}" + (f" vs {args.old_engine}" if args.old_engine else "") + f", {args.threads} thread(s), context {args.context}, chunk {args.chunk}, {args.rounds} rounds")
+    versus = f" vs {args.old_engine}" if args.old_engine else ""
+    print(f"{args.engine}{versus}, {args.threads} thread(s), context {args.context}, chunk {args.chunk}, "
+          f"{args.rounds} rounds")
     for key in rounds["old"][0]:
         old, new = np.array([r[key] for r in rounds["old"]]), np.array([r[key] for r in rounds["new"]])
         ratio = new / old

@@ -86,11 +86,17 @@ def linears_fold(ctx: Ctx) -> bool:
                                     (ctx.precision == "int8" and ctx.own_kernels and ctx.batch_invariant))
 
 
+def _read_by(ctx: Ctx, x: SkipNorm, reader: str) -> None:
+    """Records the one reader of a pending norm: whichever node reads it also produces its residual."""
+    first = ctx.shared.setdefault(f"{x.name}/reader", reader)
+    assert first == reader, f"{x.name} is read by {first} and {reader}: a pending norm has one reader"
+
+
 def normed(ctx: Ctx, x: str | SkipNorm) -> str:
     """`x` as a value: a SkipNorm emitted as the SkipSimplifiedLayerNormalization it stands for (once)."""
     if not isinstance(x, SkipNorm):
         return x
-    assert f"{x.name}/taken" not in ctx.shared, f"{x.name} was taken in by a linear: its residual has one producer"
+    _read_by(ctx, x, "SkipLayerNorm")
     if x.name not in ctx.shared:
         ctx.shared[x.name] = ctx.b.node("SkipSimplifiedLayerNormalization", [x.x, x.skip, x.gamma],
                                         f"{x.name}/SkipLayerNorm", domain=MS_DOMAIN, epsilon=ctx.spec.rms_norm_eps,
@@ -106,9 +112,7 @@ def folded_linear(ctx: Ctx, x: str | SkipNorm, w: np.ndarray, bias: str, name: s
     (k, n), (bits, weights) = w.shape, packed_weights(ctx, w, name)
     inputs, outputs, attrs = [x, *weights, bias], None, {}
     if isinstance(x, SkipNorm):
-        assert f"{x.name}/taken" not in ctx.shared and x.name not in ctx.shared, \
-            f"{x.name} is read twice: a pending norm is taken in by one linear (its residual has one producer)"
-        ctx.shared[f"{x.name}/taken"] = x.residual
+        _read_by(ctx, x, name)
         inputs = [x.x, *weights, bias, x.skip, x.gamma]
         outputs = [f"{name}/Int{bits}MatMul/output_0", x.residual]
         attrs = dict(prologue=2, epsilon=float(ctx.spec.rms_norm_eps))

@@ -54,22 +54,27 @@ void qs_skip_rms_norm_row(const float* x, const float* skip, const float* gamma,
   for (int64_t h = 0; h < k; ++h) out[h] = out[h] / rms * gamma[h];
 }
 
+// Whether the node has the attribute, of any type (ONNX Runtime's API reads one type at a time).
+static bool has_attribute(const Ort::ConstKernelInfo& info, const char* name) {
+  auto read = [&](auto type) {
+    try {
+      info.GetAttribute<decltype(type)>(name);
+      return true;
+    } catch (const Ort::Exception&) {
+      return false;
+    }
+  };
+  return read(int64_t{}) || read(float{}) || read(std::string{});
+}
+
 QsPrologue::QsPrologue(const Ort::ConstKernelInfo& info, int64_t k_, const char* op) : k(k_) {
   const std::string name(op);
-  try {
-    kind = info.GetAttribute<int64_t>("prologue");
-  } catch (const Ort::Exception&) {         // absent in graphs without a prologue — or of another type: refused
-    bool other_type = true;
+  if (has_attribute(info, "prologue")) {    // absent in graphs without a prologue
     try {
-      info.GetAttribute<float>("prologue");
+      kind = info.GetAttribute<int64_t>("prologue");
     } catch (const Ort::Exception&) {
-      try {
-        info.GetAttribute<std::string>("prologue");
-      } catch (const Ort::Exception&) {
-        other_type = false;
-      }
+      throw std::invalid_argument(name + ": the prologue attribute must be an integer");
     }
-    if (other_type) throw std::invalid_argument(name + ": the prologue attribute must be an integer");
   }
   if (kind < kNone || kind > kSkipRmsNorm)
     throw std::invalid_argument(name + ": prologue must be 0 (none), 1 (SwiGLU) or 2 (skip RMS norm)");
