@@ -236,7 +236,7 @@ class GroupedOptions(click.Command):
 SERVE_SECTIONS = {
     "Model": ("draft", "speculation", "models", "served_model_name", "chat_template", "device", "cuda_graphs"),
     "Scheduling": ("max_num_seqs", "max_waiting", "token_budget", "prefill_chunk", "mixed_step_ratio", "threads",
-                   "spin"),
+                   "spin", "huge_pages"),
     "KV cache": ("max_model_len", "kv_budget_mib", "prefix_caching", "retained_slots"),
     "Server": ("host", "grpc_port", "http_port", "request_timeout", "max_body_bytes", "max_tokens_limit", "grace",
                "otlp_endpoint", "disable_log_requests", "log_level"),
@@ -283,6 +283,9 @@ SERVE_SECTIONS = {
 @click.option("--spin/--no-spin", default=True, show_default=True,
               help="ONNX Runtime threads spin between ops and for 2 ms after each step, then sleep: ~25 % faster "
                    "decoding while requests run, nothing spent idle. --no-spin: sleep between ops.")
+@click.option("--huge-pages/--no-huge-pages", default=True, show_default=True,
+              help="Read the weights into memory on transparent huge pages where the kernel offers them (faster "
+                   "decoding: each step streams every weight). --no-huge-pages: map them from the engine's file.")
 @click.option("--api-key", envvar="QUICKSILVER_API_KEY", default=None, help="Require this bearer token (env QUICKSILVER_API_KEY).")
 @click.option("--tls-cert", type=click.Path(path_type=Path), default=None, help="PEM certificate: serve gRPC and HTTP over TLS.")
 @click.option("--tls-key", type=click.Path(path_type=Path), default=None, help="PEM private key for --tls-cert.")
@@ -351,7 +354,7 @@ def serve(engine: Path | None, draft: Path | None, speculation: str, host: str, 
           max_num_seqs: int, max_waiting: int, token_budget: int, prefill_chunk: int, mixed_step_ratio: float,
           max_model_len: int | None,
           kv_budget_mib: int | None, prefix_caching: bool, retained_slots: int, threads: int | None, spin: bool,
-          api_key: str | None,
+          huge_pages: bool, api_key: str | None,
           tls_cert: Path | None, tls_key: Path | None, served_model_name: str | None, request_timeout: float,
           max_body_bytes: int, max_tokens_limit: int | None, grace: float, priority_floor: int,
           priority_keys: tuple[str, ...], tenants_file: Path | None, otlp_endpoint: str | None,
@@ -382,7 +385,8 @@ def serve(engine: Path | None, draft: Path | None, speculation: str, host: str, 
                              CacheConfig(max_model_len=max_model_len, enable_prefix_cache=prefix_caching,
                                          kv_budget_bytes=kv_budget_mib << 20 if kv_budget_mib else None,
                                          retained_slots=retained_slots),
-                             draft=draft_path, speculation=method, ort=OrtConfig(threads=threads, spin=spin),
+                             draft=draft_path, speculation=method,
+                             ort=OrtConfig(threads=threads, spin=spin, huge_pages=huge_pages),
                              cuda=CudaConfig(device=device, graphs=cuda_graphs))
         sconf = ServerConfig(
             host=host, grpc_port=grpc_port, http_port=http_port, api_key=api_key, tls_cert=tls_cert, tls_key=tls_key,

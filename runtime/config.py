@@ -88,6 +88,7 @@ class OrtConfig:
 
     threads: int | None = None        # intra-op threads; None: min(2, cores)
     spin: bool = True                 # threads spin between ops and 2 ms after a run (backends/cpu/runner.SPIN_US)
+    huge_pages: bool = True           # cpu: weights read onto transparent huge pages (backends/cpu/weights.py)
     providers: tuple[str, ...] | None = None   # execution providers; None: chosen from the engine's target
     custom_ops_library: str | None = None      # a custom-op library to register (own kernels)
 

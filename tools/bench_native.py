@@ -1,5 +1,6 @@
 """Two builds of our cpu kernels (the `runtime._native` op library) on one engine, or two engines of one checkpoint
-(a graph change: `--old-engine`, built before it), interleaved in one process.
+(a graph change: `--old-engine`, built before it), or one engine with its weights mapped from its file against read
+onto huge pages (`--old-mmap`), interleaved in one process.
 
 For kernel work: keep a copy of the library before a change (`cp .venv/.../runtime/_native*.so /tmp/old.so`),
 rebuild (`pip install -e .`), then compare. For graph work: keep the engine compiled before the change. Both sides
@@ -10,6 +11,7 @@ new/old ratios, says whether the two builds' logits are bitwise equal, and write
 
     python tools/bench_native.py engines/target --old /tmp/old.so --threads 1 --context 1400 --chunk 48
     python tools/bench_native.py /tmp/q05-int4-new --old-engine /tmp/q05-int4 --context 590 --chunk 48
+    python tools/bench_native.py /tmp/q05-int4 --old-mmap --context 590 --chunk 48
 """
 
 from __future__ import annotations
@@ -27,12 +29,12 @@ from runtime import cpu_ops  # noqa: E402
 from runtime.backends.cpu import runner as model_runner  # noqa: E402
 
 
-def runner(engine: Path, library: str, threads: int) -> model_runner.ModelRunner:
+def runner(engine: Path, library: str, threads: int, huge_pages: bool = True) -> model_runner.ModelRunner:
     """A ModelRunner whose session registers `library` as its op library."""
     find_library = cpu_ops.library
     cpu_ops.library = lambda: library
     try:
-        return model_runner.ModelRunner(engine, threads=threads)
+        return model_runner.ModelRunner(engine, threads=threads, huge_pages=huge_pages)
     finally:
         cpu_ops.library = find_library
 
@@ -70,6 +72,8 @@ def main() -> None:
                     "default: this install's")
     ap.add_argument("--old-engine", type=Path, default=None, help="the other engine (default: ENGINE)")
     ap.add_argument("--new", default=None, help="default: this install's library")
+    ap.add_argument("--old-mmap", action="store_true", help="the old side maps its weights from the engine's file "
+                    "(ONNX Runtime's way) instead of reading them onto huge pages (runtime/backends/cpu/weights.py)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--context", type=int, default=1400, help="prompt tokens prefilled from empty")
     ap.add_argument("--chunk", type=int, default=48, help="tokens of the chunk computed after them")
@@ -78,11 +82,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
-    if not (args.old or args.old_engine):
-        ap.error("give --old (another build of the library) or --old-engine (another engine), or both")
+    if not (args.old or args.old_engine or args.old_mmap):
+        ap.error("give --old (another build of the library), --old-engine (another engine) or --old-mmap, or several")
     builds = {"old": args.old or cpu_ops.library(), "new": args.new or cpu_ops.library()}
     engines = {"old": args.old_engine or args.engine, "new": args.engine}
-    runners = {name: runner(engines[name], lib, args.threads) for name, lib in builds.items()}
+    runners = {name: runner(engines[name], lib, args.threads, huge_pages=not (name == "old" and args.old_mmap))
+               for name, lib in builds.items()}
     capacity = args.context + args.chunk + args.steps + 8
     pools = {name: r.new_pool(args.batch + 1, capacity) for name, r in runners.items()}
     ids = [int(t) for t in np.random.default_rng(0).integers(5, 8000, args.context + args.chunk)]
@@ -95,7 +100,7 @@ def main() -> None:
         for name in builds:
             rounds[name].append(got[name])
     summary = {}
-    versus = f" vs {args.old_engine}" if args.old_engine else ""
+    versus = (f" vs {args.old_engine}" if args.old_engine else "") + (" vs its weights mapped" if args.old_mmap else "")
     print(f"{args.engine}{versus}, {args.threads} thread(s), context {args.context}, chunk {args.chunk}, "
           f"{args.rounds} rounds")
     for key in rounds["old"][0]:

@@ -4,7 +4,7 @@ to the same settings as ours."""
 from __future__ import annotations
 
 from runtime.cli import serve
-from runtime.config import CacheConfig, SchedulerConfig, ServerConfig
+from runtime.config import CacheConfig, OrtConfig, SchedulerConfig, ServerConfig
 
 
 def parse(*args: str) -> dict:
@@ -19,6 +19,8 @@ def test_defaults_are_the_config_fields():
     assert (p["host"], p["grpc_port"], p["http_port"], p["request_timeout"], p["max_body_bytes"], p["grace"],
             p["priority_floor"]) == (server.host, server.grpc_port, server.http_port, server.request_timeout_s,
                                      server.max_body_bytes, server.grace_s, server.priority_floor)
+    assert (p["threads"], p["spin"], p["huge_pages"]) == (OrtConfig().threads, OrtConfig().spin, OrtConfig().huge_pages)
+    assert parse("--no-huge-pages")["huge_pages"] is False
     assert sched.max_waiting == 64        # was 64 on the command line and 256 in the engine's config
 
 

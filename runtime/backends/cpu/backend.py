@@ -37,7 +37,8 @@ def timed(fn: Callable[[], object], repeat: int = 3) -> float:
 
 class CpuBackend:
     def __init__(self, engine_dir: Path, config: EngineConfig, sampler: Sampler):
-        opts = dict(threads=config.ort.threads, verify=config.verify_artifact, spin=config.ort.spin)
+        opts = dict(threads=config.ort.threads, verify=config.verify_artifact, spin=config.ort.spin,
+                    huge_pages=config.ort.huge_pages)
         self.runner = ModelRunner(engine_dir, **opts)
         # The draft runs on the engine thread alone: a worker of its own spun beside the target's after every
         # call (bundled pair, fixed γ=4 at batch 1 in process: 0.80x -> 1.19x of plain decoding); sleeping workers

@@ -25,6 +25,7 @@ from artifact.errors import ArtifactError
 from ...kv.layout import KVLayout
 from ..onnx_session import open_session
 from .slots import SlotPool, SlotRange
+from .weights import WeightArena
 
 
 def check_same_tokenizer(target: "ModelRunner", draft: "ModelRunner") -> None:
@@ -107,7 +108,8 @@ def slot_groups(slots: list[int], fenced: set[int]) -> list[list[int]]:
 
 
 class ModelRunner:
-    def __init__(self, engine_dir: str | Path, threads: int | None = None, verify: bool = True, spin: bool = True):
+    def __init__(self, engine_dir: str | Path, threads: int | None = None, verify: bool = True, spin: bool = True,
+                 huge_pages: bool = True):
         self.engine_dir = Path(engine_dir)
         self.manifest = artifact.load(self.engine_dir, verify=verify)
         target = self.manifest.get("target")
@@ -132,6 +134,10 @@ class ModelRunner:
             if not self.one_row_padded:
                 self._min_rows = ort.OrtValue.ortvalue_from_numpy(np.array([1], np.int64))   # outlives the session
                 so.add_initializer(precision["min_rows"], self._min_rows)
+        # the weights on huge pages where the kernel offers them (weights.py); the session reads them in place
+        self.weights = WeightArena.load(self.engine_dir, self.manifest) if huge_pages else None
+        if self.weights is not None:
+            self.weights.register(so)
         self.session = open_session(self.engine_dir, self.manifest, so, ["CPUExecutionProvider"])
         m = self.manifest["model"]
         self.num_layers, self.vocab_size = m["num_layers"], m["vocab_size"]
