@@ -3,10 +3,12 @@ peak memory, and the batch-1 roofline of this machine: read bandwidth ÷ the byt
 and the KV cache of the context so far), printed beside every batch-1 figure as the fraction of that bound.
 `--contexts 2048,8192` adds batch-1 decode at those context lengths (KV reads grow with them).
 
-This machine's bandwidth swings 25–37 GB/s minutes apart, so a fraction of the bound taken from one bandwidth
-figure and a decode figure measured elsewhere swung 51–77 % between runs. The fraction is therefore taken in rounds
-inside the decoding process: each round reads the bandwidth, then decodes; the table gives the median round's
-fraction and the rounds' range. Threads spin between ops as `runtime serve` does (--no-spin: sleep).
+This machine's bandwidth swings 25–37 GB/s minutes apart (and read 55–60 GB/s for seconds at a time), so a fraction
+of the bound taken from one bandwidth figure and a decode figure measured elsewhere swung 51–77 % between runs. The
+fraction is therefore taken in rounds inside the decoding process: each round decodes between two bandwidth
+readings, and its bound is their mean; the table gives the median fraction of the steady rounds (readings within 15 %
+of each other), their range, and how many rounds were steady. Threads spin between ops as `runtime serve` does
+(--no-spin: sleep).
 
 Each engine runs in its own subprocess so peak RSS is its own; engines are measured one after another
 in one invocation so their ratios are comparable. Medians over repeats.
@@ -90,22 +92,35 @@ def decode_steps_s(runner, pool, first: int, position: int, steps: int) -> tuple
     return times, token
 
 
+STEADY = 0.15       # a round counts when its bandwidth readings before and after it differ by at most this
+
+
 def roofline_rounds(runner, pool, first: int, position: int, steps: int, rounds: int, step_bytes: int,
                     bandwidth_data: np.ndarray) -> dict:
-    """Batch-1 decode in `rounds` rounds, each after reading this machine's bandwidth: the median step's tok/s and
-    fraction of the bound (bandwidth ÷ `step_bytes`) per round. Returns their medians and the fractions' range."""
-    rates, fractions, bandwidths = [], [], []
+    """Batch-1 decode in `rounds` rounds, each between two readings of this machine's bandwidth: the median step's
+    tok/s and the fraction of the bound (the readings' mean ÷ `step_bytes`) per round. The fraction's median and
+    range are over the steady rounds (readings within STEADY of each other; all rounds where none was): on a shared
+    host the bandwidth jumped 33 → 55 GB/s and back between a reading and the decode after it, and such a round's
+    fraction (55–109 % for one engine in one run) says nothing about the decode."""
+    rates, fractions, bandwidths, steady = [], [], [], []
+    after = None
     for r in range(rounds):
         time.sleep(0.01)                  # ONNX Runtime's threads stop spinning 2 ms after a run
-        bandwidth = read_bandwidth_gbs(repeats=3, data=bandwidth_data)
+        before = after if after is not None else read_bandwidth_gbs(repeats=3, data=bandwidth_data)
         times, first = decode_steps_s(runner, pool, first, position + r * steps, steps)
+        time.sleep(0.01)
+        after = read_bandwidth_gbs(repeats=3, data=bandwidth_data)
+        bandwidth = (before + after) / 2
         rate = 1 / float(np.median(times))
         rates.append(rate)
         bandwidths.append(bandwidth)
         fractions.append(rate / (bandwidth * 1e9 / step_bytes))
+        steady.append(abs(before - after) <= STEADY * bandwidth)
+    kept = [f for f, s in zip(fractions, steady) if s] or fractions
     return {"tok_s": round(float(np.median(rates)), 1), "bandwidth_gbs": round(float(np.median(bandwidths)), 1),
-            "pct_of_bound": round(100 * float(np.median(fractions)), 1),
-            "pct_of_bound_range": [round(100 * min(fractions), 1), round(100 * max(fractions), 1)]}
+            "pct_of_bound": round(100 * float(np.median(kept)), 1),
+            "pct_of_bound_range": [round(100 * min(kept), 1), round(100 * max(kept), 1)],
+            "steady_rounds": sum(steady), "rounds_pct_of_bound": [round(100 * f, 1) for f in fractions]}
 
 
 def prefill(runner, pool, ids: np.ndarray) -> int:
@@ -167,6 +182,7 @@ def measure(engine: Path, prompt_len: int, decode_steps: int, threads: int | Non
     result["decode_b1_tok_s"], result["read_bandwidth_gbs"] = b1["tok_s"], b1["bandwidth_gbs"]
     result["roofline_b1_tok_s"] = round(b1["bandwidth_gbs"] * 1e9 / (weights + context * per_token), 1)
     result["roofline_pct"], result["roofline_pct_range"] = b1["pct_of_bound"], b1["pct_of_bound_range"]
+    result["roofline_steady_rounds"], result["roofline_rounds_pct"] = b1["steady_rounds"], b1["rounds_pct_of_bound"]
     for context in contexts:
         long_pool = runner.new_pool(1, capacity=context + rounds * decode_steps + 8)
         ids = np.random.default_rng(1).integers(0, runner.vocab_size, context)
@@ -175,6 +191,7 @@ def measure(engine: Path, prompt_len: int, decode_steps: int, threads: int | Non
         result[f"decode_b1_ctx{context}_tok_s"] = at["tok_s"]
         result[f"decode_b1_ctx{context}_pct_of_bound"] = at["pct_of_bound"]
         result[f"decode_b1_ctx{context}_pct_range"] = at["pct_of_bound_range"]
+        result[f"decode_b1_ctx{context}_steady_rounds"] = at["steady_rounds"]
         del long_pool
     return result
 
@@ -208,22 +225,26 @@ def main() -> None:
         if out.returncode:
             sys.exit(f"{engine}: {out.stderr.strip().splitlines()[-1]}")
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    print(f"prompt {args.prompt_len} tokens; medians; batch 1 in {args.rounds} rounds, each after a read-bandwidth "
-          f"reading (2 threads): % of the bound is the median round's, [the rounds' range]")
+    print(f"prompt {args.prompt_len} tokens; medians; batch 1 in {args.rounds} rounds, each between two read-bandwidth "
+          f"readings (2 threads): % of the bound is the median steady round's, [their range], steady/all rounds")
     header = (f"{'engine':<24} {'prec':<5} {'TTFT ms':>8} {'b1 tok/s':>9} {'b8 tok/s':>9} {'GB/s':>5} {'roofline':>9} "
-              f"{'% roof':>7} {'[range]':>12} {'MB/tok':>7} {'peak MiB':>9}")
+              f"{'% roof':>7} {'[range]':>12} {'steady':>6} {'MB/tok':>7} {'peak MiB':>9}")
     print(header)
     for r in rows:
         lo, hi = r["roofline_pct_range"]
+        steady = f"{r['roofline_steady_rounds']}/{args.rounds}"
         print(f"{Path(r['engine']).name:<24} {r['precision']:<5} {r['ttft_ms']:>8.1f} {r['decode_b1_tok_s']:>9.1f} "
               f"{r['decode_b8_tok_s']:>9.1f} {r['read_bandwidth_gbs']:>5.1f} {r['roofline_b1_tok_s']:>9.1f} "
-              f"{r['roofline_pct']:>7.1f} {f'[{lo:.0f}–{hi:.0f}]':>12} {r['weight_bytes_per_token'] / 1e6:>7.1f} "
+              f"{r['roofline_pct']:>7.1f} {f'[{lo:.0f}–{hi:.0f}]':>12} {steady:>6} "
+              f"{r['weight_bytes_per_token'] / 1e6:>7.1f} "
               f"{r['peak_rss_mib']:>9.0f}")
         for key in [k for k in r if k.startswith("decode_b1_ctx") and k.endswith("_tok_s")]:
             context = key[len("decode_b1_ctx"):-len("_tok_s")]
             lo, hi = r[key.replace("_tok_s", "_pct_range")]
+            steady = r[key.replace("_tok_s", "_steady_rounds")]
             print(f"  batch 1 at {context} tokens of context: {r[key]:.1f} tok/s, "
-                  f"{r[key.replace('_tok_s', '_pct_of_bound')]:.1f} % [{lo:.0f}–{hi:.0f}] of the bound (weights + KV)")
+                  f"{r[key.replace('_tok_s', '_pct_of_bound')]:.1f} % [{lo:.0f}–{hi:.0f}] of the bound (weights + KV), "
+                  f"{steady}/{args.rounds} rounds steady")
     if args.json:
         args.json.write_text(json.dumps({"prompt_len": args.prompt_len, "rounds": args.rounds, "engines": rows}, indent=2))
 
