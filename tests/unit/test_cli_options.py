@@ -3,12 +3,17 @@ to the same settings as ours."""
 
 from __future__ import annotations
 
-from runtime.cli import serve
+import click
+
+from runtime.cli import main, serve
 from runtime.config import CacheConfig, OrtConfig, SchedulerConfig, ServerConfig
 
 
 def parse(*args: str) -> dict:
-    return serve.make_context("serve", list(args)).params
+    """`runtime serve ARGS` parsed under `runtime`'s own context, as the command line does (a context without it
+    gave click's cached help option only --help, and `serve --help` tests run after this one lost -h)."""
+    parent = click.Context(main, info_name="runtime", **main.context_settings)
+    return serve.make_context("serve", list(args), parent=parent).params
 
 
 def test_defaults_are_the_config_fields():
