@@ -105,7 +105,8 @@ def roofline_rounds(runner, pool, first: int, position: int, steps: int, rounds:
     rates, fractions, bandwidths, steady = [], [], [], []
     after = None
     for r in range(rounds):
-        time.sleep(0.01)                  # ONNX Runtime's threads stop spinning 2 ms after a run
+        if after is None:
+            time.sleep(0.01)              # ONNX Runtime's threads stop spinning 2 ms after a run
         before = after if after is not None else read_bandwidth_gbs(repeats=3, data=bandwidth_data)
         times, first = decode_steps_s(runner, pool, first, position + r * steps, steps)
         time.sleep(0.01)
@@ -116,8 +117,10 @@ def roofline_rounds(runner, pool, first: int, position: int, steps: int, rounds:
         bandwidths.append(bandwidth)
         fractions.append(rate / (bandwidth * 1e9 / step_bytes))
         steady.append(abs(before - after) <= STEADY * bandwidth)
-    kept = [f for f, s in zip(fractions, steady) if s] or fractions
-    return {"tok_s": round(float(np.median(rates)), 1), "bandwidth_gbs": round(float(np.median(bandwidths)), 1),
+    keep = steady if any(steady) else [True] * rounds
+    kept = [f for f, k in zip(fractions, keep) if k]
+    return {"tok_s": round(float(np.median(rates)), 1),
+            "bandwidth_gbs": round(float(np.median([b for b, k in zip(bandwidths, keep) if k])), 1),
             "pct_of_bound": round(100 * float(np.median(kept)), 1),
             "pct_of_bound_range": [round(100 * min(kept), 1), round(100 * max(kept), 1)],
             "steady_rounds": sum(steady), "rounds_pct_of_bound": [round(100 * f, 1) for f in fractions]}

@@ -88,6 +88,9 @@ def main() -> None:
     engines = {"old": args.old_engine or args.engine, "new": args.engine}
     runners = {name: runner(engines[name], lib, args.threads, huge_pages=not (name == "old" and args.old_mmap))
                for name, lib in builds.items()}
+    if args.old_mmap and runners["new"].weights is None:
+        sys.exit("--old-mmap: this machine offers no transparent huge pages (or the engine has no weights our ops "
+                 "read), so both sides would map the file")
     capacity = args.context + args.chunk + args.steps + 8
     pools = {name: r.new_pool(args.batch + 1, capacity) for name, r in runners.items()}
     ids = [int(t) for t in np.random.default_rng(0).integers(5, 8000, args.context + args.chunk)]

@@ -30,7 +30,8 @@ const OrtCustomOp* qs_swiglu_op();             // swiglu.cpp
 // step 0.85× the time with the linears asking, then 0.96× / 0.90× / 0.84× at 445 / 1,024 / 2,000 tokens of context
 // with attention's keys and values too. With the weights on huge pages (runtime/backends/cpu/weights.py) asking
 // 16 KiB ahead rather than 8 took a qwen2.5-0.5b int4 linear's batch-1 read from ~29 to ~32 GB/s of numpy's ~33
-// (N = 9,728 and 19,456; 24 and 32 KiB were no better), and its decode step 0.88× the time (batch 4: 0.85×).
+// (N = 9,728 and 19,456; 24 and 32 KiB were no better), and its decode step 0.88× the time (batch 4: 0.85×). The
+// 16 KiB were measured on huge pages only; weights on 4 KiB pages (--no-huge-pages, no THP) ask as far.
 // A prefetch never faults; the address is formed as an integer, so asking past the end of an array is harmless.
 // Asks for every cache line of [data, data + bytes) kStreamAhead bytes on (one line by default).
 constexpr int64_t kStreamAhead = 16384;

@@ -1,6 +1,6 @@
-"""An engine's weights read onto huge pages (runtime/backends/cpu/weights.py): the session computes exactly what it
-computes on ONNX Runtime's own mapping of the data file, reads them from the arena, and refuses a data file that
-does not hold what the graph says."""
+"""An engine's weights read onto huge pages (runtime/backends/cpu/weights.py): the session reads the weights our ops
+compute with from the arena and computes exactly what it computes on ONNX Runtime's own mapping of the data file,
+leaves what ONNX Runtime repacks on that mapping, and refuses a data file that does not hold what the graph says."""
 
 from __future__ import annotations
 
@@ -53,18 +53,52 @@ def run_steps(runner: ModelRunner) -> list[np.ndarray]:
     return out
 
 
+def read_by_our_ops(model: onnx.ModelProto) -> list[onnx.TensorProto]:
+    """The graph's external initializers that only `qs` nodes read (what the arena holds)."""
+    readers: dict[str, set[str]] = {}
+    for node in model.graph.node:
+        for name in node.input:
+            readers.setdefault(name, set()).add(node.domain)
+    return [t for t in model.graph.initializer
+            if t.data_location == onnx.TensorProto.EXTERNAL and readers.get(t.name) == {"qs"}]
+
+
 @pytest.mark.skipif(not weights.huge_pages_offered(), reason="this kernel offers no transparent huge pages")
-@pytest.mark.parametrize("name, precision", [("qwen2", "int4"), ("llama", "int8"), ("mistral", "fp32")])
-def test_weights_on_huge_pages_compute_what_the_mapped_file_computes(engine, name, precision):
+@pytest.mark.parametrize("name, precision", [("qwen2", "int4"), ("llama", "int8")])
+def test_weights_on_huge_pages_are_what_the_session_computes_with(engine, name, precision):
     path = engine(name, precision)
     data = path / "model.onnx.data"
-    arena = ModelRunner(path)
-    assert arena.weights is not None and maps_of(data) == 0          # the session reads the arena, not the file
-    assert 0.99 * data.stat().st_size <= arena.weights.nbytes <= data.stat().st_size + 64 * len(arena.weights.values)
-    assert arena_smaps(arena.weights.address)["THPeligible"] == "1"
+    runner = ModelRunner(path)
+    arena = runner.weights
+    ours = read_by_our_ops(onnx.load(str(path / "model.onnx"), load_external_data=False))
+    assert arena is not None and sorted(arena.values) == sorted(t.name for t in ours)
+    assert all(arena.address <= v.data_ptr() < arena.address + arena.nbytes for v in arena.values.values())
+    assert 0.9 * data.stat().st_size <= arena.nbytes <= data.stat().st_size + 64 * len(arena.values)   # the linears
+    assert arena_smaps(arena.address)["THPeligible"] == "1"
     mapped = ModelRunner(path, huge_pages=False)
     assert mapped.weights is None and maps_of(data) > 0
-    for a, b in zip(run_steps(arena), run_steps(mapped), strict=True):
+    expected = run_steps(mapped)
+    for a, b in zip(run_steps(runner), expected, strict=True):
+        np.testing.assert_array_equal(a, b)
+    # the session reads the arena itself: a weight changed there changes the logits, and changed back restores them
+    biggest = max(arena.arrays.values(), key=lambda a: a.nbytes)
+    kept = biggest.copy()
+    biggest[...] = 0
+    assert not np.array_equal(run_steps(runner)[0], expected[0])
+    biggest[...] = kept
+    np.testing.assert_array_equal(run_steps(runner)[0], expected[0])
+
+
+@pytest.mark.skipif(not weights.huge_pages_offered(), reason="this kernel offers no transparent huge pages")
+def test_weights_onnx_runtime_repacks_stay_on_its_mapping(engine):
+    """An fp32 engine's MatMul weights are repacked by ONNX Runtime at load: an arena copy would only double them."""
+    path = engine("mistral")
+    runner = ModelRunner(path)
+    ours = {t.name for t in read_by_our_ops(onnx.load(str(path / "model.onnx"), load_external_data=False))}
+    assert set(runner.weights.values if runner.weights else ()) == ours
+    assert runner.weights is None or runner.weights.nbytes < 0.1 * (path / "model.onnx.data").stat().st_size
+    assert maps_of(path / "model.onnx.data") > 0
+    for a, b in zip(run_steps(runner), run_steps(ModelRunner(path, huge_pages=False)), strict=True):
         np.testing.assert_array_equal(a, b)
 
 
@@ -90,26 +124,36 @@ def entry(tensor: onnx.TensorProto, key: str) -> str:
 
 
 def forged(engine_dir, tmp_path, edit):
-    """A copy of `engine_dir` whose graph's first external initializer had `edit(tensor, data_file)` applied."""
+    """A copy of `engine_dir` whose graph had `edit(tensors our ops read, data_file)` applied."""
     out = tmp_path / "forged"
     shutil.copytree(engine_dir, out)
     model = onnx.load(str(out / "model.onnx"), load_external_data=False)
-    first = next(t for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL)
-    edit(first, out / "model.onnx.data")
+    edit(read_by_our_ops(model), out / "model.onnx.data")
     onnx.save(model, str(out / "model.onnx"))
     return out
 
 
+def claim_whole_file(tensors: list[onnx.TensorProto], data) -> None:
+    """Every uint8 tensor (int4's packed weights) names the whole data file: the same bytes, many times over."""
+    for t in (t for t in tensors if t.data_type == onnx.TensorProto.UINT8):
+        del t.dims[:]
+        t.dims.append(data.stat().st_size)
+        set_entry(t, "offset", "0")
+        set_entry(t, "length", str(data.stat().st_size))
+
+
 @pytest.mark.skipif(not weights.huge_pages_offered(), reason="this kernel offers no transparent huge pages")
-@pytest.mark.parametrize("edit, says", [
-    (lambda t, data: data.write_bytes(data.read_bytes()[:1000]), "lies past the end"),     # a truncated data file
-    (lambda t, data: set_entry(t, "length", str(int(entry(t, "length")) + 4)), "does not fit its shape"),
-    (lambda t, data: set_entry(t, "offset", str(1 << 40)), "lies past the end"),
-    (lambda t, data: set_entry(t, "offset", "-64"), "lies past the end"),
-    (lambda t, data: set_entry(t, "length", "many"), "no valid external offset and length"),
-    (lambda t, data: set_entry(t, "location", "../model.onnx.data"), "not a file the manifest lists"),
+@pytest.mark.parametrize("precision, edit, says", [
+    ("int8", lambda ts, data: data.write_bytes(data.read_bytes()[:1000]), "lies outside"),     # a truncated file
+    ("int8", lambda ts, data: set_entry(ts[0], "length", str(int(entry(ts[0], "length")) + 4)), "its shape"),
+    ("int8", lambda ts, data: set_entry(ts[0], "offset", str(1 << 40)), "lies outside"),
+    ("int8", lambda ts, data: set_entry(ts[0], "offset", "-64"), "lies outside"),
+    ("int8", lambda ts, data: set_entry(ts[0], "length", "many"), "no valid external location"),
+    ("int8", lambda ts, data: set_entry(ts[0], "location", "../model.onnx.data"), "not a file the manifest lists"),
+    ("int8", lambda ts, data: ts[0].dims.__setitem__(0, -ts[0].dims[0]), "negative dimension"),
+    ("int4", claim_whole_file, "claim"),
 ])
-def test_a_data_file_that_does_not_hold_the_graphs_tensors_is_refused(engine, tmp_path, edit, says):
-    path = forged(engine("llama", "int8"), tmp_path, edit)
+def test_a_data_file_that_does_not_hold_the_graphs_tensors_is_refused(engine, tmp_path, precision, edit, says):
+    path = forged(engine("llama", precision), tmp_path, edit)
     with pytest.raises(ArtifactError, match=says):
         ModelRunner(path, verify=False)          # the manifest's hashes would refuse the edit first

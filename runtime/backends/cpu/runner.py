@@ -139,6 +139,7 @@ class ModelRunner:
         if self.weights is not None:
             self.weights.register(so)
         self.session = open_session(self.engine_dir, self.manifest, so, ["CPUExecutionProvider"])
+        self.session.weights = self.weights      # whoever holds the session holds the memory it reads
         m = self.manifest["model"]
         self.num_layers, self.vocab_size = m["num_layers"], m["vocab_size"]
         self.kv_heads, self.head_dim, self.max_seq_len = m["num_kv_heads"], m["head_dim"], m["max_seq_len"]
