@@ -284,8 +284,9 @@ SERVE_SECTIONS = {
               help="ONNX Runtime threads spin between ops and for 2 ms after each step, then sleep: ~25 % faster "
                    "decoding while requests run, nothing spent idle. --no-spin: sleep between ops.")
 @click.option("--huge-pages/--no-huge-pages", default=True, show_default=True,
-              help="Read the weights into memory on transparent huge pages where the kernel offers them (faster "
-                   "decoding: each step streams every weight). --no-huge-pages: map them from the engine's file.")
+              help="cpu engines: read the weights our ops compute with onto transparent huge pages where the kernel "
+                   "offers them (faster decoding: each step streams every weight). --no-huge-pages: map them from the "
+                   "engine's file (processes serving one engine then share its page cache).")
 @click.option("--api-key", envvar="QUICKSILVER_API_KEY", default=None, help="Require this bearer token (env QUICKSILVER_API_KEY).")
 @click.option("--tls-cert", type=click.Path(path_type=Path), default=None, help="PEM certificate: serve gRPC and HTTP over TLS.")
 @click.option("--tls-key", type=click.Path(path_type=Path), default=None, help="PEM private key for --tls-cert.")
