@@ -9,7 +9,12 @@ and its ratio to that is the headline: the same ONNX Runtime sessions and memory
 instances differ by themselves (identical plain engines in one process read 0.99-1.01x of each other, and
 a whole run's ratios moved 0.96-0.99x between runs).
 
+With `--concurrency N` each prompt becomes N prompts generated together (continuous batching, as N clients at
+once), each run with a prefix of its own so that no run finds another's prompt in the prefix cache; the figure is
+still decode tokens ÷ decode seconds per stream.
+
     python tools/bench_spec_auto.py --rounds 16 --json tools/results/spec_auto_in_process_epyc.json
+    python tools/bench_spec_auto.py --concurrency 8 --rounds 12
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ def main() -> None:
     ap.add_argument("--draft", type=Path, default=ROOT / "engines" / "draft")
     ap.add_argument("--rounds", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--concurrency", type=int, default=1, help="prompts generated together")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     text = TEXT.read_text()
@@ -59,16 +65,20 @@ def main() -> None:
     for rnd in range(args.rounds):
         tokens, seconds = dict.fromkeys(rates, 0.0), dict.fromkeys(rates, 0.0)
         for i in range(4):          # each prompt on every engine in turn: the machine's drift hits all alike
-            prompt = f"# {rnd} {i}\n" + text[(i * 7 + rnd * 13) * 997 % (len(text) - 1600):][:1600]
             k = (4 * rnd + i) % len(runs)
             for name, engine, off in runs[k:] + runs[:k]:
+                mark = f" {name}" if args.concurrency > 1 else ""       # a cold prompt for every run
+                prompts = [f"# {rnd} {i}{mark}{f' {c}' if c else ''}\n" +
+                           text[((i + 4 * c) * 7 + rnd * 13) * 997 % (len(text) - 1600):][:1600]
+                           for c in range(args.concurrency)]
                 with speculation_off(engine) if off else nullcontext():
-                    usage = engine.generate([prompt], [params])[0]["usage"]
-                tokens[name] += usage.completion_tokens - 1
-                seconds[name] += (usage.completion_tokens - 1) * usage.tpot_s
+                    outs = engine.generate(prompts, [params] * len(prompts))
+                for usage in (o["usage"] for o in outs):
+                    tokens[name] += usage.completion_tokens - 1
+                    seconds[name] += (usage.completion_tokens - 1) * usage.tpot_s
         for name in rates:
             rates[name].append(tokens[name] / seconds[name])
-    out = {"rounds": args.rounds, "rates": rates, "engines": {}}
+    out = {"rounds": args.rounds, "concurrency": args.concurrency, "rates": rates, "engines": {}}
 
     def ratio(name: str, base: str) -> dict:
         r = np.array(rates[name]) / np.array(rates[base])
