@@ -102,15 +102,16 @@ def roofline_rounds(runner, pool, first: int, position: int, steps: int, rounds:
     range are over the steady rounds (readings within STEADY of each other; all rounds where none was): on a shared
     host the bandwidth jumped 33 → 55 GB/s and back between a reading and the decode after it, and such a round's
     fraction (55–109 % for one engine in one run) says nothing about the decode."""
+    def reading() -> float:
+        time.sleep(0.01)                  # ONNX Runtime's threads stop spinning 2 ms after a run
+        return read_bandwidth_gbs(repeats=3, data=bandwidth_data)
+
     rates, fractions, bandwidths, steady = [], [], [], []
-    after = None
+    after = reading()
     for r in range(rounds):
-        if after is None:
-            time.sleep(0.01)              # ONNX Runtime's threads stop spinning 2 ms after a run
-        before = after if after is not None else read_bandwidth_gbs(repeats=3, data=bandwidth_data)
+        before = after                    # a round's first reading is the last round's second
         times, first = decode_steps_s(runner, pool, first, position + r * steps, steps)
-        time.sleep(0.01)
-        after = read_bandwidth_gbs(repeats=3, data=bandwidth_data)
+        after = reading()
         bandwidth = (before + after) / 2
         rate = 1 / float(np.median(times))
         rates.append(rate)

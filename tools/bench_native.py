@@ -3,10 +3,10 @@
 onto huge pages (`--old-mmap`), interleaved in one process.
 
 For kernel work: keep a copy of the library before a change (`cp .venv/.../runtime/_native*.so /tmp/old.so`),
-rebuild (`pip install -e .`), then compare. For graph work: keep the engine compiled before the change. Both sides
-run with the same threads; rounds alternate between them so the machine's drift hits both alike. Per round: a prompt of `--context` tokens from
-empty (prefill), a `--chunk`-token prompt chunk after it (a prefix-cache hit's or a chat turn's uncached tail),
-and decode steps at batch 1 and `--batch` at that context. Prints medians with the spread of the per-round
+reinstall (`pip install .`), then compare. For graph work: keep the engine compiled before the change. Both sides
+run with the same threads; rounds alternate between them so the machine's drift hits both alike. Per round: a
+prompt of `--context` tokens from empty (prefill), a `--chunk`-token prompt chunk after it (a prefix-cache hit's or
+a chat turn's uncached tail), and decode steps at batch 1 and `--batch` at that context. Prints medians with the spread of the per-round
 new/old ratios, says whether the two builds' logits are bitwise equal, and writes JSON with `--json`.
 
     python tools/bench_native.py engines/target --old /tmp/old.so --threads 1 --context 1400 --chunk 48

@@ -23,6 +23,7 @@ import math
 import mmap
 from collections import defaultdict
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import onnxruntime as ort
@@ -47,22 +48,26 @@ def huge_pages_offered() -> bool:
         return False
 
 
-def _numpy_dtype(data_type: int) -> np.dtype | None:
-    """The numpy dtype an OrtValue can be made from for an ONNX element type (None: leave that tensor to ORT)."""
+class External(NamedTuple):
+    """An initializer stored in a data file, as the arena reads it."""
+
+    name: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    data: Path
+    offset: int
+    length: int
+
+
+def _tensors(engine_dir: Path, manifest: dict) -> list[External]:
+    """Each external initializer that only `qs` nodes read, checked against the listed data files (element types
+    numpy has no dtype for, which an OrtValue cannot be made from here, stay with ONNX Runtime)."""
     import onnx
+    from onnx import TensorProto as T
 
-    plain = {onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.FLOAT16: np.float16,
-             onnx.TensorProto.DOUBLE: np.float64, onnx.TensorProto.INT8: np.int8, onnx.TensorProto.UINT8: np.uint8,
-             onnx.TensorProto.INT16: np.int16, onnx.TensorProto.UINT16: np.uint16, onnx.TensorProto.INT32: np.int32,
-             onnx.TensorProto.UINT32: np.uint32, onnx.TensorProto.INT64: np.int64, onnx.TensorProto.UINT64: np.uint64,
-             onnx.TensorProto.BOOL: np.bool_}
-    return np.dtype(plain[data_type]) if data_type in plain else None
-
-
-def _tensors(engine_dir: Path, manifest: dict) -> list[tuple[str, np.dtype, tuple[int, ...], Path, int, int]]:
-    """(name, dtype, shape, data file, offset, length) of each external initializer that only `qs` nodes read,
-    checked against the listed data files."""
-    import onnx
+    dtypes = {T.FLOAT: np.float32, T.FLOAT16: np.float16, T.DOUBLE: np.float64, T.INT8: np.int8, T.UINT8: np.uint8,
+              T.INT16: np.int16, T.UINT16: np.uint16, T.INT32: np.int32, T.UINT32: np.uint32, T.INT64: np.int64,
+              T.UINT64: np.uint64, T.BOOL: np.bool_}
 
     graph = artifact.graph_path(engine_dir, manifest)
     model = onnx.load(str(graph), load_external_data=False)
@@ -72,9 +77,9 @@ def _tensors(engine_dir: Path, manifest: dict) -> list[tuple[str, np.dtype, tupl
             readers[name].add(node.domain)
     tensors = []
     for t in model.graph.initializer:
-        dtype = _numpy_dtype(t.data_type)
-        if t.data_location != onnx.TensorProto.EXTERNAL or dtype is None or readers[t.name] != {cpu_ops.DOMAIN}:
+        if t.data_location != T.EXTERNAL or t.data_type not in dtypes or readers[t.name] != {cpu_ops.DOMAIN}:
             continue
+        dtype = np.dtype(dtypes[t.data_type])
         info = {e.key: e.value for e in t.external_data}
         shape = tuple(int(d) for d in t.dims)
         if any(d < 0 for d in shape):
@@ -93,7 +98,7 @@ def _tensors(engine_dir: Path, manifest: dict) -> list[tuple[str, np.dtype, tupl
         if offset < 0 or offset + length > data.stat().st_size:
             raise ArtifactError(f"{engine_dir}: initializer {t.name} ({length} bytes at {offset}) lies outside "
                                 f"{location}; rebuild the engine")
-        tensors.append((t.name, dtype, shape, data, offset, length))
+        tensors.append(External(t.name, dtype, shape, data, offset, length))
     return tensors
 
 
@@ -103,12 +108,12 @@ class WeightArena:
     `register(so)` hands them to a session; the arena must outlive that session (the runner keeps it, and ties it
     to the session object too)."""
 
-    def __init__(self, engine_dir: Path, tensors: list[tuple[str, np.dtype, tuple[int, ...], Path, int, int]]):
+    def __init__(self, engine_dir: Path, tensors: list[External]):
         starts, end = [], 0
-        for *_, length in tensors:
+        for t in tensors:
             starts.append(end)
-            end += -(-length // ALIGN) * ALIGN
-        files = {data: data.stat().st_size for *_, data, _, _ in tensors}
+            end += -(-t.length // ALIGN) * ALIGN
+        files = {t.data: t.data.stat().st_size for t in tensors}
         if end > sum(files.values()) + ALIGN * len(tensors):      # tensors that alias one range, many times over
             raise ArtifactError(f"{engine_dir}: the graph's tensors claim {end} bytes of {sum(files.values())} in "
                                 "its data files; rebuild the engine")
@@ -122,14 +127,14 @@ class WeightArena:
         self.arrays: dict[str, np.ndarray] = {}
         opened = {}
         try:
-            for (name, dtype, shape, data, offset, length), start in zip(tensors, starts):
-                if data not in opened:
-                    opened[data] = open(data, "rb")
-                opened[data].seek(offset)
-                raw = whole[base + start: base + start + length]
-                if opened[data].readinto(memoryview(raw)) != length:
-                    raise ArtifactError(f"{engine_dir}: {data.name} ended while reading {name}; rebuild the engine")
-                self.arrays[name] = raw.view(dtype).reshape(shape)
+            for t, start in zip(tensors, starts):
+                if t.data not in opened:
+                    opened[t.data] = open(t.data, "rb")
+                opened[t.data].seek(t.offset)
+                raw = whole[base + start: base + start + t.length]
+                if opened[t.data].readinto(memoryview(raw)) != t.length:
+                    raise ArtifactError(f"{engine_dir}: {t.data.name} ended while reading {t.name}; rebuild the engine")
+                self.arrays[t.name] = raw.view(t.dtype).reshape(t.shape)
         finally:
             for f in opened.values():
                 f.close()
