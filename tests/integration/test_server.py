@@ -782,7 +782,7 @@ def test_stop_does_not_block_the_event_loop(engine):
         runner.decode = held_decode
         assert entered.wait(10), "no step entered the held decode"
         waiting, turns = s._run(stop_while_held())
-    s.loop.call_soon_threadsafe(s.loop.stop)
+    s.close_loop()
     assert waiting and turns == 20            # stop waited for the step, and the loop turned meanwhile
     assert not s.server.aengine._thread.is_alive()
 
@@ -849,7 +849,7 @@ def test_draining_refuses_new_requests(engine):
         assert sum(len(m.token_ids) for m in [first, *rest]) == 60 and rest[-1].finish_reason == "length"
         stopping.result(30)
     finally:
-        s.loop.call_soon_threadsafe(s.loop.stop)
+        s.close_loop()
 
 
 def test_http_connections_send_small_writes_at_once():
