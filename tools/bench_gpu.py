@@ -424,8 +424,10 @@ def main() -> None:
             if wanted(name):
                 fn(eng, vocab)
         del eng
-        gc.collect()                  # the engine holds reference cycles: free its KV pool before the next part's
-        if torch.cuda.is_available():  # engine, or `runtime serve` below finds the GPU full
+        # Only the cycle collector frees a cuda-backend engine (it is referenced from a cycle), and PyTorch's
+        # caching allocator keeps what it frees: without both, `runtime serve` below found the GPU full.
+        gc.collect()
+        if torch.cuda.is_available():
             torch.cuda.empty_cache()
     if wanted("parity"):
         parity(dirs["cuda"], dirs["cpu"], vocab)
