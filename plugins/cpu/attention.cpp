@@ -323,44 +323,89 @@ constexpr int kMinGroupedTasks = 8;  // fewer (b, KV head, tile) tasks than this
 
 inline int segments_of(int len) { return (len + kSegment - 1) / kSegment; }
 
-// out[l] = the max (kMax) or the sum of init and the scores j ≡ l (mod kLanes), taken in j order. The AVX-512 path
-// is that arithmetic one register at a time (the compiler left the max loop scalar: vmaxps may not stand for
-// std::max as far as it knows, but max_ps(s, m) is (s > m) ? s : m, which is std::max(m, s) for every input, NaN
-// and signed zeros included), so both paths give the same bits.
-template <bool kMax>
-inline void fold_lanes(const float* scores, int n, float init, float* out) {
-#ifdef __AVX512F__
-  static_assert(kLanes == 16, "one 512-bit register of lanes");
-  auto op = [](__m512 acc, __m512 s) { return kMax ? _mm512_max_ps(s, acc) : _mm512_add_ps(acc, s); };
-  const int whole = n / kLanes * kLanes;
-  const __mmask16 tail = static_cast<__mmask16>((1u << (n - whole)) - 1);
-  __m512 acc = _mm512_set1_ps(init);
-  for (int j = 0; j < whole; j += kLanes) acc = op(acc, _mm512_loadu_ps(scores + j));
-  _mm512_storeu_ps(out, _mm512_mask_mov_ps(acc, tail, op(acc, _mm512_maskz_loadu_ps(tail, scores + whole))));
-#else
-  auto op = [](float acc, float s) { return kMax ? std::max(acc, s) : acc + s; };
-  std::fill(out, out + kLanes, init);
-  int j = 0;
-  for (; j + kLanes <= n; j += kLanes)
-    for (int l = 0; l < kLanes; ++l) out[l] = op(out[l], scores[j + l]);
-  for (int l = 0; j < n; ++j, ++l) out[l] = op(out[l], scores[j]);
-#endif
+// exp(x) of a softmax argument (x ≤ 0 after the max is subtracted): qs_exp_inplace's Cody-Waite reduction and
+// degree-6 polynomial (~1 ulp) with every multiply-add fused and the power of two applied by an exact scaling,
+// written out so that the AVX-512 path (one register at a time, a masked tail) and the scalar one give the same bits
+// for every element wherever it falls in a row. Scaling by 2^k (vscalefps, ldexp) rounds p·2^k once, as the
+// exponent-bits product did.
+constexpr float kExpLog2e = 1.44269504088896341f, kExpRound = 12582912.0f;   // round(v·log2 e) by 1.5·2^23
+constexpr float kExpLn2Hi = 0.693359375f, kExpLn2Lo = -2.12194440e-4f;
+constexpr float kExpPoly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                               4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
+inline float softmax_exp(float x) {
+  if (x != x) return x;            // NaN stays NaN (max_ps(-87, v) keeps its second operand)
+  float v = std::max(x, -87.0f);
+  float k = std::fma(v, kExpLog2e, kExpRound) - kExpRound;
+  float r = std::fma(-k, kExpLn2Lo, std::fma(-k, kExpLn2Hi, v));
+  float p = kExpPoly[0];
+  for (int i = 1; i < 6; ++i) p = std::fma(p, r, kExpPoly[i]);
+  return std::ldexp(std::fma(p, r * r, r) + 1.0f, static_cast<int>(k));
 }
 
-// softmax numerators in place over n scores: exp(score − max); returns max, and Σ exp(score − max) in *sum, each
-// folded over kLanes lanes and the lanes reduced in a fixed order
+#ifdef __AVX512F__
+inline __m512 softmax_exp(__m512 x) {
+  __m512 v = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);
+  __m512 k = _mm512_sub_ps(_mm512_fmadd_ps(v, _mm512_set1_ps(kExpLog2e), _mm512_set1_ps(kExpRound)),
+                           _mm512_set1_ps(kExpRound));
+  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(kExpLn2Lo), _mm512_fnmadd_ps(k, _mm512_set1_ps(kExpLn2Hi), v));
+  __m512 p = _mm512_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpPoly[i]));
+  p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, k);
+}
+#endif
+
+// softmax numerators in place over n ≥ 1 scores: exp(score − max); returns max, and Σ exp(score − max) in *sum,
+// folded over kLanes lanes (lane l: the numerators j ≡ l (mod kLanes) in j order) and the lanes added pairwise
+// (l += l + w for w = 8, 4, 2, 1). One pass for the max, one for the numerators and their sum.
+//
+// The max's order is free: max is exact, ignores NaN scores on every path (max_ps keeps its second operand), and
+// ±0 maxima differ only in the sign of a zero that is subtracted or exponentiated.
 inline float softmax_unnormalised(float* scores, int n, float* sum) {
-  float lanes[kLanes];
-  fold_lanes<true>(scores, n, -INFINITY, lanes);
-  float m = lanes[0];
-  for (int l = 1; l < kLanes; ++l) m = std::max(m, lanes[l]);
-  for (int j = 0; j < n; ++j) scores[j] -= m;
-  qs_exp_inplace(scores, n);
-  fold_lanes<false>(scores, n, 0.0f, lanes);
+#ifdef __AVX512F__
+  static_assert(kLanes == 16, "one 512-bit register of lanes");
+  const int whole = n / kLanes * kLanes;
+  const __mmask16 tail = static_cast<__mmask16>((1u << (n - whole)) - 1);
+  __m512 m0 = _mm512_set1_ps(-INFINITY), m1 = m0;
+  int j = 0;
+  for (; j + 2 * kLanes <= whole; j += 2 * kLanes) {
+    m0 = _mm512_max_ps(_mm512_loadu_ps(scores + j), m0);
+    m1 = _mm512_max_ps(_mm512_loadu_ps(scores + j + kLanes), m1);
+  }
+  if (j < whole) m0 = _mm512_max_ps(_mm512_loadu_ps(scores + j), m0);
+  m1 = _mm512_mask_max_ps(m1, tail, _mm512_maskz_loadu_ps(tail, scores + whole), m1);
+  const float m = _mm512_reduce_max_ps(_mm512_max_ps(m0, m1));
+  const __m512 mv = _mm512_set1_ps(m);
+  __m512 acc = _mm512_setzero_ps();
+  for (j = 0; j < whole; j += kLanes) {
+    __m512 e = softmax_exp(_mm512_sub_ps(_mm512_loadu_ps(scores + j), mv));
+    _mm512_storeu_ps(scores + j, e);
+    acc = _mm512_add_ps(acc, e);
+  }
+  if (tail) {
+    __m512 e = softmax_exp(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, scores + whole), mv));
+    _mm512_mask_storeu_ps(scores + whole, tail, e);
+    acc = _mm512_mask_add_ps(acc, tail, acc, e);
+  }
+  __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(acc), _mm512_extractf32x8_ps(acc, 1));
+  __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  *sum = _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+  return m;
+#else
+  float m = -INFINITY, lanes[kLanes] = {};
+  for (int j = 0; j < n; ++j)
+    if (scores[j] > m) m = scores[j];
+  for (int j = 0; j < n; ++j) {
+    scores[j] = softmax_exp(scores[j] - m);
+    lanes[j % kLanes] += scores[j];
+  }
   for (int w = kLanes / 2; w > 0; w /= 2)
     for (int l = 0; l < w; ++l) lanes[l] += lanes[l + w];
   *sum = lanes[0];
   return m;
+#endif
 }
 
 // A row's partial results, one per segment: the segment's max score, Σ exp(score − max) and Σ exp(score − max)·v.
