@@ -266,7 +266,8 @@ SERVE_SECTIONS = {
               help="Most prompt tokens a sequence gets per step while as many streams decode.")
 @click.option("--mixed-step-ratio", type=click.FloatRange(1.0), default=SCHED.mixed_step_ratio,
               show_default=True,
-              help="A step with prompt slices beside decodes costs at most this many decode-only steps (lower: "
+              help="A step with prompt slices beside decodes costs at most this many decode-only steps, or what its "
+                   "first 16-token slices cost where that is more (lower: "
                    "shorter stalls of running streams, slower first tokens for prompts arriving among them; inf: "
                    "fixed slices of --prefill-chunk).")
 @click.option("--max-model-len", type=int, default=None, help="Context per sequence [default: the engine's].")

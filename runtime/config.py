@@ -43,7 +43,8 @@ class SchedulerConfig:
                                       # to which a prompt counts as short (long ones sit out while it prefills)
     max_waiting: int = 64             # queued requests beyond which submit refuses (backpressure: 429)
     mixed_step_ratio: float = 2.0     # a step carrying prompt slices beside decodes may cost this many decode-only
-                                      # steps (the slices shrink to fit, ≥ 16 tokens); inf: fixed slices
+                                      # steps (the slices shrink to fit, ≥ 16 tokens; where 16 already cost more,
+                                      # what they cost is held, see Scheduler.observe); inf: fixed slices
 
     def __post_init__(self):
         if self.max_num_seqs < 1 or self.token_budget < self.max_num_seqs + 1:

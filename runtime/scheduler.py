@@ -28,6 +28,7 @@ def _order(req: Request) -> tuple[int, int]:
 class Scheduler:
     MIN_CHUNK = 16
     MAX_SAT_OUT = 4       # consecutive steps a long prompt yields to short prompts before it gets a MIN_CHUNK
+    FLOOR_STEPS = 3       # MIN_CHUNK slices over the ratio's target whose median cost is then held (see observe)
 
     def __init__(self, config: SchedulerConfig, kv: KVManager, plan_speculation: SpecPlanner | None = None):
         self.config, self.kv, self.plan_speculation = config, kv, plan_speculation
@@ -37,16 +38,36 @@ class Scheduler:
         # stalled 7 streams 210 ms at the API) and at most doubles a step while steps stay under the target
         self.mixed_tokens = self.MIN_CHUNK
         self._decode_step_s: float | None = None              # moving average of decode-only steps
+        # where even a MIN_CHUNK slice costs more than the ratio allows: the first such steps' costs, then their
+        # median, the level held until decode-only steps return (see observe)
+        self._floor_s: list[float] = []
+        self._held_s: float | None = None
 
     def observe(self, plan: SchedulePlan, seconds: float) -> None:
-        """Feed back a step's measured time: tracks decode-only steps and adapts the prompt slice beside decodes."""
+        """Feed back a step's measured time: tracks decode-only steps and adapts the prompt slice beside decodes.
+
+        Where even a MIN_CHUNK slice costs more than `mixed_step_ratio` decode steps (a model whose prompt tokens
+        cost much beside its decodes, or a long prompt whose slices attend over more of its own context each
+        step), what the first FLOOR_STEPS such steps cost (their median: the first slice of a prompt can be slow
+        for reasons of its own) becomes the target, and slices shrink below MIN_CHUNK to hold it: the streams'
+        gaps stay even instead of growing with the prompt, at some cost to the long prompt's TTFT.
+        qwen2.5-0.5b int4, 4 streams and an 8,000-token prompt (tools/bench_burst.py): 16-token slices took the
+        step from 35 to 110 ms."""
+        target = self.config.mixed_step_ratio * (self._decode_step_s or 0.0)
         if plan.decodes and not plan.chunks:
             old = self._decode_step_s
             self._decode_step_s = seconds if old is None else 0.8 * old + 0.2 * seconds
+            self._floor_s, self._held_s = [], None
         elif plan.sliced and self._decode_step_s:
-            # Proportional: a slice's cost is close to linear in its length at a given context.
-            scale = min(2.0, self.config.mixed_step_ratio * self._decode_step_s / seconds)
-            self.mixed_tokens = max(self.MIN_CHUNK, min(self.config.prefill_chunk, int(self.mixed_tokens * scale)))
+            if self._held_s is None and self.mixed_tokens <= self.MIN_CHUNK and seconds > target:
+                self._floor_s.append(seconds)
+                if len(self._floor_s) == self.FLOOR_STEPS:
+                    self._held_s = sorted(self._floor_s)[self.FLOOR_STEPS // 2]
+            floor = self.MIN_CHUNK if self._held_s is None else self.kv.min_chunk
+            # Proportional: a slice's cost is close to linear in its length at a given context. Rounded, not
+            # truncated: truncation ratchets a slice held near its target down a token at a time.
+            scale = min(2.0, max(target, self._held_s or 0.0) / seconds)
+            self.mixed_tokens = max(floor, min(self.config.prefill_chunk, round(self.mixed_tokens * scale)))
 
     @property
     def num_waiting(self) -> int:

@@ -51,6 +51,30 @@ def test_the_slice_beside_decodes_shrinks_to_the_step_time_target_and_grows_back
     assert sched.mixed_tokens == Scheduler.MIN_CHUNK
 
 
+def test_where_even_the_smallest_slice_is_over_the_target_the_step_time_of_the_first_ones_is_held():
+    """A long prompt among streams whose MIN_CHUNK slices already cost more than the ratio allows: the median of
+    the first FLOOR_STEPS such steps becomes the target, and as the prompt's growing context makes slices slower,
+    they shrink below MIN_CHUNK (to the KV manager's fewest) to hold it; decode-only steps end the hold."""
+    sched, long = _setup(ratio=2.0)                             # paged KV manager: min_chunk 1
+    sched.observe(SchedulePlan(decodes=[None]), 0.010)          # target 2 × 10 ms
+    floor = SchedulePlan(decodes=[None], chunks=[(long, Scheduler.MIN_CHUNK)], sliced=True)
+    for seconds in (0.060, 0.030, 0.032):                       # a slow first slice, then the prompt's usual cost
+        assert sched.mixed_tokens == Scheduler.MIN_CHUNK
+        sched.observe(floor, seconds)
+    assert sched.mixed_tokens == round(Scheduler.MIN_CHUNK * 0.032 / 0.032)     # held at the median, 32 ms
+    sched.observe(floor, 0.064)                                 # the context doubled a slice's cost: half the slice
+    assert sched.mixed_tokens == Scheduler.MIN_CHUNK // 2
+    assert sched.schedule().chunks == [(long, Scheduler.MIN_CHUNK // 2)]
+    for _ in range(8):                                          # ever slower: down to the fewest tokens, not 0
+        sched.observe(SchedulePlan(decodes=[None], chunks=[(long, sched.mixed_tokens)], sliced=True), 1.0)
+    assert sched.mixed_tokens == sched.kv.min_chunk == 1
+    sched.observe(SchedulePlan(decodes=[None], chunks=[(long, 1)], sliced=True), 0.008)   # at most doubles back
+    assert sched.mixed_tokens == 2
+    sched.observe(SchedulePlan(decodes=[None]), 0.010)          # the prompt is done: MIN_CHUNK is the floor again
+    sched.observe(SchedulePlan(decodes=[None], chunks=[(long, 2)], sliced=True), 1.0)
+    assert sched.mixed_tokens == Scheduler.MIN_CHUNK
+
+
 def test_slices_beside_decodes_share_one_bound():
     """Two prompts beside five decoding streams: together they get one step's slice, not one each."""
     sched = _decoding(Scheduler(SchedulerConfig(max_num_seqs=8, prefill_chunk=128),
