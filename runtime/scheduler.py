@@ -57,13 +57,17 @@ class Scheduler:
         if plan.decodes and not plan.chunks:
             old = self._decode_step_s
             self._decode_step_s = seconds if old is None else 0.8 * old + 0.2 * seconds
+            if self._held_s is not None:              # the hold is over: MIN_CHUNK is the floor again
+                self.mixed_tokens = max(self.mixed_tokens, self.MIN_CHUNK)
             self._floor_s, self._held_s = [], None
         elif plan.sliced and self._decode_step_s:
             if self._held_s is None and self.mixed_tokens <= self.MIN_CHUNK and seconds > target:
                 self._floor_s.append(seconds)
                 if len(self._floor_s) == self.FLOOR_STEPS:
                     self._held_s = sorted(self._floor_s)[self.FLOOR_STEPS // 2]
-            floor = self.MIN_CHUNK if self._held_s is None else self.kv.min_chunk
+            # held: as few tokens as still always make a chunk (prompt_chunk refuses to leave a single token, so
+            # with min_chunk 2 a cap of 2 can give 0: three tokens pending would then wait for the streams to end)
+            floor = self.MIN_CHUNK if self._held_s is None else 2 * self.kv.min_chunk - 1
             # Proportional: a slice's cost is close to linear in its length at a given context. Rounded, not
             # truncated: truncation ratchets a slice held near its target down a token at a time.
             scale = min(2.0, max(target, self._held_s or 0.0) / seconds)

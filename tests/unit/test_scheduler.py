@@ -71,8 +71,28 @@ def test_where_even_the_smallest_slice_is_over_the_target_the_step_time_of_the_f
     sched.observe(SchedulePlan(decodes=[None], chunks=[(long, 1)], sliced=True), 0.008)   # at most doubles back
     assert sched.mixed_tokens == 2
     sched.observe(SchedulePlan(decodes=[None]), 0.010)          # the prompt is done: MIN_CHUNK is the floor again
-    sched.observe(SchedulePlan(decodes=[None], chunks=[(long, 2)], sliced=True), 1.0)
     assert sched.mixed_tokens == Scheduler.MIN_CHUNK
+    sched.observe(SchedulePlan(decodes=[None], chunks=[(long, 16)], sliced=True), 1.0)
+    assert sched.mixed_tokens == Scheduler.MIN_CHUNK
+
+
+@pytest.mark.parametrize("pending", [3, 4, 5, 6, 7])
+def test_a_held_slice_always_makes_progress_where_chunks_keep_two_tokens(pending):
+    """The cpu backend's chunks never hold or leave a single token (min_chunk 2): held slices stop at 3 tokens,
+    which always make a chunk, so a prompt's last few tokens do not wait for the streams beside it to end."""
+    sched, long = _setup(ratio=2.0)
+    sched.kv.min_chunk = 2
+    sched.observe(SchedulePlan(decodes=[None]), 0.010)
+    for _ in range(Scheduler.FLOOR_STEPS):
+        sched.observe(SchedulePlan(decodes=[None], chunks=[(long, Scheduler.MIN_CHUNK)], sliced=True), 0.030)
+    for _ in range(8):                                          # far over the held 30 ms: as small as allowed
+        sched.observe(SchedulePlan(decodes=[None], chunks=[(long, sched.mixed_tokens)], sliced=True), 1.0)
+    assert sched.mixed_tokens == 3
+    plan = sched.schedule()                                     # admits the long prompt
+    long.num_computed = long.num_tokens - pending
+    plan = sched.schedule()
+    assert len(plan.decodes) == 3 and len(plan.chunks) == 1 and 2 <= plan.chunks[0][1] <= 3
+    assert pending - plan.chunks[0][1] != 1
 
 
 def test_slices_beside_decodes_share_one_bound():
