@@ -28,7 +28,7 @@ def _order(req: Request) -> tuple[int, int]:
 class Scheduler:
     MIN_CHUNK = 16
     MAX_SAT_OUT = 4       # consecutive steps a long prompt yields to short prompts before it gets a MIN_CHUNK
-    FLOOR_STEPS = 3       # MIN_CHUNK slices over the ratio's target whose median cost is then held (see observe)
+    FLOOR_STEPS = 3       # MIN_CHUNK slices over the ratio's target whose least cost is then held (see observe)
 
     def __init__(self, config: SchedulerConfig, kv: KVManager, plan_speculation: SpecPlanner | None = None):
         self.config, self.kv, self.plan_speculation = config, kv, plan_speculation
@@ -38,8 +38,8 @@ class Scheduler:
         # stalled 7 streams 210 ms at the API) and at most doubles a step while steps stay under the target
         self.mixed_tokens = self.MIN_CHUNK
         self._decode_step_s: float | None = None              # moving average of decode-only steps
-        # where even a MIN_CHUNK slice costs more than the ratio allows: the first such steps' costs, then their
-        # median, the level held until decode-only steps return (see observe)
+        # where even a MIN_CHUNK slice costs more than the ratio allows: the first such steps' costs, then the
+        # least of them, the level held until decode-only steps return (see observe)
         self._floor_s: list[float] = []
         self._held_s: float | None = None
 
@@ -48,8 +48,8 @@ class Scheduler:
 
         Where even a MIN_CHUNK slice costs more than `mixed_step_ratio` decode steps (a model whose prompt tokens
         cost much beside its decodes, or a long prompt whose slices attend over more of its own context each
-        step), what the first FLOOR_STEPS such steps cost (their median: the first slice of a prompt can be slow
-        for reasons of its own) becomes the target, and slices shrink below MIN_CHUNK to hold it: the streams'
+        step), what the first FLOOR_STEPS such steps cost (the least of them: noise only slows a step, and a
+        prompt's first slice runs cold, ~1.3x the next ones) becomes the target, and slices shrink below MIN_CHUNK to hold it: the streams'
         gaps stay even instead of growing with the prompt, at some cost to the long prompt's TTFT.
         qwen2.5-0.5b int4, 4 streams and an 8,000-token prompt (tools/bench_burst.py): 16-token slices took the
         step from 35 to 110 ms."""
@@ -64,7 +64,7 @@ class Scheduler:
             if self._held_s is None and self.mixed_tokens <= self.MIN_CHUNK and seconds > target:
                 self._floor_s.append(seconds)
                 if len(self._floor_s) == self.FLOOR_STEPS:
-                    self._held_s = sorted(self._floor_s)[self.FLOOR_STEPS // 2]
+                    self._held_s = min(self._floor_s)
             # held: as few tokens as still always make a chunk (prompt_chunk refuses to leave a single token, so
             # with min_chunk 2 a cap of 2 can give 0: three tokens pending would then wait for the streams to end)
             floor = self.MIN_CHUNK if self._held_s is None else 2 * self.kv.min_chunk - 1

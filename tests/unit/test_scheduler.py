@@ -52,16 +52,16 @@ def test_the_slice_beside_decodes_shrinks_to_the_step_time_target_and_grows_back
 
 
 def test_where_even_the_smallest_slice_is_over_the_target_the_step_time_of_the_first_ones_is_held():
-    """A long prompt among streams whose MIN_CHUNK slices already cost more than the ratio allows: the median of
-    the first FLOOR_STEPS such steps becomes the target, and as the prompt's growing context makes slices slower,
+    """A long prompt among streams whose MIN_CHUNK slices already cost more than the ratio allows: the least of
+    the first FLOOR_STEPS such steps' costs becomes the target, and as the prompt's growing context makes slices slower,
     they shrink below MIN_CHUNK (to the KV manager's fewest) to hold it; decode-only steps end the hold."""
     sched, long = _setup(ratio=2.0)                             # paged KV manager: min_chunk 1
     sched.observe(SchedulePlan(decodes=[None]), 0.010)          # target 2 × 10 ms
     floor = SchedulePlan(decodes=[None], chunks=[(long, Scheduler.MIN_CHUNK)], sliced=True)
-    for seconds in (0.060, 0.030, 0.032):                       # a slow first slice, then the prompt's usual cost
+    for seconds in (0.060, 0.036, 0.032):                       # a cold first slice, then the prompt's usual cost
         assert sched.mixed_tokens == Scheduler.MIN_CHUNK
         sched.observe(floor, seconds)
-    assert sched.mixed_tokens == round(Scheduler.MIN_CHUNK * 0.032 / 0.032)     # held at the median, 32 ms
+    assert sched.mixed_tokens == Scheduler.MIN_CHUNK          # held at the least, 32 ms: the last step's
     sched.observe(floor, 0.064)                                 # the context doubled a slice's cost: half the slice
     assert sched.mixed_tokens == Scheduler.MIN_CHUNK // 2
     assert sched.schedule().chunks == [(long, Scheduler.MIN_CHUNK // 2)]
