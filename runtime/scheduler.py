@@ -49,8 +49,9 @@ class Scheduler:
         Where even a MIN_CHUNK slice costs more than `mixed_step_ratio` decode steps (a model whose prompt tokens
         cost much beside its decodes, or a long prompt whose slices attend over more of its own context each
         step), what the first FLOOR_STEPS such steps cost (the least of them: noise only slows a step, and a
-        prompt's first slice runs cold, ~1.3x the next ones) becomes the target, and slices shrink below MIN_CHUNK to hold it: the streams'
-        gaps stay even instead of growing with the prompt, at some cost to the long prompt's TTFT.
+        prompt's first slice runs cold, ~1.3x the next ones) becomes the target, and slices shrink below MIN_CHUNK
+        to hold it: the streams' gaps stay even instead of growing with the prompt, at some cost to the long
+        prompt's TTFT.
         qwen2.5-0.5b int4, 4 streams and an 8,000-token prompt (tools/bench_burst.py): 16-token slices took the
         step from 35 to 110 ms."""
         target = self.config.mixed_step_ratio * (self._decode_step_s or 0.0)

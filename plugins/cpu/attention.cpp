@@ -324,33 +324,28 @@ constexpr int kMinGroupedTasks = 8;  // fewer (b, KV head, tile) tasks than this
 inline int segments_of(int len) { return (len + kSegment - 1) / kSegment; }
 
 // exp(x) of a softmax argument (x ≤ 0 after the max is subtracted): qs_exp_inplace's Cody-Waite reduction and
-// degree-6 polynomial (~1 ulp) with every multiply-add fused and the power of two applied by an exact scaling,
-// written out so that the AVX-512 path (one register at a time, a masked tail) and the scalar one give the same bits
-// for every element wherever it falls in a row. Scaling by 2^k (vscalefps, ldexp) rounds p·2^k once, as the
-// exponent-bits product did.
-constexpr float kExpLog2e = 1.44269504088896341f, kExpRound = 12582912.0f;   // round(v·log2 e) by 1.5·2^23
-constexpr float kExpLn2Hi = 0.693359375f, kExpLn2Lo = -2.12194440e-4f;
-constexpr float kExpPoly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
-                               4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
-
+// degree-6 polynomial (ops.h, ~1 ulp) with every multiply-add fused and the power of two applied by an exact
+// scaling, written out so that the AVX-512 path (one register at a time, a masked tail) and the scalar one give the
+// same bits for every element wherever it falls in a row. Scaling by 2^k (vscalefps, ldexp) rounds p·2^k once, as
+// the exponent-bits product did.
 inline float softmax_exp(float x) {
   if (x != x) return x;            // NaN stays NaN (max_ps(-87, v) keeps its second operand)
   float v = std::max(x, -87.0f);
-  float k = std::fma(v, kExpLog2e, kExpRound) - kExpRound;
-  float r = std::fma(-k, kExpLn2Lo, std::fma(-k, kExpLn2Hi, v));
-  float p = kExpPoly[0];
-  for (int i = 1; i < 6; ++i) p = std::fma(p, r, kExpPoly[i]);
+  float k = std::fma(v, kQsExpLog2e, kQsExpRound) - kQsExpRound;
+  float r = std::fma(k, kQsExpLn2Lo, std::fma(-k, kQsExpLn2Hi, v));
+  float p = kQsExpPoly[0];
+  for (int i = 1; i < 6; ++i) p = std::fma(p, r, kQsExpPoly[i]);
   return std::ldexp(std::fma(p, r * r, r) + 1.0f, static_cast<int>(k));
 }
 
 #ifdef __AVX512F__
 inline __m512 softmax_exp(__m512 x) {
   __m512 v = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);
-  __m512 k = _mm512_sub_ps(_mm512_fmadd_ps(v, _mm512_set1_ps(kExpLog2e), _mm512_set1_ps(kExpRound)),
-                           _mm512_set1_ps(kExpRound));
-  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(kExpLn2Lo), _mm512_fnmadd_ps(k, _mm512_set1_ps(kExpLn2Hi), v));
-  __m512 p = _mm512_set1_ps(kExpPoly[0]);
-  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpPoly[i]));
+  __m512 k = _mm512_sub_ps(_mm512_fmadd_ps(v, _mm512_set1_ps(kQsExpLog2e), _mm512_set1_ps(kQsExpRound)),
+                           _mm512_set1_ps(kQsExpRound));
+  __m512 r = _mm512_fmadd_ps(k, _mm512_set1_ps(kQsExpLn2Lo), _mm512_fnmadd_ps(k, _mm512_set1_ps(kQsExpLn2Hi), v));
+  __m512 p = _mm512_set1_ps(kQsExpPoly[0]);
+  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kQsExpPoly[i]));
   p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
   return _mm512_scalef_ps(p, k);
 }

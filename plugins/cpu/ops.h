@@ -114,19 +114,24 @@ void qs_for_rows(Ort::KernelContext& ctx, int64_t rows, int64_t per_task, const 
 
 // exp(x) for x <= 0 (softmax arguments after the max is subtracted; SwiGLU's exp(-|x|)): Cody-Waite range
 // reduction and a degree-6 polynomial (Cephes expf), ~1 ulp; plain arithmetic on arrays so the compiler vectorises
-// the loop.
+// the loop. (The attention op's softmax_exp is the same arithmetic written out, every multiply-add fused.)
+constexpr float kQsExpLog2e = 1.44269504088896341f, kQsExpRound = 12582912.0f;  // round(v·log2 e) by 1.5·2^23
+constexpr float kQsExpLn2Hi = 0.693359375f, kQsExpLn2Lo = 2.12194440e-4f;      // ln 2 = Hi − Lo
+constexpr float kQsExpPoly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                                 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
 inline void qs_exp_inplace(float* x, int n) {
   for (int i = 0; i < n; ++i) {
     float v = std::max(x[i], -87.0f);
-    float t = v * 1.44269504088896341f + 12582912.0f;      // round(v·log2 e) by the 1.5·2^23 trick
-    float k = t - 12582912.0f;
-    float r = v - k * 0.693359375f + k * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
+    float t = v * kQsExpLog2e + kQsExpRound;
+    float k = t - kQsExpRound;
+    float r = v - k * kQsExpLn2Hi + k * kQsExpLn2Lo;
+    float p = kQsExpPoly[0];
+    p = p * r + kQsExpPoly[1];
+    p = p * r + kQsExpPoly[2];
+    p = p * r + kQsExpPoly[3];
+    p = p * r + kQsExpPoly[4];
+    p = p * r + kQsExpPoly[5];
     p = p * r * r + r + 1.0f;
     int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
     float scale;

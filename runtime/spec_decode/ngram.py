@@ -14,28 +14,26 @@ from array import array
 from ..request import Request
 from .proposer import Proposal
 
-WIDTH = array("i").itemsize     # bytes per token id in the buffer
+WIDTH = array("i").itemsize     # bytes per token id in the buffer (ids past a C int raise OverflowError)
 
 
-class NgramIndex:
-    """A growing sequence, searchable for the latest earlier occurrence of its suffix n-grams."""
+class TokenHistory:
+    """A request's tokens as one growing buffer of C ints, searchable for earlier occurrences of its suffix."""
 
     def __init__(self, min_n: int, max_n: int):
-        if WIDTH != 4:
-            raise RuntimeError("prompt lookup keeps token ids as 4-byte C ints")
         self.min_n, self.max_n = min_n, max_n
-        self.ids: list[int] = []
         self._bytes = bytearray()
 
+    def __len__(self) -> int:
+        return len(self._bytes) // WIDTH
+
     def extend(self, tokens: list[int]) -> None:
-        self.ids.extend(tokens)
         self._bytes += array("i", tokens).tobytes()
 
     def lookup(self, gamma: int) -> list[int]:
         """The `gamma` tokens after the latest earlier match of the longest suffix n-gram (n ≥ min_n) that has a
         token after it. The shortest is searched first: where it has no match (most steps), no longer one has."""
-        ids = self.ids
-        longest = min(self.max_n, len(ids) - 1)
+        longest = min(self.max_n, len(self) - 1)
         if longest < self.min_n or (start := self._latest(self.min_n)) is None:
             return []
         n = self.min_n
@@ -43,7 +41,7 @@ class NgramIndex:
             if (at := self._latest(m)) is not None:
                 start, n = at, m
                 break
-        return ids[start + n:start + n + gamma]
+        return array("i", self._bytes[(start + n) * WIDTH:(start + n + gamma) * WIDTH]).tolist()
 
     def _latest(self, n: int) -> int | None:
         """Where the latest earlier occurrence of the last n tokens starts, if one has a token after it."""
@@ -61,26 +59,26 @@ class NgramProposer:
     free = True
 
     def __init__(self, max_n: int = 4, min_n: int = 2):
-        if not 1 <= min_n <= max_n:     # an empty n-gram would match everywhere (and extend()'s paths differ on it)
+        if not 1 <= min_n <= max_n:     # an empty n-gram would match everywhere
             raise ValueError(f"prompt lookup needs 1 <= min_n <= max_n (got min_n={min_n}, max_n={max_n})")
         self.max_n, self.min_n = max_n, min_n
-        self._index: dict[str, NgramIndex] = {}
+        self._index: dict[str, TokenHistory] = {}   # request id → its tokens
 
     def propose(self, reqs: list[Request], gammas: list[int]) -> list[Proposal]:
         proposals = []
         for r, g in zip(reqs, gammas):
-            index = self._index.get(r.request_id)
-            if index is None:
-                index = self._index[r.request_id] = NgramIndex(self.min_n, self.max_n)
-            index.extend(r.tokens(len(index.ids), r.num_tokens))     # a request's tokens only ever grow
-            proposals.append(Proposal(index.lookup(g)))
+            history = self._index.get(r.request_id)
+            if history is None:
+                history = self._index[r.request_id] = TokenHistory(self.min_n, self.max_n)
+            history.extend(r.tokens(len(history), r.num_tokens))     # a request's tokens only ever grow
+            proposals.append(Proposal(history.lookup(g)))
         return proposals
 
     def lookup(self, ids: list[int], gamma: int) -> list[int]:
-        """What propose() guesses for a sequence `ids` (a fresh index)."""
-        index = NgramIndex(self.min_n, self.max_n)
-        index.extend(ids)
-        return index.lookup(gamma)
+        """What propose() guesses for a sequence `ids` (a fresh history)."""
+        history = TokenHistory(self.min_n, self.max_n)
+        history.extend(ids)
+        return history.lookup(gamma)
 
     def catch_up(self, reqs: list[Request]) -> None:
         pass                        # nothing computed: it looks at the tokens themselves
@@ -89,7 +87,7 @@ class NgramProposer:
         pass                        # looks at the tokens themselves when proposing
 
     def rollback(self, req: Request, num_valid: int) -> None:
-        pass                        # guesses never enter the index: only the request's own tokens do
+        pass                        # guesses never enter the history: only the request's own tokens do
 
     def forget(self, req: Request) -> None:
         self._index.pop(req.request_id, None)

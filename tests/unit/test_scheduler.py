@@ -53,8 +53,8 @@ def test_the_slice_beside_decodes_shrinks_to_the_step_time_target_and_grows_back
 
 def test_where_even_the_smallest_slice_is_over_the_target_the_step_time_of_the_first_ones_is_held():
     """A long prompt among streams whose MIN_CHUNK slices already cost more than the ratio allows: the least of
-    the first FLOOR_STEPS such steps' costs becomes the target, and as the prompt's growing context makes slices slower,
-    they shrink below MIN_CHUNK (to the KV manager's fewest) to hold it; decode-only steps end the hold."""
+    the first FLOOR_STEPS such steps' costs becomes the target, and as the prompt's growing context makes slices
+    slower, they shrink below MIN_CHUNK (to the KV manager's fewest) to hold it; decode-only steps end the hold."""
     sched, long = _setup(ratio=2.0)                             # paged KV manager: min_chunk 1
     sched.observe(SchedulePlan(decodes=[None]), 0.010)          # target 2 × 10 ms
     floor = SchedulePlan(decodes=[None], chunks=[(long, Scheduler.MIN_CHUNK)], sliced=True)
@@ -88,7 +88,7 @@ def test_a_held_slice_always_makes_progress_where_chunks_keep_two_tokens(pending
     for _ in range(8):                                          # far over the held 30 ms: as small as allowed
         sched.observe(SchedulePlan(decodes=[None], chunks=[(long, sched.mixed_tokens)], sliced=True), 1.0)
     assert sched.mixed_tokens == 3
-    plan = sched.schedule()                                     # admits the long prompt
+    sched.schedule()                                            # admits the long prompt
     long.num_computed = long.num_tokens - pending
     plan = sched.schedule()
     assert len(plan.decodes) == 3 and len(plan.chunks) == 1 and 2 <= plan.chunks[0][1] <= 3
