@@ -246,6 +246,59 @@ def test_batched_verification_equals_one_call_per_sequence(engines, precision):
     check()
 
 
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_batched_decode_spans_retained_slots_without_touching_them(engines, precision):
+    """ModelRunner.decode spans retained slots (KVCacheManager.decode_fence) with a dummy row just past what each
+    keeps: every decoding row's logits and KV equal a decode of that sequence alone, bitwise, every retained slot
+    keeps its rows bitwise, and the batch is one call per group that slot_groups gives (one, unless another
+    sequence's slot or the dummies' key budget splits it)."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from runtime.backends.cpu import runner as runner_module
+
+    runner = ModelRunner(engines("target", precision))
+    capacity, num_slots = 96, 8
+    roles = st.lists(st.sampled_from(["decode", "retained", "busy", "free"]), min_size=num_slots, max_size=num_slots)
+
+    @settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(roles, st.lists(st.integers(1, 80), min_size=num_slots, max_size=num_slots), st.integers(0, 2**31),
+           st.sampled_from([4096, 100]))
+    def check(role, lengths, seed, span_keys):
+        if "decode" not in role:
+            return
+        rng = np.random.default_rng(seed)
+        pools = [runner.new_pool(num_slots, capacity) for _ in range(2)]
+        for slot in range(num_slots):
+            if role[slot] != "free":
+                prompt = rng.integers(3, 8000, lengths[slot]).tolist()
+                for pool in pools:
+                    runner.prefill(pool, slot, prompt, 0)
+        rows = [(slot, int(rng.integers(3, 8000)), lengths[slot]) for slot in range(num_slots) if role[slot] == "decode"]
+        fenced = {slot for slot in range(num_slots) if role[slot] == "busy"}
+        dummies = {slot: lengths[slot] for slot in range(num_slots) if role[slot] == "retained"}
+        before = [[a[slot].copy() for a in pools[0].keys + pools[0].values] for slot in range(num_slots)]
+        calls, execute = [], runner.execute
+        runner.execute = lambda *a: calls.append(a[4]) or execute(*a)
+        old_span, runner_module.SPAN_KEYS = runner_module.SPAN_KEYS, span_keys
+        try:
+            batched = runner.decode(pools[0], rows, fenced, dummies)
+            groups = runner_module.slot_groups([r[0] for r in rows], fenced, dummies)
+        finally:
+            runner.execute, runner_module.SPAN_KEYS = execute, old_span
+        assert len(calls) == len(groups)
+        for (slot, token, pos), got in zip(rows, batched):
+            want = runner.decode(pools[1], [(slot, token, pos)], set())[0]
+            assert np.array_equal(got, want), f"slot {slot}: logits differ"
+            for a, b in zip(pools[0].keys + pools[0].values, pools[1].keys + pools[1].values):
+                assert np.array_equal(a[slot, :, :pos + 1], b[slot, :, :pos + 1]), f"slot {slot}: KV differs"
+        for slot, kept in dummies.items():
+            for a, old in zip(pools[0].keys + pools[0].values, before[slot]):
+                assert np.array_equal(a[slot, :, :kept], old[:, :kept]), f"retained slot {slot}: rows changed"
+
+    check()
+
+
 def test_batched_verification_of_a_sequence_at_the_end_of_its_slot(engines):
     """A sequence near the end of its context guesses less than another with tokens to go, and padded to that
     one's longer row its KV would pass its slot's end: it is verified in a call of its own, and both requests

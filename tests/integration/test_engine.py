@@ -127,8 +127,8 @@ def test_prefix_cache_hit_equals_miss(engine, kv_cache):
 
 def test_retained_slot_serves_a_follow_up_exactly(engine):
     """A finished sequence's slot keeps its KV: a prompt sharing its first tokens (not a whole number of blocks)
-    starts after them in that slot, while the decodes of its neighbours on either side (fenced off from it) leave
-    its rows alone; every output is the cold engine's, bit for bit."""
+    starts after them in that slot, while the decodes of its neighbours on either side (one call spanning it, with a
+    dummy row just past its tokens) leave its rows alone; every output is the cold engine's, bit for bit."""
     base = prompts(1, seed=21)[0]
     shared = base + base[:7] + [5, 6, 7]
     assert len(shared) % 16

@@ -78,7 +78,7 @@ class CpuBackend:
         if decodes:
             t0 = time.perf_counter()
             rows = [(inp.seqs[i].req.slot, inp.seqs[i].tokens[0], inp.seqs[i].start) for i in decodes]
-            out = self.runner.decode(pool, rows, self.kv.fenced_slots({r[0] for r in rows}))
+            out = self.runner.decode(pool, rows, *self.kv.decode_fence({r[0] for r in rows}))
             self.cost.record("dec", len(decodes), time.perf_counter() - t0)
             for i, row in zip(decodes, out):
                 logits[i] = row[None]

@@ -47,7 +47,7 @@ class DraftModelProposer:
         return logits[0]
 
     def propose(self, reqs: list[Request], gammas: list[int]) -> list[Proposal]:
-        fenced = self.kv.fenced_slots({r.slot for r in reqs})    # batches of guesses must not span these
+        fence = self.kv.decode_fence({r.slot for r in reqs}, pool=1)    # what batches of guesses must not span
         tokens: list[list[int]] = [[] for _ in reqs]
         probs: list[list[np.ndarray]] = [[] for _ in reqs]
         # First guess: sequences behind by several tokens catch up in a chunk, the rest in one batch.
@@ -59,7 +59,7 @@ class DraftModelProposer:
                 probs[i].append(q)
         if single:
             rows = [(reqs[i].slot, reqs[i].last_token, reqs[i].num_tokens - 1) for i in single]
-            for i, row in zip(single, self.runner.decode(self.pool, rows, fenced)):
+            for i, row in zip(single, self.runner.decode(self.pool, rows, *fence)):
                 reqs[i].num_computed_draft = reqs[i].num_tokens
                 t, q = choose(row, reqs[i], self.sampler, reqs[i].num_tokens, tokens[i])
                 tokens[i].append(t)
@@ -70,7 +70,7 @@ class DraftModelProposer:
             if not active:
                 break
             rows = [(reqs[i].slot, tokens[i][-1], reqs[i].num_tokens + k - 1) for i in active]
-            for i, row in zip(active, self.runner.decode(self.pool, rows, fenced)):
+            for i, row in zip(active, self.runner.decode(self.pool, rows, *fence)):
                 reqs[i].num_computed_draft += 1
                 t, q = choose(row, reqs[i], self.sampler, reqs[i].num_tokens + k, tokens[i])
                 tokens[i].append(t)

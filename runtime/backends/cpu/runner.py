@@ -95,15 +95,27 @@ def _one_row_matches(shapes: tuple[tuple[int, int], ...], block_size: int, threa
     return True
 
 
-def slot_groups(slots: list[int], fenced: set[int]) -> list[list[int]]:
+# Dummy rows a batched call may take on to span retained slots (KVCacheManager.decode_fence), in the keys they attend
+# to together: each costs one row's attention over what its slot keeps, a split costs a second call's weight reads.
+SPAN_KEYS = 4096
+
+
+def slot_groups(slots: list[int], fenced: set[int], dummies: dict[int, int] | None = None) -> list[list[int]]:
     """Indices into `slots` grouped for batched calls: ascending slots, a new group wherever the range between two
-    would span a fenced slot (KVCacheManager.fenced_slots)."""
+    would span a fenced slot (KVCacheManager.fenced_slots), or retained slots (`dummies`: slot → its dummy row's
+    position) whose dummy rows would attend to more than SPAN_KEYS keys together."""
+    dummies = dummies or {}
     groups: list[list[int]] = []
+    spanned = 0
     for i in sorted(range(len(slots)), key=slots.__getitem__):
-        if groups and not any(s in fenced for s in range(slots[groups[-1][-1]] + 1, slots[i])):
+        between = range(slots[groups[-1][-1]] + 1, slots[i]) if groups else range(0)
+        cost = sum(dummies[s] + 1 for s in between if s in dummies)
+        if groups and not any(s in fenced for s in between) and spanned + cost <= SPAN_KEYS:
             groups[-1].append(i)
+            spanned += cost
         else:
             groups.append([i])
+            spanned = 0
     return groups
 
 
@@ -205,21 +217,25 @@ class ModelRunner:
         self.session.run_with_iobinding(io)
         return self._logits[:n]
 
-    def decode(self, pool: SlotPool, rows: list[tuple[int, int, int]], fenced: set[int]) -> np.ndarray:
+    def decode(self, pool: SlotPool, rows: list[tuple[int, int, int]], fenced: set[int],
+               dummies: dict[int, int] | None = None) -> np.ndarray:
         """One new token for each of several sequences, batched by contiguous slot range.
 
         Args:
             rows: (slot, token id, position) per sequence; the position is the token's index in its sequence.
             fenced: slots a batch must not span (KVCacheManager.fenced_slots); a spanned slot gets a dummy row at
-                position 0, whose KV write lands in memory nobody reads.
+                position 0, whose KV write lands in memory nobody reads,
+            dummies: or, for a retained slot (KVCacheManager.decode_fence), at the position given here.
         Returns:
             logits [len(rows), vocab] in the order of `rows` (a fresh array).
         """
         out = np.empty((len(rows), self.vocab_size), np.float32)
-        for group in slot_groups([r[0] for r in rows], fenced):
+        dummies = dummies or {}
+        for group in slot_groups([r[0] for r in rows], fenced, dummies):
             lo = rows[group[0]][0]
             width = rows[group[-1]][0] - lo + 1
-            ids, seqlens = np.zeros((width, 1), np.int64), np.zeros(width, np.int32)
+            ids = np.zeros((width, 1), np.int64)
+            seqlens = np.array([dummies.get(slot, 0) for slot in range(lo, lo + width)], np.int32)
             for i in group:
                 slot, token, pos = rows[i]
                 ids[slot - lo, 0], seqlens[slot - lo] = token, pos
