@@ -216,3 +216,55 @@ def test_retained_slots_keep_their_kv_for_a_follow_up_and_give_way_first():
     assert kv.resident_tokens == 192 and kv.pools[0].resident_tokens(0) == 0
     kv.free(wide, cache=False)                                    # after an error: never retained
     assert kv.retained_rows() == {} and kv.resident_tokens == 0
+
+
+def test_a_request_evicting_a_far_slot_takes_one_beside_the_running_ones():
+    """With no empty slot, a request frees the least recently retained slot; where that lies away from the running
+    sequences, the retained slot beside them moves its KV there (rows equal, target's and draft's, its place in the
+    retention order kept) and the request takes its place: the running slots stay one range. A follow-up of the
+    moved conversation still finds every token of it."""
+    target, draft = KVLayout(num_layers=2, kv_heads=2, head_dim=3), KVLayout(num_layers=1, kv_heads=1, head_dim=4)
+    kv = KVCacheManager([target, draft], num_slots=6, slot_capacity=32, num_blocks=0, block_size=4,
+                        retained_slots=4)
+    rng = np.random.default_rng(3)
+    reqs = [Request([100 * i + t for t in range(9)], SamplingParams(max_tokens=1), request_id=f"r{i}")
+            for i in range(6)]
+    rows = {}
+    for r in reqs:                                        # slots 0..5, in order
+        kv.allocate(r)
+        rows[r.request_id] = filled(kv, r, rng)
+        r.num_computed, r.num_computed_draft = 9, 7
+    assert [r.slot for r in reqs] == list(range(6))
+    for r in reqs[:4]:                                    # slots 0..3 retained, oldest first; 4 and 5 keep running
+        kv.free(r)
+    assert list(kv.retained_rows()) == [0, 1, 2, 3]
+    new = Request([7, 7, 7], SamplingParams(max_tokens=1), request_id="new")
+    assert kv.allocate(new) == 0
+    assert new.slot == 3                                  # beside 4 and 5; slot 0 (least recent) gave its KV back
+    assert list(kv.retained_rows()) == [1, 2, 0]          # r3's KV now in slot 0, where the oldest entry stood
+    moved = [arr[0] for pool in kv.pools for arr in pool.keys + pool.values]
+    for j, (got, want) in enumerate(zip(moved, rows["r3"])):
+        n = 9 if j < 2 * target.num_layers else 7        # the target's computed rows, the draft's
+        np.testing.assert_array_equal(got[:, :n], want[:, :n])
+    follow = Request(reqs[3].prompt_ids + [1, 2], SamplingParams(max_tokens=1), request_id="follow")
+    assert kv.allocate(follow) == 9 and follow.slot == 0 and follow.num_computed_draft == 7
+
+
+def test_requests_take_empty_slots_that_keep_the_running_ones_together():
+    """Nothing running: the first slot of the longest run of empty ones (not a lone empty slot among retained
+    ones); something running: the empty slot nearest the running ones' range."""
+    layout = KVLayout(num_layers=1, kv_heads=1, head_dim=4)
+    kv = KVCacheManager([layout], num_slots=8, slot_capacity=32, num_blocks=0, block_size=4, retained_slots=4)
+    reqs = [Request([10 * i + t for t in range(5)], SamplingParams(max_tokens=1), request_id=f"r{i}") for i in range(8)]
+    for r in reqs[:5]:
+        kv.allocate(r)
+        r.num_computed = 5
+    assert [r.slot for r in reqs[:5]] == [0, 1, 2, 3, 4]
+    for r in (reqs[1], reqs[2], reqs[3], reqs[4]):        # 1-4 retained, slot 0 running, 5-7 empty
+        kv.free(r)
+    kv.free(reqs[0], cache=False)                         # slot 0 empty too: nothing runs
+    assert sorted(kv.retained_rows()) == [1, 2, 3, 4]
+    kv.allocate(reqs[5])
+    assert reqs[5].slot == 5                              # the run 5-7, not the lone empty slot 0
+    kv.allocate(reqs[6])
+    assert reqs[6].slot == 6                              # beside the running one

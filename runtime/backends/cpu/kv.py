@@ -178,15 +178,58 @@ class KVCacheManager:
         return n
 
     def _fresh_slot(self) -> int | None:
-        """The lowest free slot that holds nothing, else the least recently retained one (its KV given back)."""
-        empty = [slot for slot in self._free_slots if slot not in self._retained]
+        """A free slot that holds nothing, else the least recently retained one's (its KV given back), chosen so
+        that the running slots stay one range, which a batched decode takes in one call: the empty slot nearest
+        the running ones, or with none running the first of the longest run of empty slots. Where the freed
+        retained slot lies away from the running ones and another retained slot lies between or beside them, that
+        one's KV moves into the freed slot and the request takes its place. (A wave of 8 whose first request took
+        the lowest empty slot, 30 retained ones below the next empty ones, split every decode step of the wave in
+        two calls, each reading every weight: 4.4 against 3.5 ms on the bundled target.)"""
+        empty = sorted(slot for slot in self._free_slots if slot not in self._retained)
         if empty:
-            return min(empty)
-        if self._retained:
-            slot = next(iter(self._retained))
-            self._evict(slot)
+            if self._busy:
+                lo, hi = min(self._busy), max(self._busy)
+                return min(empty, key=lambda s: (max(lo - s, s - hi, 0), s))
+            runs = [[empty[0]]]
+            for slot in empty[1:]:
+                if slot == runs[-1][-1] + 1:
+                    runs[-1].append(slot)
+                else:
+                    runs.append([slot])
+            return max(runs, key=len)[0]
+        if not self._retained:
+            return None
+        slot = next(iter(self._retained))
+        self._evict(slot)
+        near = self._retained_beside_busy()
+        if near is None or self._adjoins_busy(slot):
             return slot
-        return None
+        kept, kept_draft = self._retained[near]
+        if self.resident_tokens + self._resident[near] > self.budget_tokens:
+            return slot                                     # no room for the copy: the request goes where it was
+        self._grow(slot, self._resident[near])
+        for j, pool in enumerate(self.pools):
+            n = len(kept) if j == 0 else kept_draft
+            for arr in pool.keys + pool.values:
+                arr[slot, :, :n] = arr[near, :, :n]
+        # the moved entry keeps its place in the retention order
+        self._retained = OrderedDict((slot if s == near else s, v) for s, v in self._retained.items())
+        self._release(near)
+        return near
+
+    def _adjoins_busy(self, slot: int) -> bool:
+        """Whether `slot` lies inside the running slots' range or next to it (or nothing runs)."""
+        return not self._busy or min(self._busy) - 1 <= slot <= max(self._busy) + 1
+
+    def _retained_beside_busy(self) -> int | None:
+        """A retained slot between the running ones, else one just below or above their range."""
+        if not self._busy:
+            return None
+        lo, hi = min(self._busy), max(self._busy)
+        inside = [s for s in self._retained if lo < s < hi]
+        if inside:
+            return inside[0]
+        return next((s for s in (lo - 1, hi + 1) if s in self._retained), None)
 
     def _make_room(self, tokens: int, keep: int | None = None) -> bool:
         """Give back retained slots (least recent first, never `keep`) until `tokens` more fit the budget; none if
