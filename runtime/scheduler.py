@@ -29,7 +29,6 @@ class Scheduler:
     MIN_CHUNK = 16
     MAX_SAT_OUT = 4       # consecutive steps a long prompt yields to short prompts before it gets a MIN_CHUNK
     FLOOR_STEPS = 3       # MIN_CHUNK slices over the ratio's target whose least cost is then held (see observe)
-    FLUSH_SHARE = 0.1     # of a decode step, spent copying completed blocks into the prefix cache (KV managers')
 
     def __init__(self, config: SchedulerConfig, kv: KVManager, plan_speculation: SpecPlanner | None = None):
         self.config, self.kv, self.plan_speculation = config, kv, plan_speculation
@@ -157,8 +156,7 @@ class Scheduler:
 
     # -- the plan ---------------------------------------------------------------------------------
     def schedule(self) -> SchedulePlan:
-        # copies into the prefix cache get a tenth of a decode step each step (FLUSH_SHARE)
-        self.kv.flush(self.FLUSH_SHARE * self._decode_step_s if self._decode_step_s else None)
+        self.kv.flush()
         plan = SchedulePlan()
         self._admit(plan)
         budget = self.config.token_budget

@@ -53,9 +53,9 @@ class KVManager(Protocol):
         """`req` computed more tokens this step: its newly full blocks go to the prefix cache (at `flush`)."""
         ...
 
-    def flush(self, seconds: float | None = None) -> None:
+    def flush(self) -> None:
         """Cache what `computed` noted. Run at the start of the next step, after the outputs went out, so the
-        copy never delays a token; a manager that copies may spend about `seconds` on it a step."""
+        copy never delays a token."""
         ...
 
     def free(self, req: Request, cache: bool = True) -> None:

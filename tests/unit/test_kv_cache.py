@@ -140,34 +140,6 @@ def test_blocks_are_cached_before_the_draft_computes_them_and_get_its_kv_when_it
     assert kv.blocks.num_in_use == 0
 
 
-def test_flush_given_a_time_copies_the_blocks_that_take_that_long():
-    """With a time (the scheduler's share of a decode step), a flush copies as many blocks as that time buys at
-    their measured cost, but FLUSH_MIN_BYTES' worth at least; with no cost measured yet, or without a time,
-    FLUSH_BYTES' worth."""
-    target = KVLayout(num_layers=2, kv_heads=2, head_dim=4)
-    kv = KVCacheManager([target], num_slots=2, slot_capacity=64, num_blocks=32, block_size=4)
-    kv._flush_blocks, kv._flush_min_blocks = 3, 2
-    reqs = [Request(list(range(100 * i, 100 * i + 29)), SamplingParams(max_tokens=1), request_id=f"r{i}")
-            for i in range(2)]
-    for req in reqs:
-        kv.allocate(req)
-        req.num_computed = 29                            # seven full blocks each
-        kv.computed(req)
-    cached = []
-    kv.flush(1e-9)                                       # no cost measured yet: FLUSH_BYTES' worth
-    cached.append(kv.blocks.num_in_use)
-    kv._block_copy_s = 1.0                               # as if a block took a second
-    kv.flush(2.5)                                        # two blocks' worth
-    cached.append(kv.blocks.num_in_use)                  # (their real cost, far below a second, enters the average)
-    kv.flush(2.5)                                        # 2.5 / (0.8 + ε): three
-    cached.append(kv.blocks.num_in_use)
-    kv.flush(1e-9)                                       # FLUSH_MIN_BYTES' worth at least: two
-    cached.append(kv.blocks.num_in_use)
-    kv.flush()                                           # FLUSH_BYTES' worth: three
-    cached.append(kv.blocks.num_in_use)
-    assert cached == [3, 5, 8, 10, 13]
-
-
 def test_a_retained_slot_gives_the_draft_what_it_had_computed():
     target, draft = KVLayout(num_layers=1, kv_heads=1, head_dim=2), KVLayout(num_layers=1, kv_heads=1, head_dim=2)
     kv = KVCacheManager([target, draft], num_slots=2, slot_capacity=32, num_blocks=0, block_size=4,

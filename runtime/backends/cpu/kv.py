@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import heapq
 import math
-import time
 from collections import OrderedDict
 from contextlib import contextmanager
 
@@ -28,13 +27,7 @@ class KVCacheManager:
     # Bytes copied into the prefix cache per step at most: a burst of prompts computed in one step completes ~170
     # blocks (62 MB on a smollm2 shape) whose copy, all before the next step, made every stream's second token
     # 50-100 ms late at the API (22 ms otherwise); spread over steps it costs about a millisecond a step.
-    # And, given a time (the scheduler's: a share of a decode step), at most the blocks that take that long by
-    # their measured cost, but FLUSH_MIN_BYTES at least: on a host whose page faults are slow, 8 MB a step cost
-    # 6-11 ms (new block memory made resident, then the copy) in each of the ~7 steps after a burst, on 11-16 ms
-    # decode steps; the floor keeps a prompt's blocks (a few hundred KB to a few MB) one or two steps from being
-    # found by the requests that share it (n choices, the next turn).
     FLUSH_BYTES = 8 << 20
-    FLUSH_MIN_BYTES = 2 << 20
 
     def __init__(self, layouts: list[KVLayout], num_slots: int, slot_capacity: int, num_blocks: int, block_size: int,
                  budget_tokens: int | None = None, retained_slots: int = 0):
@@ -60,10 +53,7 @@ class KVCacheManager:
         self._held_draft: dict[str, int] = {}               # request id → leading held blocks cached with draft KV
         self._target_layers = self.pools[0].num_layers       # block-pool layers [0, this) are the target's
         self._pending: dict[str, Request] = {}              # with completed blocks not yet in the prefix cache
-        block_bytes = block_size * sum(m.token_bytes for m in layouts)
-        self._flush_blocks = max(1, self.FLUSH_BYTES // block_bytes)
-        self._flush_min_blocks = max(1, self.FLUSH_MIN_BYTES // block_bytes)
-        self._block_copy_s: float | None = None             # moving average of a flushed block's cost
+        self._flush_blocks = max(1, self.FLUSH_BYTES // (block_size * sum(m.token_bytes for m in layouts)))
         self.max_retained = retained_slots
         # free slot → (token ids its target KV holds, how many of them the draft's KV holds), LRU first
         self._retained: OrderedDict[int, tuple[np.ndarray, int]] = OrderedDict()
@@ -301,16 +291,10 @@ class KVCacheManager:
         if self.blocks.num_blocks:
             self._pending[req.request_id] = req
 
-    def flush(self, seconds: float | None = None) -> None:
-        """Copy what the last steps completed into the prefix cache, at most FLUSH_BYTES a step, and with
-        `seconds` (once a flush has measured what a block costs) at most the blocks that take that long, but
-        FLUSH_MIN_BYTES at least; the rest stays pending for the next steps."""
-        if not self._pending:
-            return
-        limit = self._flush_blocks
-        if seconds is not None and self._block_copy_s is not None:
-            limit = max(self._flush_min_blocks, min(limit, int(seconds / self._block_copy_s)))
-        left, t0 = limit, time.perf_counter()
+    def flush(self) -> None:
+        """Copy what the last steps completed into the prefix cache, at most FLUSH_BYTES a step (the rest stays
+        pending for the next steps)."""
+        left = self._flush_blocks
         for rid, req in list(self._pending.items()):
             if left <= 0:
                 break
@@ -318,10 +302,6 @@ class KVCacheManager:
             if copied < left:                       # stopped short of the limit: nothing of it is left to copy
                 del self._pending[rid]
             left -= copied
-        if left < limit:
-            cost = (time.perf_counter() - t0) / (limit - left)
-            old = self._block_copy_s
-            self._block_copy_s = cost if old is None else 0.8 * old + 0.2 * cost
 
     def cache_computed(self, req: Request, limit: int | None = None) -> int:
         """Copy newly completed full blocks of `req` into the prefix cache: the target's KV of every block it has

@@ -173,8 +173,8 @@ class PagedKVManager:
         if self.prefix_cache:
             self._pending[req.request_id] = req
 
-    def flush(self, seconds: float | None = None) -> None:
-        for req in self._pending.values():          # no copies: registering blocks costs no time to bound
+    def flush(self) -> None:
+        for req in self._pending.values():
             self.cache_computed(req)
         self._pending.clear()
 
