@@ -89,7 +89,7 @@ class KVCacheManager:
             at = len(kept) if pool == 0 else kept_draft
             if at < self._resident[slot]:
                 dummies[slot] = at
-        return (self._busy - own) | (self._retained.keys() - dummies.keys()), dummies
+        return self.fenced_slots(own) - dummies.keys(), dummies
 
     def retained_rows(self) -> dict[int, int]:
         """Retained slots → the tokens their KV holds."""
@@ -202,7 +202,7 @@ class KVCacheManager:
         slot = next(iter(self._retained))
         self._evict(slot)
         near = self._retained_beside_busy()
-        if near is None or self._adjoins_busy(slot):
+        if near is None or min(self._busy) - 1 <= slot <= max(self._busy) + 1:   # (near: something runs)
             return slot
         kept, kept_draft = self._retained[near]
         if self.resident_tokens + self._resident[near] > self.budget_tokens:
@@ -216,10 +216,6 @@ class KVCacheManager:
         self._retained = OrderedDict((slot if s == near else s, v) for s, v in self._retained.items())
         self._release(near)
         return near
-
-    def _adjoins_busy(self, slot: int) -> bool:
-        """Whether `slot` lies inside the running slots' range or next to it (or nothing runs)."""
-        return not self._busy or min(self._busy) - 1 <= slot <= max(self._busy) + 1
 
     def _retained_beside_busy(self) -> int | None:
         """A retained slot between the running ones, else one just below or above their range."""
