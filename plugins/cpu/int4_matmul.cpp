@@ -33,6 +33,7 @@
 
 #include "ops.h"
 #include "panel_gemm.h"
+#include "tiles.h"
 
 namespace {
 
@@ -42,7 +43,7 @@ struct Problem {
   QsPrologueRows x;        // the rows the product quantizes: the input's, or its prologue's
   const uint8_t* w;
   float* y;
-  int8_t* xq;              // [M, K]
+  int8_t* xq;              // [M, K] (tiles: rows to a multiple of 32, zero)
   int32_t* xsum8;          // [M, K/32]: 8 · Σ_{k∈b} x_q
   float* x_scale;          // [M]
   int64_t m, k, n, blocks, panels;
@@ -129,6 +130,78 @@ void micro(const Problem& p, int64_t row0, int64_t panel0) {
   }
 }
 
+// On AMX tiles (tiles.h): 32 rows × 2 panels a call, one block (32 k) a step, since every block has its own scales.
+// A tile of x is 16 rows × the block's 32 signed bytes; the weight's tile is the block's nibbles less 8, signed —
+// chunk c's low nibbles are k = 8c..8c+3 and its high ones 8c+4..8c+7 for 16 channels, the [k/4][channel][4]
+// rows TDPBSSD reads — so a tile sum is Σ x_q·(u − 8) = t_b − 8·Σ x_q exactly, the vector kernel's integer before
+// its conversion, and the epilogue is the vector kernel's multiply-add in the same block order.
+struct TileKernel {
+  // C 0–3: rows 0–15 | 16–31 × panel 0 | 1; A 4, 5: x rows 0–15 | 16–31 (32 bytes); B 6, 7: panel 0 | 1 (8 rows)
+  static QsTileConfig config() {
+    QsTileConfig c;
+    for (int t = 0; t < 4; ++t) c.tile(t, 16, 64);
+    return c.tile(4, 16, 32).tile(5, 16, 32).tile(6, 8, 64).tile(7, 8, 64);
+  }
+
+  template <class Tiles>
+  static void run(const Problem& p, int64_t row0, int nr, int64_t panel0, int np) {
+    const int64_t panel_bytes = p.blocks * kBlockBytes;
+    const __m512i low = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
+    alignas(64) int8_t w[2][8][64];
+    alignas(64) int32_t sums[32][32];
+    alignas(64) float acc[32][32];
+    for (int r = 0; r < nr; ++r)
+      for (int q = 0; q < np; ++q) _mm512_store_ps(&acc[r][16 * q], _mm512_setzero_ps());
+    const int8_t* x = p.xq + row0 * p.k;
+    for (int64_t b = 0; b < p.blocks; ++b) {
+      for (int q = 0; q < np; ++q)
+        for (int c = 0; c < 4; ++c) {
+          const __m512i v = _mm512_loadu_si512(p.w + (panel0 + q) * panel_bytes + b * kBlockBytes + c * 64);
+          _mm512_store_si512(w[q][2 * c], _mm512_sub_epi8(_mm512_and_si512(v, low), eight));
+          _mm512_store_si512(w[q][2 * c + 1], _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(v, 4), low), eight));
+        }
+      Tiles::template zero<0>();
+      Tiles::template load<4>(x + b * kBlock, p.k);
+      Tiles::template load<6>(w[0], 64);
+      Tiles::template dot_ss<0, 4, 6>();
+      if (np > 1) {
+        Tiles::template zero<1>();
+        Tiles::template load<7>(w[1], 64);
+        Tiles::template dot_ss<1, 4, 7>();
+      }
+      if (nr > 16) {
+        Tiles::template zero<2>();
+        Tiles::template load<5>(x + 16 * p.k + b * kBlock, p.k);
+        Tiles::template dot_ss<2, 5, 6>();
+        if (np > 1) {
+          Tiles::template zero<3>();
+          Tiles::template dot_ss<3, 5, 7>();
+        }
+      }
+      Tiles::template store<0>(&sums[0][0], sizeof(sums[0]));
+      if (np > 1) Tiles::template store<1>(&sums[0][16], sizeof(sums[0]));
+      if (nr > 16) {
+        Tiles::template store<2>(&sums[16][0], sizeof(sums[0]));
+        if (np > 1) Tiles::template store<3>(&sums[16][16], sizeof(sums[0]));
+      }
+      for (int q = 0; q < np; ++q) {
+        const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(p.w + (panel0 + q) * panel_bytes + b * kBlockBytes + 256)));
+        for (int r = 0; r < nr; ++r)
+          _mm512_store_ps(&acc[r][16 * q], _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(&sums[r][16 * q])),
+                                                           scale, _mm512_load_ps(&acc[r][16 * q])));
+      }
+    }
+    for (int q = 0; q < np; ++q) {
+      const int64_t col0 = (panel0 + q) * kPanel, valid = std::min<int64_t>(kPanel, p.n - col0);
+      const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
+      for (int r = 0; r < nr; ++r)
+        _mm512_mask_storeu_ps(p.y + (row0 + r) * p.n + col0, mask,
+                              _mm512_mul_ps(_mm512_load_ps(&acc[r][16 * q]), _mm512_set1_ps(p.x_scale[row0 + r])));
+    }
+  }
+};
+
 #else
 constexpr int kRows = 1, kPanels = 1;
 
@@ -214,17 +287,30 @@ struct Int4MatMulKernel {
     if (p.m == 0) return;
     p.w = w.GetTensorData<uint8_t>();
 
+    const QsTiles tiles = p.m >= kTileMinRows ? qs_tiles_mode() : QsTiles::kOff;
+    const int64_t rows = tiles == QsTiles::kOff ? p.m : (p.m + 31) / 32 * 32;   // tiles read 16 rows at a time
     thread_local std::vector<int8_t> xq;
     thread_local std::vector<int32_t> xsum8;
     thread_local std::vector<float> x_scale;
-    xq.resize(static_cast<size_t>(p.m * p.k));
+    xq.resize(static_cast<size_t>(rows * p.k));
+    std::fill(xq.begin() + p.m * p.k, xq.end(), int8_t{0});
     xsum8.resize(static_cast<size_t>(p.m * p.blocks));
     x_scale.resize(static_cast<size_t>(p.m));
     p.xq = xq.data();
     p.xsum8 = xsum8.data();
     p.x_scale = x_scale.data();
     for_each_row<Problem, quantize>(ctx, p, p.m);
-    PanelGemm<Problem, Micro, kRows, kPanels>::run(ctx, p, p.m, p.n, 2 * kPanels);
+    if (tiles == QsTiles::kOff) {
+      PanelGemm<Problem, Micro, kRows, kPanels>::run(ctx, p, p.m, p.n, 2 * kPanels);
+    } else {
+      qs_count_tile_product();
+#if defined(__AVX512BW__)
+      if (tiles == QsTiles::kHardware)
+        TileGemm<Problem, HardwareTiles, TileKernel>::run(ctx, p, p.m, p.n, 2 * kPanels);
+      else
+        TileGemm<Problem, EmulatedTiles, TileKernel>::run(ctx, p, p.m, p.n, 2 * kPanels);
+#endif
+    }
     qs_add_bias(ctx, p.y, p.m, n, bias);
   }
 };

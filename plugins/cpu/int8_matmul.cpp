@@ -34,6 +34,7 @@
 
 #include "ops.h"
 #include "panel_gemm.h"
+#include "tiles.h"
 
 namespace {
 
@@ -47,9 +48,9 @@ struct Problem {
   const float* w_scale;     // [N]
   const int32_t* w_zsum;    // [N]
   float* y;                 // [M, N]
-  uint8_t* xq;              // [M, K4]
+  uint8_t* xq;              // [M, lda]: K4 bytes a row (tiles: K4 rounded up to 64, zero past K4)
   float* x_scale;           // [M]
-  int64_t m, k, k4, n, panels;
+  int64_t m, k, k4, lda, n, panels;
 };
 
 // Out = (float(acc − zsum) · w_scale) · a, for `valid` channels of one panel (ONNX Runtime's order of the two
@@ -70,7 +71,7 @@ template <int R, int P>
 void micro(const Problem& p, int64_t row0, int64_t panel0) {
   const int64_t steps = p.k4 / 4, panel_bytes = p.k4 * kPanel;
   const int8_t* w0 = p.w + panel0 * panel_bytes;
-  const uint8_t* a0 = p.xq + row0 * p.k4;
+  const uint8_t* a0 = p.xq + row0 * p.lda;
   [[maybe_unused]] const __m512i ones = _mm512_set1_epi16(1);
   __m512i acc[R][P];
   for (int r = 0; r < R; ++r)
@@ -84,7 +85,7 @@ void micro(const Problem& p, int64_t row0, int64_t panel0) {
     }
     for (int r = 0; r < R; ++r) {
       int32_t four;
-      std::memcpy(&four, a0 + r * p.k4 + 4 * s, 4);
+      std::memcpy(&four, a0 + r * p.lda + 4 * s, 4);
       const __m512i a = _mm512_set1_epi32(four);
       for (int q = 0; q < P; ++q)
 #if defined(__AVX512VNNI__)
@@ -106,6 +107,70 @@ void micro(const Problem& p, int64_t row0, int64_t panel0) {
   }
 }
 
+// On AMX tiles (tiles.h): 32 rows × 2 panels a call, 64 k a step. A tile of x is 16 rows × 64 bytes (unsigned,
+// zero point 128); a tile of the weight is a panel's 64 k as packed — [16 (k/4)][16 channels][4 k] is the layout
+// TDPBUSD reads — so the sums are the vector kernel's exact int32 sums, finished by the same vector code.
+struct TileKernel {
+  // C 0–3: rows 0–15 | 16–31 × panel 0 | 1 (16 × 16 int32); A 4, 5: x rows 0–15 | 16–31; B 6, 7: panel 0 | 1
+  static QsTileConfig config() {
+    QsTileConfig c;
+    for (int t = 0; t < 8; ++t) c.tile(t, 16, 64);
+    return c;
+  }
+
+  template <class Tiles>
+  static void run(const Problem& p, int64_t row0, int nr, int64_t panel0, int np) {
+    const int64_t panel_bytes = p.k4 * kPanel;
+    const uint8_t* a = p.xq + row0 * p.lda;
+    const int8_t* w = p.w + panel0 * panel_bytes;
+    alignas(64) int8_t tail[2][16 * 64];      // a K4 that is not a multiple of 64 ends in a part step, zero past K4
+    Tiles::template zero<0>();
+    Tiles::template zero<1>();
+    Tiles::template zero<2>();
+    Tiles::template zero<3>();
+    for (int64_t k0 = 0; k0 < p.lda; k0 += 64) {
+      const int8_t* b0 = w + k0 * kPanel;
+      const int8_t* b1 = b0 + panel_bytes;
+      if (k0 + 64 > p.k4) {
+        const int64_t bytes = (p.k4 - k0) * kPanel;
+        std::memset(tail, 0, sizeof(tail));
+        std::memcpy(tail[0], b0, static_cast<size_t>(bytes));
+        if (np > 1) std::memcpy(tail[1], b1, static_cast<size_t>(bytes));
+        b0 = tail[0];
+        b1 = tail[1];
+      }
+      Tiles::template load<4>(a + k0, p.lda);
+      Tiles::template load<6>(b0, 64);
+      Tiles::template dot_us<0, 4, 6>();
+      if (np > 1) {
+        Tiles::template load<7>(b1, 64);
+        Tiles::template dot_us<1, 4, 7>();
+      }
+      if (nr > 16) {
+        Tiles::template load<5>(a + 16 * p.lda + k0, p.lda);
+        Tiles::template dot_us<2, 5, 6>();
+        if (np > 1) Tiles::template dot_us<3, 5, 7>();
+      }
+    }
+    alignas(64) int32_t acc[32][32];
+    Tiles::template store<0>(&acc[0][0], sizeof(acc[0]));
+    Tiles::template store<1>(&acc[0][16], sizeof(acc[0]));
+    Tiles::template store<2>(&acc[16][0], sizeof(acc[0]));
+    Tiles::template store<3>(&acc[16][16], sizeof(acc[0]));
+    for (int q = 0; q < np; ++q) {          // the vector kernel's finish, operation for operation
+      const int64_t col0 = (panel0 + q) * kPanel, valid = std::min<int64_t>(kPanel, p.n - col0);
+      const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
+      const __m512i zsum = _mm512_maskz_loadu_epi32(mask, p.w_zsum + col0);
+      const __m512 scale = _mm512_maskz_loadu_ps(mask, p.w_scale + col0);
+      for (int r = 0; r < nr; ++r) {
+        const __m512i sum = _mm512_load_si512(&acc[r][16 * q]);
+        __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sum, zsum)), scale);
+        _mm512_mask_storeu_ps(p.y + (row0 + r) * p.n + col0, mask, _mm512_mul_ps(v, _mm512_set1_ps(p.x_scale[row0 + r])));
+      }
+    }
+  }
+};
+
 #elif defined(__AVX2__)
 
 // A panel is two 256-bit halves (8 channels each); R rows × P panels × 2 halves of accumulators fit the 16
@@ -115,7 +180,7 @@ void micro(const Problem& p, int64_t row0, int64_t panel0) {
   static_assert(R * P <= 4, "R·P·2 accumulators, P·2 weights and the row must fit 16 ymm registers");
   const int64_t steps = p.k4 / 4, panel_bytes = p.k4 * kPanel;
   const int8_t* w0 = p.w + panel0 * panel_bytes;
-  const uint8_t* a0 = p.xq + row0 * p.k4;
+  const uint8_t* a0 = p.xq + row0 * p.lda;
   const __m256i ones = _mm256_set1_epi16(1);
   __m256i acc[R][P][2];
   for (int r = 0; r < R; ++r)
@@ -127,7 +192,7 @@ void micro(const Problem& p, int64_t row0, int64_t panel0) {
         b[q][h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w0 + q * panel_bytes + s * 64 + h * 32));
     for (int r = 0; r < R; ++r) {
       int32_t four;
-      std::memcpy(&four, a0 + r * p.k4 + 4 * s, 4);
+      std::memcpy(&four, a0 + r * p.lda + 4 * s, 4);
       const __m256i a = _mm256_set1_epi32(four);
       for (int q = 0; q < P; ++q)
         for (int h = 0; h < 2; ++h)
@@ -151,7 +216,7 @@ void micro(const Problem& p, int64_t row0, int64_t panel0) {
   for (int r = 0; r < R; ++r)
     for (int q = 0; q < P; ++q) {
       const int8_t* w = p.w + (panel0 + q) * panel_bytes;
-      const uint8_t* a = p.xq + (row0 + r) * p.k4;
+      const uint8_t* a = p.xq + (row0 + r) * p.lda;
       int32_t lanes[kPanel] = {};
       for (int64_t s = 0; s < steps; ++s)
         for (int c = 0; c < kPanel; ++c)
@@ -174,9 +239,10 @@ struct Micro {
 };
 
 void quantize(const Problem& p, int64_t row) {
-  uint8_t* q = p.xq + row * p.k4;
+  uint8_t* q = p.xq + row * p.lda;
   qs_quantize_row(p.x.row(row), p.k, q, p.x_scale + row);
   std::fill(q + p.k, q + p.k4, uint8_t{128});     // meets the packed weight's zero rows
+  std::fill(q + p.k4, q + p.lda, uint8_t{0});     // a tile step past K4: 0 · anything
 }
 
 struct Int8MatMulKernel {
@@ -213,14 +279,29 @@ struct Int8MatMulKernel {
     p.w_scale = w_scale.GetTensorData<float>();
     p.w_zsum = w_zsum.GetTensorData<int32_t>();
 
+    // tiles read whole tiles: rows to a multiple of 32 (zero), K4 to a multiple of 64
+    const QsTiles tiles = p.m >= kTileMinRows ? qs_tiles_mode() : QsTiles::kOff;
+    const int64_t rows = tiles == QsTiles::kOff ? p.m : (p.m + 31) / 32 * 32;
+    p.lda = tiles == QsTiles::kOff ? p.k4 : (p.k4 + 63) / 64 * 64;
     thread_local std::vector<uint8_t> xq;
     thread_local std::vector<float> x_scale;
-    xq.resize(static_cast<size_t>(p.m * p.k4));
+    xq.resize(static_cast<size_t>(rows * p.lda));
+    std::fill(xq.begin() + p.m * p.lda, xq.end(), uint8_t{0});
     x_scale.resize(static_cast<size_t>(p.m));
     p.xq = xq.data();
     p.x_scale = x_scale.data();
     for_each_row<Problem, quantize>(ctx, p, p.m);
-    PanelGemm<Problem, Micro, kRowsPerCall, kPanelsPerCall>::run(ctx, p, p.m, p.n, kPanelsPerCall);
+    if (tiles == QsTiles::kOff) {
+      PanelGemm<Problem, Micro, kRowsPerCall, kPanelsPerCall>::run(ctx, p, p.m, p.n, kPanelsPerCall);
+    } else {
+      qs_count_tile_product();
+#if defined(__AVX512BW__)
+      if (tiles == QsTiles::kHardware)
+        TileGemm<Problem, HardwareTiles, TileKernel>::run(ctx, p, p.m, p.n, kPanelsPerCall);
+      else
+        TileGemm<Problem, EmulatedTiles, TileKernel>::run(ctx, p, p.m, p.n, kPanelsPerCall);
+#endif
+    }
     qs_add_bias(ctx, p.y, p.m, n, bias);
   }
 };

@@ -48,18 +48,38 @@ void for_each_row(Ort::KernelContext& ctx, const Problem& problem, int64_t rows)
     ctx.ParallelFor(task, tasks, 0, &job);
 }
 
+// The tasks of a product: (a group of panels, a block of up to kRowBlock rows), group-major. Groups start at
+// group_panels panels and halve until there are tasks enough to keep every thread streaming at batch 1.
+struct PanelTasks {
+  static constexpr int64_t kPanel = 16;
+  int64_t m, panels, group, row_blocks, groups;
+
+  PanelTasks(int64_t rows, int64_t n, int64_t group_panels)
+      : m(rows), panels((n + kPanel - 1) / kPanel), group(group_panels), row_blocks((rows + kRowBlock - 1) / kRowBlock) {
+    while (group > 1 && row_blocks * ((panels + group - 1) / group) < 8) group /= 2;
+    groups = (panels + group - 1) / group;
+  }
+  size_t count() const { return static_cast<size_t>(row_blocks * groups); }
+  // task → rows [row_begin, row_end) and panels [panel_begin, panel_end)
+  void bounds(size_t index, int64_t* row_begin, int64_t* row_end, int64_t* panel_begin, int64_t* panel_end) const {
+    const int64_t g = static_cast<int64_t>(index) / row_blocks, block = static_cast<int64_t>(index) % row_blocks;
+    *row_begin = block * kRowBlock;
+    *row_end = std::min(m, (block + 1) * kRowBlock);
+    *panel_begin = g * group;
+    *panel_end = std::min(panels, (g + 1) * group);
+  }
+};
+
 // Micro<R, P>::run(problem, first row, first panel): R rows × P panels, 1 ≤ R ≤ Rows, 1 ≤ P ≤ Panels.
 template <class Problem, template <int, int> class Micro, int Rows, int Panels>
 class PanelGemm {
  public:
-  static constexpr int64_t kPanel = 16;
+  static constexpr int64_t kPanel = PanelTasks::kPanel;
 
   // m rows of x, n output channels; groups start at group_panels panels
   static void run(Ort::KernelContext& ctx, const Problem& problem, int64_t m, int64_t n, int64_t group_panels) {
-    Job job{&problem, m, (n + kPanel - 1) / kPanel, group_panels, (m + kRowBlock - 1) / kRowBlock, 0};
-    while (job.group > 1 && job.row_blocks * ((job.panels + job.group - 1) / job.group) < 8) job.group /= 2;
-    job.groups = (job.panels + job.group - 1) / job.group;
-    ctx.ParallelFor(task, static_cast<size_t>(job.row_blocks * job.groups), 0, &job);
+    Job job{&problem, PanelTasks(m, n, group_panels)};
+    ctx.ParallelFor(task, job.tasks.count(), 0, &job);
   }
 
  private:
@@ -67,7 +87,7 @@ class PanelGemm {
 
   struct Job {
     const Problem* problem;
-    int64_t m, panels, group, row_blocks, groups;
+    PanelTasks tasks;
   };
 
   template <int R, int... P>
@@ -82,15 +102,47 @@ class PanelGemm {
 
   static void task(void* user, size_t index) {
     const Job& job = *static_cast<const Job*>(user);
-    const int64_t group = static_cast<int64_t>(index) / job.row_blocks, block = static_cast<int64_t>(index) % job.row_blocks;
-    const int64_t row_end = std::min(job.m, (block + 1) * kRowBlock);
-    const int64_t panel_end = std::min(job.panels, (group + 1) * job.group);
-    for (int64_t panel = group * job.group; panel < panel_end; panel += Panels) {
+    int64_t row_begin, row_end, panel_begin, panel_end;
+    job.tasks.bounds(index, &row_begin, &row_end, &panel_begin, &panel_end);
+    for (int64_t panel = panel_begin; panel < panel_end; panel += Panels) {
       const int np = static_cast<int>(std::min<int64_t>(Panels, panel_end - panel));
-      for (int64_t row = block * kRowBlock; row < row_end; row += Rows) {
+      for (int64_t row = row_begin; row < row_end; row += Rows) {
         const int nr = static_cast<int>(std::min<int64_t>(Rows, row_end - row));
         kMicro[nr - 1][np - 1](*job.problem, row, panel);
       }
     }
+  }
+};
+
+// The same tasks on AMX tiles: Kernel::config() once per task (the tile registers are per thread), then
+// Kernel::run(problem, first row, rows ≤ 32, first panel, panels ≤ 2) over the task, then the tiles released.
+template <class Problem, class Tiles, class Kernel>
+class TileGemm {
+ public:
+  static constexpr int64_t kRows = 32, kPanels = 2;
+
+  static void run(Ort::KernelContext& ctx, const Problem& problem, int64_t m, int64_t n, int64_t group_panels) {
+    Job job{&problem, PanelTasks(m, n, group_panels)};
+    ctx.ParallelFor(task, job.tasks.count(), 0, &job);
+  }
+
+ private:
+  struct Job {
+    const Problem* problem;
+    PanelTasks tasks;
+  };
+
+  static void task(void* user, size_t index) {
+    const Job& job = *static_cast<const Job*>(user);
+    int64_t row_begin, row_end, panel_begin, panel_end;
+    job.tasks.bounds(index, &row_begin, &row_end, &panel_begin, &panel_end);
+    Tiles::begin(Kernel::config());
+    for (int64_t panel = panel_begin; panel < panel_end; panel += kPanels) {
+      const int np = static_cast<int>(std::min<int64_t>(kPanels, panel_end - panel));
+      for (int64_t row = row_begin; row < row_end; row += kRows)
+        Kernel::template run<Tiles>(*job.problem, row, static_cast<int>(std::min<int64_t>(kRows, row_end - row)),
+                                    panel, np);
+    }
+    Tiles::end();
   }
 };

@@ -1,8 +1,15 @@
 // runtime._native: the C++ half of the runtime (hot loops that Python would run per token).
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <optional>
+#include <string>
 
 #include "block_hash.h"
+#ifdef QS_CPU_OPS
+#include "tiles.h"
+#endif
 
 namespace py = pybind11;
 
@@ -27,6 +34,15 @@ py::array_t<uint64_t> py_hash_blocks(Tokens tokens, size_t block_size, uint64_t 
   return out;
 }
 
+#ifdef QS_CPU_OPS
+std::string py_cpu_tiles(std::optional<std::string> mode) {
+  if (mode) {
+    if (const char* why = qs_set_tiles_mode(mode->c_str())) throw py::value_error(std::string("cpu_tiles: ") + why);
+  }
+  return qs_tiles_name(qs_tiles_mode());
+}
+#endif
+
 }  // namespace
 
 PYBIND11_MODULE(_native, m) {
@@ -48,6 +64,14 @@ PYBIND11_MODULE(_native, m) {
   m.attr("cpu_isa") = "avx2";
 #else
   m.attr("cpu_isa") = "generic";
+#endif
+#ifdef QS_CPU_OPS
+  m.def("cpu_tiles", &py_cpu_tiles, py::arg("mode") = py::none(),
+        "The tile mode of the int8/int4 prompt products (off, amx, emulate); with a mode (auto, off, emulate, amx), "
+        "set it first. ValueError where it cannot be had (amx where the CPU or Linux does not grant tiles).");
+  m.def("cpu_tile_products", &qs_tile_products, "How many int8/int4 products this process ran on tiles.");
+  m.def("amx_status", [] { return std::string(qs_amx_status()); },
+        "'granted', or why this process may not use AMX tiles (CPUID, XCR0, arch_prctl).");
 #endif
   m.def("hash_blocks", &py_hash_blocks, py::arg("tokens"), py::arg("block_size"), py::arg("parent") = 0,
         "Keys [len(tokens) // block_size] (uint64) of the full blocks of tokens.");

@@ -1,0 +1,161 @@
+"""qs.Int8MatMul and qs.Int4MatMul on AMX tiles (plugins/cpu/tiles.h) against their vector kernels, bit for bit.
+
+Integer tile sums are exact, and the tile kernels finish with the vector kernels' float operations in the same order,
+so a product on tiles must equal the product on vectors in every bit, whatever the shape: that is what keeps batch
+invariance when a prompt's rows go to tiles and a decode step's row does not. On a machine without AMX the tile
+kernels run over `emulate`, a C++ model of the instructions (the SDM's definition), which checks their layouts,
+blocking, padding and epilogues; where the CPU has AMX and Linux grants it, the same tests run on the hardware.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from onnx import TensorProto, helper, numpy_helper
+
+from compile.quantize import int4, int8
+from runtime import cpu_ops
+
+pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="this install was built without the qs ops")
+
+if cpu_ops.available():
+    from runtime import _native
+
+    TILE_MODES = ["emulate"] + (["amx"] if _native.amx_status() == "granted" else [])
+    BUILT_FOR_TILES = _native.cpu_isa.startswith("avx512")
+else:
+    TILE_MODES, BUILT_FOR_TILES = [], False
+
+needs_tile_build = pytest.mark.skipif(not BUILT_FOR_TILES, reason="the tile kernels need an AVX-512 build")
+
+
+@contextlib.contextmanager
+def tiles(mode: str):
+    before = _native.cpu_tiles()
+    _native.cpu_tiles(mode)
+    try:
+        yield
+    finally:
+        _native.cpu_tiles(before)
+
+
+def _session(node, inits, k: int, threads: int):
+    import onnxruntime as ort
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", k])
+    model = helper.make_model(
+        helper.make_graph([node], "g", [x], [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits),
+        opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(cpu_ops.DOMAIN, 1)])
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    cpu_ops.register(so)
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+def _tiles_against_vectors(session, x: np.ndarray, mode: str) -> None:
+    with tiles("off"):
+        want = session.run(None, {"x": x})[0]
+    before = _native.cpu_tile_products()
+    with tiles(mode):
+        got = session.run(None, {"x": x})[0]
+    assert _native.cpu_tile_products() == before + (1 if len(x) >= 16 else 0)   # ≥ 16 rows go to tiles, fewer not
+    assert got.shape == want.shape
+    mismatched = np.flatnonzero((got.view(np.uint32) != want.view(np.uint32)).any(axis=1))
+    assert mismatched.size == 0, f"rows {mismatched.tolist()} differ on tiles"
+
+
+@needs_tile_build
+@pytest.mark.parametrize("mode", TILE_MODES)
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(k=st.sampled_from([1, 33, 64, 100, 576, 1000]), n=st.sampled_from([1, 17, 32, 33, 100]),
+       rows=st.sampled_from([15, 16, 17, 31, 32, 33, 63, 129, 200]), threads=st.sampled_from([1, 2]),
+       seed=st.integers(0, 2**31))
+def test_int8_matmul_on_tiles_is_the_vector_kernel_bit_for_bit(mode, k, n, rows, threads, seed):
+    """K off the 64-byte tile step (a part step from a zero-padded copy), N off the 32-channel pair of panels, rows
+    off the 16-row tile and the 32-row call, across the 128-row task blocks; the extreme weights ±63."""
+    rng = np.random.default_rng(seed)
+    q = rng.integers(-int8.WEIGHT_LEVELS, int8.WEIGHT_LEVELS + 1, (k, n), dtype=np.int8)
+    q[0, :] = int8.WEIGHT_LEVELS
+    packed, zsum = int8.pack_panels(q)
+    scale = (rng.random(n) * 1e-2 + 1e-4).astype(np.float32)
+    session = _session(helper.make_node("Int8MatMul", ["x", "w", "s", "z"], ["y"], domain=cpu_ops.DOMAIN, K=k, N=n),
+                       [numpy_helper.from_array(packed, "w"), numpy_helper.from_array(scale, "s"),
+                        numpy_helper.from_array(zsum, "z")], k, threads)
+    x = (rng.standard_normal((rows, k)) * rng.random((rows, 1)) * 10).astype(np.float32)
+    x[0, 0] = np.abs(x[0]).max() * 2                   # quantizes to 255
+    _tiles_against_vectors(session, x, mode)
+
+
+@needs_tile_build
+@pytest.mark.parametrize("mode", TILE_MODES)
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(k=st.sampled_from([32, 64, 96, 576]), n=st.sampled_from([1, 15, 17, 33, 100]),
+       rows=st.sampled_from([15, 16, 17, 31, 33, 64, 129, 160]), threads=st.sampled_from([1, 2]),
+       seed=st.integers(0, 2**31))
+def test_int4_matmul_on_tiles_is_the_vector_kernel_bit_for_bit(mode, k, n, rows, threads, seed):
+    """One block (32 k) a tile step with its own scales: K of one to eighteen blocks, the rest as for int8; weights
+    at both ends of the nibble range (u = 0 and 15) and an all-zero channel."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    w[:, 0] = 0
+    w[0, :] = np.abs(w).max() * 4                      # u = 15 in the first block, the others pushed toward 8
+    if n > 1:
+        w[1, 1:] = -np.abs(w).max()                    # u = 0
+    packed = int4.pack_panels(w)
+    session = _session(helper.make_node("Int4MatMul", ["x", "w"], ["y"], domain=cpu_ops.DOMAIN, K=k, N=n),
+                       [numpy_helper.from_array(packed, "w")], k, threads)
+    x = (rng.standard_normal((rows, k)) * rng.random((rows, 1)) * 10).astype(np.float32)
+    _tiles_against_vectors(session, x, mode)
+
+
+@needs_tile_build
+@pytest.mark.parametrize("mode", TILE_MODES)
+@pytest.mark.parametrize("checkpoint_name,precision", [("llama", "int8"), ("qwen2", "int4")])
+def test_a_prompt_on_tiles_gives_the_vector_logits(engine, mode, checkpoint_name, precision):
+    """A whole engine — its folds (bias, SwiGLU, skip RMS norm) and LM head included — prefilled on tiles: every
+    logit bitwise the vector path's, and the products did go to tiles."""
+    from runtime.stepper import open_stepper
+
+    steps = open_stepper(engine(checkpoint_name, precision), 96)
+    prompt = [int(t) for t in np.random.default_rng(7).integers(3, 200, 70)]
+    with tiles("off"):
+        want = steps.prefill(prompt)
+    before = _native.cpu_tile_products()
+    with tiles(mode):
+        got = steps.prefill(prompt)
+    assert _native.cpu_tile_products() > before
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def test_amx_is_refused_with_the_reason_where_not_granted():
+    status = _native.amx_status()
+    if status == "granted":
+        pytest.skip("this machine grants AMX tiles")
+    before = _native.cpu_tiles()
+    with pytest.raises(ValueError, match="cpu_tiles: .*(AMX|XSAVE|XCR0|Linux|x86-64)"):
+        _native.cpu_tiles("amx")
+    assert _native.cpu_tiles() == before
+    with tiles("auto"):
+        assert _native.cpu_tiles() == "off"
+    with pytest.raises(ValueError, match="auto, off, emulate or amx"):
+        _native.cpu_tiles("fast")
+
+
+@pytest.mark.parametrize("setting,expected", [("off", "off"), ("emulate", "emulate"), ("auto", None), ("", None)])
+def test_the_environment_picks_the_first_mode(setting, expected):
+    """QS_CPU_TILES: auto (or unset) is amx where granted, else off; emulate needs an AVX-512 build."""
+    if expected is None:
+        expected = "amx" if _native.amx_status() == "granted" else "off"
+    if expected == "emulate" and not BUILT_FOR_TILES:
+        expected = "off"
+    env = {**os.environ, "QS_CPU_TILES": setting}
+    out = subprocess.run([sys.executable, "-c", "from runtime import _native; print(_native.cpu_tiles())"],
+                         env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == expected
