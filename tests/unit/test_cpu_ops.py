@@ -226,25 +226,27 @@ def test_matches_reference_on_any_shape(data, batch, seq, shape, window, threads
 
 
 @pytest.mark.parametrize("cache", [np.float32, np.float16])
-@pytest.mark.parametrize("position", [29, 517])
+@pytest.mark.parametrize("position", [50, 517])
+@pytest.mark.parametrize("chunk_len", [10, 48])
 @pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (16, 4, 2), (128, 8, 8)])
-def test_a_row_is_bitwise_the_same_alone_batched_or_in_a_chunk(head_dim, heads, kv_heads, position, cache):
+def test_a_row_is_bitwise_the_same_alone_batched_or_in_a_chunk(head_dim, heads, kv_heads, chunk_len, position, cache):
     """The token at `position` of a sequence: decoded alone (at 517, its keys split by segment across threads),
     decoded beside four other sequences (whose count changes how the op splits its work), and as the last of a
-    10-token prompt chunk (every segment in one task): the same bits."""
+    prompt chunk (every segment in one task; 48 tokens make tiles of 16 rows, whose keys are scored 16 at a time
+    from a transposed block): the same bits."""
     rng = np.random.default_rng(7)
-    qkv, keys, values = inputs(rng, 1, 10, heads, kv_heads, head_dim, cache)
+    qkv, keys, values = inputs(rng, 1, chunk_len, heads, kv_heads, head_dim, cache)
     chunk, chunk_keys, chunk_values = run("qs", qkv, keys, values, [position], heads, kv_heads)
-    last = qkv[:, 9:10]       # decoded over the cache the chunk left (its own row rewritten with the same bits)
+    last = qkv[:, chunk_len - 1:chunk_len]   # decoded over the cache the chunk left (its row rewritten, same bits)
     alone, _, _ = run("qs", last, chunk_keys, chunk_values, [position], heads, kv_heads)
     others_qkv, others_keys, others_values = inputs(rng, 5, 1, heads, kv_heads, head_dim, cache)
     others_qkv[2], others_keys[2], others_values[2] = last[0], chunk_keys[0], chunk_values[0]
     batched, _, _ = run("qs", others_qkv, others_keys, others_values, [5, 600, position, 11, 90], heads, kv_heads)
     pair_qkv, pair_keys, pair_values = others_qkv[1:3], others_keys[1:3], others_values[1:3]
     pair, _, _ = run("qs", pair_qkv, pair_keys, pair_values, [600, position], heads, kv_heads)   # split when few
-    assert np.array_equal(alone[0, 0], chunk[0, 9])
-    assert np.array_equal(batched[2, 0], chunk[0, 9])
-    assert np.array_equal(pair[1, 0], chunk[0, 9])
+    assert np.array_equal(alone[0, 0], chunk[0, -1])
+    assert np.array_equal(batched[2, 0], chunk[0, -1])
+    assert np.array_equal(pair[1, 0], chunk[0, -1])
 
 
 @pytest.mark.parametrize("cache", [np.float32, np.float16])
