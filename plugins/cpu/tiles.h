@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <stdexcept>
 
 enum class QsTiles { kOff, kEmulated, kHardware };
 
@@ -92,6 +93,8 @@ struct EmulatedTiles {
   template <int T>
   static void load(const void* base, int64_t stride) {
     State& s = state();
+    if (!s.config.rows[T] || s.config.rows[T] > 16 || s.config.colsb[T] > 64)
+      throw std::logic_error("emulated tiles: a load into a tile the configuration does not hold");
     zero<T>();
     for (int r = 0; r < s.config.rows[T]; ++r)
       std::memcpy(s.tile[T][r], static_cast<const uint8_t*>(base) + r * stride, s.config.colsb[T]);
@@ -111,6 +114,10 @@ struct EmulatedTiles {
   template <int C, int A, int B, bool a_signed, bool b_signed>
   static void dot() {
     State& s = state();
+    const QsTileConfig& c = s.config;       // what the hardware refuses (#UD), refused here too
+    if (!c.rows[C] || c.rows[A] != c.rows[C] || c.colsb[A] / 4 != c.rows[B] || c.colsb[B] != c.colsb[C] ||
+        c.colsb[A] % 4 || c.colsb[C] % 4)
+      throw std::logic_error("emulated tiles: a dot product of tiles whose shapes do not chain");
     for (int m = 0; m < s.config.rows[C]; ++m)
       for (int n = 0; n < s.config.colsb[C] / 4; ++n) {
         uint32_t sum;
