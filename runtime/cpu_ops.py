@@ -39,6 +39,20 @@ def isa() -> str:
     return getattr(_native, "cpu_isa", "generic")
 
 
+def describe() -> str:
+    """For the startup log: the instruction set the ops were built for, and whether prompt products run on AMX tiles
+    (and if not, why: plugins/cpu/tiles.cpp), as llama.cpp prints its system info."""
+    if not available():
+        return "none (built without ONNX Runtime's headers)"
+    from . import _native
+
+    mode = _native.cpu_tiles()
+    tiles = {"amx": "on", "emulate": "emulated (QS_CPU_TILES=emulate)"}.get(mode, f"off ({_native.amx_status()})")
+    if mode == "off" and _native.amx_status() == "granted":
+        tiles = "off (QS_CPU_TILES=off)"
+    return f"{isa()}, AMX tiles {tiles}"
+
+
 class Unavailable(RuntimeError):
     """The graph uses the qs ops and this install has none."""
 

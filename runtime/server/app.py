@@ -121,6 +121,10 @@ class Server:
             self.http_port = http_sock.getsockname()[1]
         for b in self.bridges:
             log.info("%s", _model_line(b, c))
+        if any(b.info.manifest.get("target", "cpu") == "cpu" for b in self.bridges):
+            from .. import cpu_ops
+
+            log.info("cpu kernels: %s", cpu_ops.describe())
         log.info("features: %s", ", ".join(self.features()) or "none")
         log.info("serving %s on %s grpc=%s http=%s, loaded in %.2f s", ", ".join(self.router.bridges), c.host,
                  self.grpc_port, self.http_port, self.load_s)

@@ -159,3 +159,15 @@ def test_the_environment_picks_the_first_mode(setting, expected):
     out = subprocess.run([sys.executable, "-c", "from runtime import _native; print(_native.cpu_tiles())"],
                          env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == expected
+
+
+def test_the_startup_line_says_whether_prompts_run_on_tiles_and_why_not():
+    """`runtime serve` logs cpu_ops.describe(): the ops' instruction set, then the tile mode with its reason."""
+    granted = _native.amx_status() == "granted"
+    with tiles("off"):
+        line = cpu_ops.describe()
+        assert line.startswith(_native.cpu_isa + ", AMX tiles off (")
+        assert ("QS_CPU_TILES=off" if granted else _native.amx_status()) in line
+    if BUILT_FOR_TILES:
+        with tiles("emulate"):
+            assert cpu_ops.describe() == f"{_native.cpu_isa}, AMX tiles emulated (QS_CPU_TILES=emulate)"
