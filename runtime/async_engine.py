@@ -135,12 +135,25 @@ class AsyncEngine:
             if out is not None:
                 self._deliver([out])
 
+    def _idle_slice(self) -> bool:
+        try:
+            return self.engine.idle()
+        except Exception:   # idle work is an optimisation: a failure must not stop serving
+            log.exception("idle work failed")
+            return False
+
     def _loop(self) -> None:
+        idle_left = True                  # the engine may have idle work (after any step it may)
         while True:
             with self._wake:
-                while not self._inbox and not self._stopping and not self.engine.has_work():
+                while not self._inbox and not self._stopping and not self.engine.has_work() and not idle_left:
                     self._wake.wait()
+                idle = not self._inbox and not self._stopping and not self.engine.has_work()
                 stopping = self._stopping
+            if idle:                      # a slice at a time: a request arriving waits for one slice at most
+                idle_left = self._idle_slice()
+                continue
+            idle_left = True
             self._drain_inbox()           # at shutdown too: aborts posted just before it still free their KV
             if stopping:
                 return

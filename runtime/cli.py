@@ -237,7 +237,7 @@ SERVE_SECTIONS = {
     "Model": ("draft", "speculation", "models", "served_model_name", "chat_template", "device", "cuda_graphs"),
     "Scheduling": ("max_num_seqs", "max_waiting", "token_budget", "prefill_chunk", "mixed_step_ratio", "threads",
                    "spin", "huge_pages"),
-    "KV cache": ("max_model_len", "kv_budget_mib", "prefix_caching", "retained_slots"),
+    "KV cache": ("max_model_len", "kv_budget_mib", "prefix_caching", "retained_slots", "prefix_reserve_mib"),
     "Server": ("host", "grpc_port", "http_port", "request_timeout", "max_body_bytes", "max_tokens_limit", "grace",
                "otlp_endpoint", "disable_log_requests", "log_level"),
     "Security and tenants": ("api_key", "tls_cert", "tls_key", "priority_floor", "priority_keys", "tenants_file"),
@@ -279,6 +279,11 @@ SERVE_SECTIONS = {
               help="Finished sequences whose KV stays in place, beyond --max-num-seqs, so that a follow-up extending "
                    "one (a chat's next turn) computes only its new tokens; their memory is given back first when "
                    "running sequences or the prefix cache want it.")
+@click.option("--prefix-reserve-mib", type=click.IntRange(0), default=CACHE.prefix_reserve_bytes >> 20,
+              show_default=True,
+              help="Prefix-cache memory made resident ahead while the server is idle (within the prefix cache's "
+                   "share of --kv-budget-mib), so that caching a burst of prompts does not fault pages in between "
+                   "two decode steps; 0: as needed.")
 @click.option("--threads", type=click.IntRange(1), default=None, show_default="min(2, cores)",
               help="ONNX Runtime intra-op threads.")
 @click.option("--spin/--no-spin", default=True, show_default=True,
@@ -355,7 +360,8 @@ SERVE_SECTIONS = {
 def serve(engine: Path | None, draft: Path | None, speculation: str, host: str, grpc_port: int, http_port: int,
           max_num_seqs: int, max_waiting: int, token_budget: int, prefill_chunk: int, mixed_step_ratio: float,
           max_model_len: int | None,
-          kv_budget_mib: int | None, prefix_caching: bool, retained_slots: int, threads: int | None, spin: bool,
+          kv_budget_mib: int | None, prefix_caching: bool, retained_slots: int, prefix_reserve_mib: int,
+          threads: int | None, spin: bool,
           huge_pages: bool, api_key: str | None,
           tls_cert: Path | None, tls_key: Path | None, served_model_name: str | None, request_timeout: float,
           max_body_bytes: int, max_tokens_limit: int | None, grace: float, priority_floor: int,
@@ -386,7 +392,7 @@ def serve(engine: Path | None, draft: Path | None, speculation: str, host: str, 
         econf = EngineConfig(SchedulerConfig(max_num_seqs, token_budget, prefill_chunk, max_waiting, mixed_step_ratio),
                              CacheConfig(max_model_len=max_model_len, enable_prefix_cache=prefix_caching,
                                          kv_budget_bytes=kv_budget_mib << 20 if kv_budget_mib else None,
-                                         retained_slots=retained_slots),
+                                         retained_slots=retained_slots, prefix_reserve_bytes=prefix_reserve_mib << 20),
                              draft=draft_path, speculation=method,
                              ort=OrtConfig(threads=threads, spin=spin, huge_pages=huge_pages),
                              cuda=CudaConfig(device=device, graphs=cuda_graphs))

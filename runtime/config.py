@@ -70,12 +70,16 @@ class CacheConfig:
     retained_slots: int = 32          # finished sequences whose slots keep their KV for a follow-up that extends
                                       # them (next chat turn): no copy, no recomputed partial block. Slots beyond
                                       # max_num_seqs; their memory is given back first whenever it is wanted
+    prefix_reserve_bytes: int = 64 << 20   # prefix-cache blocks made resident ahead while the engine is idle
+                                      # (cpu: BlockPool.populate_ahead), so a burst's copies find memory faulted in
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError("block_size must be a power of two")
         if self.retained_slots < 0:
             raise ValueError("retained_slots must be >= 0")
+        if self.prefix_reserve_bytes < 0:
+            raise ValueError("prefix_reserve_bytes must be >= 0")
         if not 0.0 <= self.prefix_cache_fraction < 1.0:
             raise ValueError("prefix_cache_fraction must be in [0, 1)")
 

@@ -165,6 +165,11 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self.scheduler.running or self.scheduler.waiting)
 
+    def idle(self) -> bool:
+        """One slice of the work worth doing while no request runs (KVManager.idle: cache copies, memory made
+        resident ahead of the next burst); True while more is left. AsyncEngine calls it between requests."""
+        return self.kv.idle()
+
     # -- the step ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()

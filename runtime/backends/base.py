@@ -58,6 +58,11 @@ class KVManager(Protocol):
         copy never delays a token."""
         ...
 
+    def idle(self) -> bool:
+        """One slice (a few ms at most) of work worth doing while nothing runs: pending prefix-cache copies, then
+        making memory resident ahead of the next burst's copies. True while more is left."""
+        ...
+
     def free(self, req: Request, cache: bool = True) -> None:
         """Release everything `req` holds (idempotent); with `cache`, keep its computed blocks in the prefix
         cache first (its KV is complete; an errored request's may not be)."""

@@ -27,6 +27,8 @@ class BlockPool:
         self.keys = [m.array for m in self._maps[:len(layer_shapes)]]      # [blocks, kvh, bs, hd]
         self.values = [m.array for m in self._maps[len(layer_shapes):]]    # [blocks, kvh, bs, hd]
         self._populated = 0                # blocks [0, _populated) are resident
+        self._handed_out = 0               # blocks [0, _handed_out) have been handed out at least once
+        self.reserve_blocks = 0            # never-used blocks populate_ahead keeps resident (set by the KV manager)
         block_bytes = sum(m.array.strides[0] for m in self._maps)        # one block in every layer, K and V
         self.populate_blocks = max(1, self.POPULATE_BYTES // max(1, block_bytes))
         self.num_blocks, self.block_size = num_blocks, block_size
@@ -46,6 +48,7 @@ class BlockPool:
     def _populate(self, block: int) -> None:
         """Make `block` resident (with the never-used ones after it, up to POPULATE_BYTES): free blocks are handed
         out in index order until every block has been used once."""
+        self._handed_out = max(self._handed_out, block + 1)
         if block < self._populated:
             return
         end = min(self.num_blocks, max(block + 1, self._populated + self.populate_blocks))
@@ -53,6 +56,21 @@ class BlockPool:
             per_block = m.array[0].nbytes
             m.populate(self._populated * per_block, end * per_block)
         self._populated = end
+
+    def populate_ahead(self) -> bool:
+        """Make never-used blocks resident ahead of need, POPULATE_BYTES at a time, until `reserve_blocks` of them
+        are: run while the engine is idle, so that the copies after a burst of prompts (a step's worth of blocks)
+        land in resident memory instead of faulting it in between two decode steps (6–11 ms a step on a Zen 4
+        host, most of it the kernel zeroing pages). True while more is left to do."""
+        target = min(self.num_blocks, self._handed_out + self.reserve_blocks)
+        if self._populated >= target:
+            return False
+        end = min(target, self._populated + self.populate_blocks)
+        for m in self._maps:
+            per_block = m.array[0].nbytes
+            m.populate(self._populated * per_block, end * per_block)
+        self._populated = end
+        return end < target
 
     @property
     def num_in_use(self) -> int:

@@ -483,3 +483,29 @@ def test_shutdown_processes_aborts_posted_before_it(engine):
     aeng._thread.join()
     assert not eng.requests
     assert_no_leaks(eng)
+
+
+def test_an_idle_server_caches_and_makes_memory_resident_ahead_of_the_next_burst(engine):
+    """Between requests AsyncEngine runs the engine's idle work: never-used prefix-cache blocks become resident up
+    to the KV manager's reserve past those handed out, so the copies after the next burst of prompts land in
+    resident memory. A request arriving meanwhile is served as before."""
+    eng = make(engine("llama"), max_num_seqs=4)
+    blocks = eng.kv.blocks
+    assert 0 < blocks.reserve_blocks and blocks._populated == 0
+    aeng = AsyncEngine(eng)
+
+    async def main():
+        out = [o async for o in aeng.generate(list(range(3, 70)), SamplingParams(max_tokens=8, ignore_eos=True))]
+        assert out[-1].finished and sum(len(o.token_ids) for o in out) == 8
+        want = min(blocks.num_blocks, blocks._handed_out + blocks.reserve_blocks)
+        for _ in range(500):
+            if blocks._populated >= want:
+                break
+            await asyncio.sleep(0.01)
+        assert blocks._handed_out >= 4 and blocks._populated == want
+        again = [o async for o in aeng.generate(list(range(3, 70)), SamplingParams(max_tokens=8, ignore_eos=True))]
+        assert [t for o in again for t in o.token_ids] == [t for o in out for t in o.token_ids]
+
+    asyncio.run(main())
+    aeng.shutdown()
+    assert_no_leaks(eng)

@@ -330,3 +330,36 @@ def test_block_pool_populates_blocks_as_they_are_first_handed_out():
     while pool.allocate() is not None:
         pass
     assert resident_blocks() == pool.num_blocks == 200 and pool.num_in_use == 200
+
+
+def test_block_pool_populates_a_reserve_ahead_while_idle():
+    """populate_ahead (the engine's idle work) makes never-used blocks resident, a chunk a call, up to
+    `reserve_blocks` past the last block ever handed out — never more, never beyond the pool — and blocks handed out
+    later find their memory already resident."""
+    layers = [(4, 64, "float32"), (2, 64, "int8")]
+    pool = BlockPool(layers, num_blocks=300, block_size=16)
+    n = pool.populate_blocks
+    pool.reserve_blocks = 2 * n + 3                    # not a whole number of chunks
+
+    def resident_block_count():                        # the float32 layers' blocks are whole pages
+        counts = {resident_count(m) // (m.array[0].nbytes // PAGE) for m in pool._maps if m.array[0].nbytes % PAGE == 0}
+        assert len(counts) == 1
+        return counts.pop()
+
+    calls = []
+    while True:
+        more = pool.populate_ahead()
+        calls.append(resident_block_count())
+        if not more:
+            break
+    assert calls == [n, 2 * n, 2 * n + 3]              # a chunk a call, stopping at the reserve
+    assert pool.populate_ahead() is False and resident_block_count() == 2 * n + 3
+    held = [pool.allocate() for _ in range(5)]         # handed out from the reserve: nothing new faulted in
+    assert held == [0, 1, 2, 3, 4] and resident_block_count() == 2 * n + 3
+    while pool.populate_ahead():
+        pass
+    assert resident_block_count() == 5 + 2 * n + 3     # the reserve is kept past the handed-out blocks
+    pool.reserve_blocks = 10_000
+    while pool.populate_ahead():
+        pass
+    assert resident_block_count() == pool.num_blocks   # and never past the pool

@@ -70,7 +70,8 @@ class CpuBackend:
         num_blocks = int(budget * c.prefix_cache_fraction // (token_bytes * c.block_size)) if c.enable_prefix_cache else 0
         retained = c.retained_slots if c.enable_prefix_cache else 0
         return KVCacheManager(layouts, config.scheduler.max_num_seqs + retained, self.max_model_len, num_blocks,
-                              c.block_size, budget_tokens=slot_tokens, retained_slots=retained)
+                              c.block_size, budget_tokens=slot_tokens, retained_slots=retained,
+                              reserve_bytes=c.prefix_reserve_bytes)
 
     def run(self, inp: ModelInput) -> RunnerOutput:
         pool, logits = self.kv.slots, [None] * len(inp.seqs)

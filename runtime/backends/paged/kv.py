@@ -178,6 +178,11 @@ class PagedKVManager:
             self.cache_computed(req)
         self._pending.clear()
 
+    def idle(self) -> bool:
+        """Nothing to prepare: blocks are registered in place (flush copies nothing) and device memory is allocated
+        up front."""
+        return False
+
     def cache_computed(self, req: Request) -> None:
         """Register the blocks `req` has completely computed, so later prompts can share them (no copy: the
         blocks it holds become findable)."""
