@@ -146,9 +146,8 @@ class AsyncEngine:
         idle_left = True                  # the engine may have idle work (after any step it may)
         while True:
             with self._wake:
-                while not self._inbox and not self._stopping and not self.engine.has_work() and not idle_left:
+                while (idle := not self._inbox and not self._stopping and not self.engine.has_work()) and not idle_left:
                     self._wake.wait()
-                idle = not self._inbox and not self._stopping and not self.engine.has_work()
                 stopping = self._stopping
             if idle:                      # a slice at a time: a request arriving waits for one slice at most
                 idle_left = self._idle_slice()

@@ -46,10 +46,9 @@ def describe() -> str:
         return "none (built without ONNX Runtime's headers)"
     from . import _native
 
-    mode = _native.cpu_tiles()
-    tiles = {"amx": "on", "emulate": "emulated (QS_CPU_TILES=emulate)"}.get(mode, f"off ({_native.amx_status()})")
-    if mode == "off" and _native.amx_status() == "granted":
-        tiles = "off (QS_CPU_TILES=off)"
+    mode, why = _native.cpu_tiles(), _native.amx_status()
+    tiles = {"amx": "on", "emulate": "emulated (QS_CPU_TILES=emulate)"}.get(
+        mode, f"off ({'QS_CPU_TILES=off' if why == 'granted' else why})")
     return f"{isa()}, AMX tiles {tiles}"
 
 

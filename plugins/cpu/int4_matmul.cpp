@@ -33,7 +33,6 @@
 
 #include "ops.h"
 #include "panel_gemm.h"
-#include "tiles.h"
 
 namespace {
 
@@ -288,7 +287,7 @@ struct Int4MatMulKernel {
     p.w = w.GetTensorData<uint8_t>();
 
     const QsTiles tiles = p.m >= kTileMinRows ? qs_tiles_mode() : QsTiles::kOff;
-    const int64_t rows = tiles == QsTiles::kOff ? p.m : (p.m + 31) / 32 * 32;   // tiles read 16 rows at a time
+    const int64_t rows = tiles == QsTiles::kOff ? p.m : (p.m + kTileCallRows - 1) / kTileCallRows * kTileCallRows;
     thread_local std::vector<int8_t> xq;
     thread_local std::vector<int32_t> xsum8;
     thread_local std::vector<float> x_scale;
@@ -300,17 +299,12 @@ struct Int4MatMulKernel {
     p.xsum8 = xsum8.data();
     p.x_scale = x_scale.data();
     for_each_row<Problem, quantize>(ctx, p, p.m);
-    if (tiles == QsTiles::kOff) {
+    if (tiles == QsTiles::kOff)
       PanelGemm<Problem, Micro, kRows, kPanels>::run(ctx, p, p.m, p.n, 2 * kPanels);
-    } else {
-      qs_count_tile_product();
-#if defined(__AVX512BW__)
-      if (tiles == QsTiles::kHardware)
-        TileGemm<Problem, HardwareTiles, TileKernel>::run(ctx, p, p.m, p.n, 2 * kPanels);
-      else
-        TileGemm<Problem, EmulatedTiles, TileKernel>::run(ctx, p, p.m, p.n, 2 * kPanels);
+#if defined(__AVX512BW__)           // (elsewhere the mode is always off: tiles.cpp)
+    else
+      TileGemm<Problem, TileKernel>::run(ctx, tiles, p, p.m, p.n, 2 * kPanels);
 #endif
-    }
     qs_add_bias(ctx, p.y, p.m, n, bias);
   }
 };

@@ -34,7 +34,6 @@
 
 #include "ops.h"
 #include "panel_gemm.h"
-#include "tiles.h"
 
 namespace {
 
@@ -281,7 +280,7 @@ struct Int8MatMulKernel {
 
     // tiles read whole tiles: rows to a multiple of 32 (zero), K4 to a multiple of 64
     const QsTiles tiles = p.m >= kTileMinRows ? qs_tiles_mode() : QsTiles::kOff;
-    const int64_t rows = tiles == QsTiles::kOff ? p.m : (p.m + 31) / 32 * 32;
+    const int64_t rows = tiles == QsTiles::kOff ? p.m : (p.m + kTileCallRows - 1) / kTileCallRows * kTileCallRows;
     p.lda = tiles == QsTiles::kOff ? p.k4 : (p.k4 + 63) / 64 * 64;
     thread_local std::vector<uint8_t> xq;
     thread_local std::vector<float> x_scale;
@@ -291,17 +290,12 @@ struct Int8MatMulKernel {
     p.xq = xq.data();
     p.x_scale = x_scale.data();
     for_each_row<Problem, quantize>(ctx, p, p.m);
-    if (tiles == QsTiles::kOff) {
+    if (tiles == QsTiles::kOff)
       PanelGemm<Problem, Micro, kRowsPerCall, kPanelsPerCall>::run(ctx, p, p.m, p.n, kPanelsPerCall);
-    } else {
-      qs_count_tile_product();
-#if defined(__AVX512BW__)
-      if (tiles == QsTiles::kHardware)
-        TileGemm<Problem, HardwareTiles, TileKernel>::run(ctx, p, p.m, p.n, kPanelsPerCall);
-      else
-        TileGemm<Problem, EmulatedTiles, TileKernel>::run(ctx, p, p.m, p.n, kPanelsPerCall);
+#if defined(__AVX512BW__)           // (elsewhere the mode is always off: tiles.cpp)
+    else
+      TileGemm<Problem, TileKernel>::run(ctx, tiles, p, p.m, p.n, kPanelsPerCall);
 #endif
-    }
     qs_add_bias(ctx, p.y, p.m, n, bias);
   }
 };

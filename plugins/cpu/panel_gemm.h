@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "ops.h"
+#include "tiles.h"
 
 // A task's rows: a block of up to kRowBlock rows of x. Only its first rows ask for the weights ahead
 // (qs_stream_ahead, ops.h): the rows after them find the panels in cache, where asking made the smollm2 int8
@@ -114,16 +115,24 @@ class PanelGemm {
   }
 };
 
-// The same tasks on AMX tiles: Kernel::config() once per task (the tile registers are per thread), then
-// Kernel::run(problem, first row, rows ≤ 32, first panel, panels ≤ 2) over the task, then the tiles released.
-template <class Problem, class Tiles, class Kernel>
+// Rows of x a tile kernel call takes (two 16-row tiles): x is padded with zero rows to a multiple of this.
+constexpr int64_t kTileCallRows = 32;
+
+#if defined(__x86_64__)
+// The same tasks on AMX tiles, hardware or emulated (tiles.h): Kernel::config() once per task (the tile registers
+// are per thread), then Kernel::run(problem, first row, rows ≤ 32, first panel, panels ≤ 2) over the task, then the
+// tiles released.
+template <class Problem, class Kernel>
 class TileGemm {
  public:
-  static constexpr int64_t kRows = 32, kPanels = 2;
+  static constexpr int64_t kPanels = 2;
 
-  static void run(Ort::KernelContext& ctx, const Problem& problem, int64_t m, int64_t n, int64_t group_panels) {
+  static void run(Ort::KernelContext& ctx, QsTiles mode, const Problem& problem, int64_t m, int64_t n,
+                  int64_t group_panels) {
+    qs_count_tile_product();
     Job job{&problem, PanelTasks(m, n, group_panels)};
-    ctx.ParallelFor(task, job.tasks.count(), 0, &job);
+    ctx.ParallelFor(mode == QsTiles::kHardware ? task<HardwareTiles> : task<EmulatedTiles>, job.tasks.count(), 0,
+                    &job);
   }
 
  private:
@@ -132,6 +141,7 @@ class TileGemm {
     PanelTasks tasks;
   };
 
+  template <class Tiles>
   static void task(void* user, size_t index) {
     const Job& job = *static_cast<const Job*>(user);
     int64_t row_begin, row_end, panel_begin, panel_end;
@@ -139,10 +149,11 @@ class TileGemm {
     Tiles::begin(Kernel::config());
     for (int64_t panel = panel_begin; panel < panel_end; panel += kPanels) {
       const int np = static_cast<int>(std::min<int64_t>(kPanels, panel_end - panel));
-      for (int64_t row = row_begin; row < row_end; row += kRows)
-        Kernel::template run<Tiles>(*job.problem, row, static_cast<int>(std::min<int64_t>(kRows, row_end - row)),
-                                    panel, np);
+      for (int64_t row = row_begin; row < row_end; row += kTileCallRows)
+        Kernel::template run<Tiles>(*job.problem, row,
+                                    static_cast<int>(std::min<int64_t>(kTileCallRows, row_end - row)), panel, np);
     }
     Tiles::end();
   }
 };
+#endif

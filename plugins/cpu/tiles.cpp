@@ -49,12 +49,14 @@ constexpr bool kBuiltForTiles = true;
 constexpr bool kBuiltForTiles = false;
 #endif
 
+QsTiles auto_mode() { return amx_refusal().empty() ? QsTiles::kHardware : QsTiles::kOff; }
+
 QsTiles initial_mode() {
   const char* env = std::getenv("QS_CPU_TILES");
   const std::string want = env && *env ? env : "auto";
   if (want == "off" || !kBuiltForTiles) return QsTiles::kOff;
   if (want == "emulate") return QsTiles::kEmulated;
-  return amx_refusal().empty() ? QsTiles::kHardware : QsTiles::kOff;   // auto, amx, or anything else
+  return auto_mode();                 // auto, amx, or anything else
 }
 
 std::atomic<uint64_t> tile_products{0};
@@ -88,7 +90,7 @@ const char* qs_set_tiles_mode(const char* name) {
     if (!amx_refusal().empty()) return amx_refusal().c_str();
     mode() = QsTiles::kHardware;
   } else if (want == "auto") {
-    mode() = amx_refusal().empty() ? QsTiles::kHardware : QsTiles::kOff;
+    mode() = auto_mode();
   } else {
     return "the tile mode must be auto, off, emulate or amx";
   }

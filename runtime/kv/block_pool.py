@@ -21,16 +21,18 @@ from .memory import ReservedArray
 
 
 class BlockPool:
-    def __init__(self, layer_shapes: list[tuple[int, int, str]], num_blocks: int, block_size: int):
-        """layer_shapes: (kv_heads, head_dim, dtype) of every layer of every model sharing the cache (target, draft)."""
+    def __init__(self, layer_shapes: list[tuple[int, int, str]], num_blocks: int, block_size: int,
+                 reserve_bytes: int = 0):
+        """layer_shapes: (kv_heads, head_dim, dtype) of every layer of every model sharing the cache (target, draft);
+        reserve_bytes: never-used blocks populate_ahead keeps resident."""
         self._maps = [ReservedArray((num_blocks, h, block_size, d), t) for _ in range(2) for h, d, t in layer_shapes]
         self.keys = [m.array for m in self._maps[:len(layer_shapes)]]      # [blocks, kvh, bs, hd]
         self.values = [m.array for m in self._maps[len(layer_shapes):]]    # [blocks, kvh, bs, hd]
         self._populated = 0                # blocks [0, _populated) are resident
         self._handed_out = 0               # blocks [0, _handed_out) have been handed out at least once
-        self.reserve_blocks = 0            # never-used blocks populate_ahead keeps resident (set by the KV manager)
-        block_bytes = sum(m.array.strides[0] for m in self._maps)        # one block in every layer, K and V
-        self.populate_blocks = max(1, self.POPULATE_BYTES // max(1, block_bytes))
+        block_bytes = max(1, sum(m.array.strides[0] for m in self._maps))   # one block in every layer, K and V
+        self.populate_blocks = max(1, self.POPULATE_BYTES // block_bytes)
+        self.reserve_blocks = min(num_blocks, reserve_bytes // block_bytes)   # never-used blocks kept resident
         self.num_blocks, self.block_size = num_blocks, block_size
         self.ref = [0] * num_blocks
         self.key: list[int | None] = [None] * num_blocks
@@ -49,9 +51,11 @@ class BlockPool:
         """Make `block` resident (with the never-used ones after it, up to POPULATE_BYTES): free blocks are handed
         out in index order until every block has been used once."""
         self._handed_out = max(self._handed_out, block + 1)
-        if block < self._populated:
-            return
-        end = min(self.num_blocks, max(block + 1, self._populated + self.populate_blocks))
+        if block >= self._populated:
+            self._populate_to(min(self.num_blocks, max(block + 1, self._populated + self.populate_blocks)))
+
+    def _populate_to(self, end: int) -> None:
+        """Blocks [_populated, end) made resident in every layer."""
         for m in self._maps:
             per_block = m.array[0].nbytes
             m.populate(self._populated * per_block, end * per_block)
@@ -65,12 +69,8 @@ class BlockPool:
         target = min(self.num_blocks, self._handed_out + self.reserve_blocks)
         if self._populated >= target:
             return False
-        end = min(target, self._populated + self.populate_blocks)
-        for m in self._maps:
-            per_block = m.array[0].nbytes
-            m.populate(self._populated * per_block, end * per_block)
-        self._populated = end
-        return end < target
+        self._populate_to(min(target, self._populated + self.populate_blocks))
+        return self._populated < target
 
     @property
     def num_in_use(self) -> int:

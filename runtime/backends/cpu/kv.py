@@ -39,7 +39,7 @@ class KVCacheManager:
         self.pools = [SlotPool(m.num_layers, num_slots, m.kv_heads, slot_capacity, m.head_dim, m.dtype) for m in layouts]
         self.slots = self.pools[0]
         self.blocks = BlockPool([(m.kv_heads, m.head_dim, m.dtype) for m in layouts for _ in range(m.num_layers)],
-                                num_blocks, block_size)
+                                num_blocks, block_size, reserve_bytes)
         # (pool, layer) of every block-pool layer, in the block pool's order
         self._layers = [(pool, layer) for pool in self.pools for layer in range(pool.num_layers)]
         self.block_size, self.num_slots, self.capacity = block_size, num_slots, slot_capacity
@@ -55,9 +55,7 @@ class KVCacheManager:
         self._held_draft: dict[str, int] = {}               # request id → leading held blocks cached with draft KV
         self._target_layers = self.pools[0].num_layers       # block-pool layers [0, this) are the target's
         self._pending: dict[str, Request] = {}              # with completed blocks not yet in the prefix cache
-        block_bytes = block_size * sum(m.token_bytes for m in layouts)
-        self._flush_blocks = max(1, self.FLUSH_BYTES // block_bytes)
-        self.blocks.reserve_blocks = min(num_blocks, reserve_bytes // block_bytes)
+        self._flush_blocks = max(1, self.FLUSH_BYTES // (block_size * sum(m.token_bytes for m in layouts)))
         self.max_retained = retained_slots
         # free slot → (token ids its target KV holds, how many of them the draft's KV holds), LRU first
         self._retained: OrderedDict[int, tuple[np.ndarray, int]] = OrderedDict()
