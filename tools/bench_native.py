@@ -12,6 +12,7 @@ new/old ratios, says whether the two builds' logits are bitwise equal, and write
     python tools/bench_native.py engines/target --old /tmp/old.so --threads 1 --context 1400 --chunk 48
     python tools/bench_native.py /tmp/q05-int4-new --old-engine /tmp/q05-int4 --context 590 --chunk 48
     python tools/bench_native.py /tmp/q05-int4 --old-mmap --context 590 --chunk 48
+    python tools/bench_native.py /tmp/q05-int4 --old /tmp/old.so --context 8192 --prefill-once --rounds 16
 """
 
 from __future__ import annotations
@@ -39,7 +40,12 @@ def runner(engine: Path, library: str, threads: int, huge_pages: bool = True) ->
         cpu_ops.library = find_library
 
 
-def measure(r: model_runner.ModelRunner, pool, ids: list[int], context: int, batch: int, steps: int) -> dict:
+def measure(r: model_runner.ModelRunner, pool, ids: list[int], context: int, batch: int, steps: int,
+            prefill: bool = True) -> dict:
+    """One round: the prompt from empty, the chunk after it and decode steps (only the decode steps, over the KV
+    the first round wrote, where `prefill` is false)."""
+    if not prefill:
+        return decode_steps(r, pool, context, batch, steps, {}, [])
     t = time.perf_counter()
     prefill_logits = np.array(r.prefill(pool, 0, ids[:context], 0))
     out = {"prefill_ms": (time.perf_counter() - t) * 1e3}
@@ -51,7 +57,11 @@ def measure(r: model_runner.ModelRunner, pool, ids: list[int], context: int, bat
         chunk_logits = np.array(r.prefill(pool, 0, ids[context:], context))
         times.append(time.perf_counter() - t)
     out["chunk_ms"] = float(np.median(times)) * 1e3
-    logits = [prefill_logits, chunk_logits]
+    return decode_steps(r, pool, context, batch, steps, out, [prefill_logits, chunk_logits])
+
+
+def decode_steps(r: model_runner.ModelRunner, pool, context: int, batch: int, steps: int, out: dict,
+                 logits: list) -> dict:
     for b in sorted({1, batch}):
         times = []
         for step in range(steps):
@@ -80,6 +90,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4, help="decode batch besides batch 1")
     ap.add_argument("--steps", type=int, default=10, help="decode steps a round, per batch size")
     ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--prefill-once", action="store_true", help="time the prompt and chunk in the first round only, "
+                    "then decode steps alone (long contexts: many decode rounds without a long prefill each)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     if not (args.old or args.old_engine or args.old_mmap):
@@ -98,7 +110,9 @@ def main() -> None:
     equal = True
     for rnd in range(args.rounds):
         order = list(builds) if rnd % 2 == 0 else list(builds)[::-1]
-        got = {name: measure(runners[name], pools[name], ids, args.context, args.batch, args.steps) for name in order}
+        prefill = rnd == 0 or not args.prefill_once
+        got = {name: measure(runners[name], pools[name], ids, args.context, args.batch, args.steps, prefill)
+               for name in order}
         equal &= all(np.array_equal(a, b) for a, b in zip(got["old"].pop("_logits"), got["new"].pop("_logits")))
         for name in builds:
             rounds[name].append(got[name])
@@ -107,7 +121,8 @@ def main() -> None:
     print(f"{args.engine}{versus}, {args.threads} thread(s), context {args.context}, chunk {args.chunk}, "
           f"{args.rounds} rounds")
     for key in rounds["old"][0]:
-        old, new = np.array([r[key] for r in rounds["old"]]), np.array([r[key] for r in rounds["new"]])
+        old = np.array([r[key] for r in rounds["old"] if key in r])
+        new = np.array([r[key] for r in rounds["new"] if key in r])
         ratio = new / old
         summary[key] = {"old": float(np.median(old)), "new": float(np.median(new)), "ratio": float(np.median(ratio)),
                         "ratio_range": [float(ratio.min()), float(ratio.max())]}

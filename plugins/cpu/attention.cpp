@@ -140,13 +140,19 @@ inline void dot8(const float* __restrict q, const T* __restrict k, float* __rest
 // one or two rows at a time against it (two rows: twice the FMA chains in flight). Lane l of key i still sums
 // q[d]·k[d] over d ≡ l (mod 8) in d order, and the lanes of a key are added by the same pairwise tree, so a
 // score has the same bits on either path.
+//
+// It also asks for the block kStreamAhead bytes on (qs_stream_ahead), a line whenever its steps reach a new one:
+// spread out, the asks no longer stall on a full miss queue as a block's 16 at once did.
 template <int D, typename T>
 inline void pack8(const T* __restrict k, float* __restrict dst) {
   for (int j = 0; j < 4; ++j)
-    for (int c = 0; c < D / 8; ++c)
+    for (int c = 0; c < D / 8; ++c) {
+      const size_t at = static_cast<size_t>(c) * 16 * sizeof(T);     // step c's share of keys 2j, 2j + 1's bytes
+      if (at % 64 == 0) qs_stream_ahead(reinterpret_cast<const char*>(k + 2 * j * D) + at);
       _mm512_store_ps(dst + (j * (D / 8) + c) * 16,
                       _mm512_insertf32x8(_mm512_castps256_ps512(load8(k + (2 * j) * D + 8 * c)),
                                          load8(k + (2 * j + 1) * D + 8 * c), 1));
+    }
 }
 
 // vhaddps within each 128-bit lane: [a0+a1, a2+a3, b0+b1, b2+b3]
@@ -219,6 +225,60 @@ inline void accumulate(const float* const* p, const T* __restrict v, int n, floa
 #endif
   }
 }
+
+#ifdef __AVX512F__
+// Vectors of a row that one pass of accumulate_rows keeps in registers: R rows' chunks, at most 28 of the 32.
+constexpr int chunk_vectors(int vectors, int rows) {
+  int c = vectors;
+  while (c > 1 && (rows * c > 28 || vectors % c)) --c;
+  return c;
+}
+
+// accumulate's sums for R rows that all take the same n half values (the query heads of one KV head in a decode
+// step): each 16-value vector is widened once in a register and taken by every row, with no float copy of the
+// block, and the rows' accumulators stay in registers across the keys. A row's lanes are independent FMA chains
+// over the keys in key order, as in accumulate, so taking them in chunks (what fits in registers) changes no bit.
+// The values are asked for kStreamAhead bytes on a key at a time (a block's 64 asks at once stalled on the miss
+// queue: 12 % of a decode step's attention at 8k tokens).
+template <int D, int R>
+inline void accumulate_rows(const float* const* p, const half_t* __restrict v, int n, float* const* acc) {
+  constexpr int V = D / 16, C = chunk_vectors(V, R);
+  for (int i0 = 0; i0 < V; i0 += C) {
+    __m512 a[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < C; ++i) a[r][i] = _mm512_loadu_ps(acc[r] + (i0 + i) * 16);
+    for (int k = 0; k < n; ++k) {
+      if (i0 == 0) qs_stream_ahead(v + k * D, sizeof(half_t) * D);
+      for (int i = 0; i < C; ++i) {
+        __m512 vk = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + k * D + (i0 + i) * 16)));
+        for (int r = 0; r < R; ++r) a[r][i] = _mm512_fmadd_ps(_mm512_set1_ps(p[r][k]), vk, a[r][i]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < C; ++i) _mm512_storeu_ps(acc[r] + (i0 + i) * 16, a[r][i]);
+  }
+}
+
+constexpr int kMaxGroupRows = 8;   // the most query heads a KV head has in the models we build
+
+// accumulate_rows for `rows` (2 to kMaxGroupRows) over a half cache; false where not compiled for them.
+template <int D, typename T>
+inline bool accumulate_group(int rows, const float* const* p, const T* v, int n, float* const* acc) {
+  if constexpr (std::is_same_v<T, half_t> && D % 16 == 0) {
+    switch (rows) {
+      case 2: accumulate_rows<D, 2>(p, v, n, acc); return true;
+      case 3: accumulate_rows<D, 3>(p, v, n, acc); return true;
+      case 4: accumulate_rows<D, 4>(p, v, n, acc); return true;
+      case 5: accumulate_rows<D, 5>(p, v, n, acc); return true;
+      case 6: accumulate_rows<D, 6>(p, v, n, acc); return true;
+      case 7: accumulate_rows<D, 7>(p, v, n, acc); return true;
+      case 8: accumulate_rows<D, 8>(p, v, n, acc); return true;
+      default: return false;
+    }
+  }
+  return false;
+}
+#endif
 
 // n cache elements as float32: float ones as they are, half ones widened into `buf` (exactly, so arithmetic on
 // the copy equals arithmetic on the elements converted one by one).
@@ -499,8 +559,8 @@ void attend_tile(const Step<T>& st, int64_t b, int64_t s0, int64_t count, int64_
     for (int k = k_begin; k < k_end; k += 8) {
       const T* block = keys + static_cast<int64_t>(first + k) * D;
       auto covers = [&](int r) { return k + 8 <= len[r] / 8 * 8; };
-      qs_stream_ahead(block, sizeof(T) * 8 * D);    // a task reads its keys once: ask ahead
       if (!share) {
+        qs_stream_ahead(block, sizeof(T) * 8 * D);  // a task reads its keys once: ask ahead (pack8 asks below)
         for (int r = 0; r < rows; ++r)
           if (covers(r)) dot8<D>(&qbuf[r * D], block, score(r, k));
         continue;
@@ -542,6 +602,16 @@ void attend_tile(const Step<T>& st, int64_t b, int64_t s0, int64_t count, int64_
         float* a[1] = {sum(r)};
         accumulate<D, 1>(s, v, count(r), a);
       };
+#ifdef __AVX512F__
+      // one token's heads (a decode step's rows), each taking the whole block: in registers, asking as they go
+      if (rows <= kMaxGroupRows && count(0) > 0) {
+        const float* s[kMaxGroupRows];
+        float* a[kMaxGroupRows];
+        bool same = true;
+        for (int r = 0; r < rows; ++r) s[r] = score(r, k), a[r] = sum(r), same = same && count(r) == count(0);
+        if (same && accumulate_group<D>(rows, s, block, count(0), a)) continue;
+      }
+#endif
       qs_stream_ahead(block, sizeof(T) * kValueBlock * D);    // and its values
       if (!share) {
         for (int r = 0; r < rows; ++r)
