@@ -119,6 +119,20 @@ def slot_groups(slots: list[int], fenced: set[int], dummies: dict[int, int] | No
     return groups
 
 
+ONE_ROW_INDEX = np.zeros(1, np.int64)      # a one-row step's logits row
+
+
+def feed(io: ort.IOBinding, fed: dict[str, np.ndarray], name: str, value: np.ndarray) -> None:
+    """Bind `value` as input `name`: into the array bound last time, where the shape is the same (ONNX Runtime reads
+    a bound CPU array where it lies, so the step needs no new binding: ~4 µs an input), else a copy bound anew."""
+    bound = fed.get(name)
+    if bound is not None and bound.shape == value.shape:
+        bound[...] = value
+    else:
+        fed[name] = bound = np.array(value, copy=True, order="C")
+        io.bind_cpu_input(name, bound)
+
+
 class ModelRunner:
     def __init__(self, engine_dir: str | Path, threads: int | None = None, verify: bool = True, spin: bool = True,
                  huge_pages: bool = True):
@@ -162,19 +176,22 @@ class ModelRunner:
         self.batches_verifications = (precision.get("attention") == "qs.CausalAttention"
                                       and precision.get("batch_invariant") is True)
         self._logits = np.empty((0, self.vocab_size), np.float32)
-        # (pool id, first slot, slots) → (pool, binding, session): each entry holds the session too, because an
-        # IOBinding does not keep its session alive, and a binding that outlives its session crashes when freed
-        self._bindings: OrderedDict[tuple[int, int, int], tuple[weakref.ref, ort.IOBinding, ort.InferenceSession]] = OrderedDict()
+        # (pool id, first slot, slots) → (pool, binding, session, fed): each entry holds the session too, because an
+        # IOBinding does not keep its session alive, and a binding that outlives its session crashes when freed;
+        # `fed` holds the step inputs bound last (see execute)
+        self._bindings: OrderedDict[tuple[int, int, int], tuple[weakref.ref, ort.IOBinding, ort.InferenceSession,
+                                                                dict]] = OrderedDict()
 
     MAX_BINDINGS = 64       # slot ranges whose KV bindings are kept (batches of running sequences recur)
 
-    def _binding(self, pool: SlotPool, slots: SlotRange) -> ort.IOBinding:
-        """An IOBinding with `pool`'s KV for `slots` bound as past and present; reused while the pool lives."""
+    def _binding(self, pool: SlotPool, slots: SlotRange) -> tuple[ort.IOBinding, dict]:
+        """An IOBinding with `pool`'s KV for `slots` bound as past and present, and the inputs it has bound since;
+        reused while the pool lives."""
         key = (id(pool), slots.start, slots.count)
         entry = self._bindings.get(key)
         if entry is not None and entry[0]() is pool:
             self._bindings.move_to_end(key)
-            return entry[1]
+            return entry[1], entry[3]
         io = self.session.io_binding()
         shape = [slots.count, *pool.slot_shape]
         for i in range(self.num_layers):
@@ -182,10 +199,11 @@ class ModelRunner:
                 ptr = pool.pointer(arrays[i], slots)
                 io.bind_input(f"past_key_values.{i}.{kind}", "cpu", 0, pool.dtype, shape, ptr)
                 io.bind_output(f"present.{i}.{kind}", "cpu", 0, pool.dtype, shape, ptr)
-        self._bindings[key] = (weakref.ref(pool), io, self.session)
+        fed: dict = {}
+        self._bindings[key] = (weakref.ref(pool), io, self.session, fed)
         if len(self._bindings) > self.MAX_BINDINGS:
             self._bindings.popitem(last=False)
-        return io
+        return io, fed
 
     def new_pool(self, num_slots: int, capacity: int | None = None) -> SlotPool:
         return SlotPool(self.num_layers, num_slots, self.kv_heads, capacity or self.max_seq_len, self.head_dim,
@@ -208,12 +226,15 @@ class ModelRunner:
         n = len(logits_indices)
         if self._logits.shape[0] < n:
             self._logits = np.empty((max(n, 2 * self._logits.shape[0]), self.vocab_size), np.float32)
-        io = self._binding(pool, slots)
-        io.bind_cpu_input("input_ids", input_ids)
-        io.bind_cpu_input("seqlens_k", seqlens_k)
-        io.bind_cpu_input("total_sequence_length", np.array(int(seqlens_k.max()) + 1, np.int32))
-        io.bind_cpu_input("logits_indices", np.ascontiguousarray(logits_indices, np.int64))
-        io.bind_output("logits", "cpu", 0, np.float32, [n, self.vocab_size], self._logits.ctypes.data)
+        io, fed = self._binding(pool, slots)
+        feed(io, fed, "input_ids", input_ids)
+        feed(io, fed, "seqlens_k", seqlens_k)
+        feed(io, fed, "total_sequence_length", np.array(int(seqlens_k.max()) + 1, np.int32))
+        feed(io, fed, "logits_indices", np.asarray(logits_indices, np.int64))
+        out = (self._logits.ctypes.data, n)
+        if fed.get("logits") != out:
+            io.bind_output("logits", "cpu", 0, np.float32, [n, self.vocab_size], out[0])
+            fed["logits"] = out
         self.session.run_with_iobinding(io)
         return self._logits[:n]
 
@@ -229,6 +250,10 @@ class ModelRunner:
         Returns:
             logits [len(rows), vocab] in the order of `rows` (a fresh array).
         """
+        if len(rows) == 1:                  # batch 1 (most steps at low load): one row, no groups to form
+            slot, token, pos = rows[0]
+            return self.execute(np.array([[token]], np.int64), np.array([pos], np.int32), ONE_ROW_INDEX, pool,
+                                SlotRange(slot, 1)).copy()
         out = np.empty((len(rows), self.vocab_size), np.float32)
         dummies = dummies or {}
         for group in slot_groups([r[0] for r in rows], fenced, dummies):
