@@ -165,6 +165,37 @@ def test_retained_slots_are_kept_beside_running_sequences(engine):
     assert_no_leaks(warm)
 
 
+def test_a_finished_sequence_is_copied_into_the_cache_a_flush_at_a_time(engine):
+    """A finished sequence whose slot is retained gives its blocks to the prefix cache a flush's worth at a time
+    (here one block a step, running sequences' first), not all before the next step; its slot keeps the KV until
+    then. A next turn that continues it takes the slot meanwhile; a slot given back first finishes its copies; idle
+    work finishes the rest. Every output is the cold engine's, bit for bit, and nothing is held once the idle work
+    is done."""
+    turn = SamplingParams(max_tokens=3, logprobs=2, ignore_eos=True)
+    first, other, third = ((p * 80)[:300] for p in prompts(3, seed=41))    # 18 full blocks of 16 each to copy
+    warm = make(engine("llama"), max_num_seqs=2, cache=CacheConfig(kv_budget_bytes=32 << 20, retained_slots=1))
+    warm.kv._flush_blocks = 1
+    cold = make(engine("llama"), cache=CacheConfig(kv_budget_bytes=32 << 20, enable_prefix_cache=False))
+    answer = run_all(warm, [(first, turn)])[0]
+    assert len(warm.kv._deferred) == 1 and warm.kv.blocks.num_in_use > 0      # copies left for later steps
+    follow = first + answer["token_ids"] + [7, 8, 9]                         # the next turn takes the slot
+    hot = run_all(warm, [(follow, turn)])[0]
+    assert hot["usage"].cached_tokens == len(first) + len(answer["token_ids"]) - 1
+    assert_same_greedy(hot, run_all(cold, [(follow, turn)])[0])
+    run_all(warm, [(other, turn)])            # the slot retained before is given back: its copies finish first
+    assert len(warm.kv._deferred) == 1
+    run_all(warm, [(third, turn)])            # and now `other`'s
+    for prompt in (follow, other):            # from the cache's blocks alone (no retained slot holds them)
+        item = (prompt + [5], GREEDY)
+        got = run_all(warm, [item])[0]
+        assert got["usage"].cached_tokens == len(prompt) // 16 * 16
+        assert_same_greedy(got, run_all(cold, [item])[0])
+    while warm.idle():                        # what the server does between requests
+        pass
+    assert not warm.kv._deferred
+    assert_no_leaks(warm)
+
+
 def test_chunked_prefill_equals_unchunked(engine):
     items = [(p, GREEDY) for p in prompts(4, seed=5)]
     chunked = run_all(make(engine("qwen2"), prefill_chunk=7, token_budget=24), items)

@@ -1,6 +1,8 @@
 """Property-based (Hypothesis): random interleavings of submit / abort / step on the real engine with the bundled
-target. After every run, every slot, block and request is free, and every request that finished on its own
-gave, token for token and log-probability for log-probability, what it gives alone on a fresh engine."""
+target. After every run (and the idle work a server does between requests), every slot, block and request is free,
+and every request that finished on its own gave, token for token and log-probability for log-probability, what it
+gives alone on a fresh engine. The engine copies one block into the prefix cache a step, so copies left over from
+one step to the next, and a finished request's from its retained slot, meet every other action."""
 
 from pathlib import Path
 
@@ -36,6 +38,7 @@ def target(tmp_path_factory):
 def engines(target):
     """(engine under test, reference engine without a prefix cache, solo results cache)."""
     busy = Engine(target, EngineConfig(SchedulerConfig(max_num_seqs=6, token_budget=64, prefill_chunk=32), CACHE))
+    busy.kv._flush_blocks = 1
     solo = Engine(target, EngineConfig(cache=CacheConfig(kv_budget_bytes=48 << 20, enable_prefix_cache=False)))
     return busy, solo, {}
 
@@ -61,6 +64,7 @@ ACTIONS = st.lists(st.one_of(
     st.tuples(st.just("submit"), st.integers(0, len(PROMPTS) - 1), st.integers(1, 12)),
     st.tuples(st.just("abort"), st.integers(0, 15)),
     st.tuples(st.just("step"), st.integers(1, 4)),
+    st.tuples(st.just("idle"), st.integers(1, 3)),
 ), min_size=1, max_size=25)
 
 CASES_RUN = []
@@ -89,11 +93,16 @@ def test_random_interleavings_leak_nothing_and_match_solo_runs(engines, actions)
             rid = submitted[action[1] % len(submitted)][0]
             out = eng.abort(rid)
             collect([out] if out else [])
+        elif action[0] == "idle" and not eng.has_work():      # as the server: only while nothing runs
+            for _ in range(action[1]):
+                eng.idle()
         elif action[0] == "step":
             for _ in range(action[1]):
                 collect(eng.step())
     while eng.has_work():
         collect(eng.step())
+    while eng.idle():
+        pass
     # Nothing held: no request, every slot free, no block referenced.
     assert not eng.requests and eng.kv.num_free_slots == eng.kv.slots.num_slots
     assert eng.kv.blocks.num_in_use == 0 and all(r == 0 for r in eng.kv.blocks.ref)

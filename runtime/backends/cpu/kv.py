@@ -55,6 +55,9 @@ class KVCacheManager:
         self._held_draft: dict[str, int] = {}               # request id → leading held blocks cached with draft KV
         self._target_layers = self.pools[0].num_layers       # block-pool layers [0, this) are the target's
         self._pending: dict[str, Request] = {}              # with completed blocks not yet in the prefix cache
+        # retained slot → its finished request, whose completed blocks are still being copied into the prefix cache
+        # from the slot (free); done before anything writes, moves or releases that slot (_finish_deferred)
+        self._deferred: dict[int, Request] = {}
         self._flush_blocks = max(1, self.FLUSH_BYTES // (block_size * sum(m.token_bytes for m in layouts)))
         self.max_retained = retained_slots
         # free slot → (token ids its target KV holds, how many of them the draft's KV holds), LRU first
@@ -128,6 +131,8 @@ class KVCacheManager:
             for block in held:
                 self.blocks.release(block)
             return None
+        if kept:        # it continues the slot's tokens and caches them as its own; what it overwrites is lost
+            self._drop_deferred(slot)
         self._retained.pop(slot, None)
         self._free_slots.remove(slot)
         heapq.heapify(self._free_slots)
@@ -209,6 +214,7 @@ class KVCacheManager:
         kept, kept_draft = self._retained[near]
         if self.resident_tokens + self._resident[near] > self.budget_tokens:
             return slot                                     # no room for the copy: the request goes where it was
+        self._finish_deferred(near)
         self._grow(slot, self._resident[near])
         for j, pool in enumerate(self.pools):
             n = len(kept) if j == 0 else kept_draft
@@ -242,6 +248,7 @@ class KVCacheManager:
         return self.resident_tokens + tokens <= self.budget_tokens
 
     def _evict(self, slot: int) -> None:
+        self._finish_deferred(slot)
         del self._retained[slot]
         self._release(slot)
 
@@ -291,7 +298,8 @@ class KVCacheManager:
 
     def flush(self) -> None:
         """Copy what the last steps completed into the prefix cache, at most FLUSH_BYTES a step (the rest stays
-        pending for the next steps)."""
+        pending for the next steps): running requests' blocks first, then finished ones' from their retained
+        slots."""
         left = self._flush_blocks
         for rid, req in list(self._pending.items()):
             if left <= 0:
@@ -300,19 +308,23 @@ class KVCacheManager:
             if copied < left:                       # stopped short of the limit: nothing of it is left to copy
                 del self._pending[rid]
             left -= copied
+        for slot in list(self._deferred):
+            if left <= 0:
+                break
+            left -= self._finish_deferred(slot, left)
 
     def idle(self) -> bool:
         """While nothing runs: the pending copies first (FLUSH_BYTES at a time), then never-used blocks made
         resident up to `reserve_bytes` ahead. True while more is left."""
-        if self._pending:
+        if self._pending or self._deferred:
             self.flush()
             return True
         return self.blocks.populate_ahead()
 
-    def cache_computed(self, req: Request, limit: int | None = None) -> int:
+    def cache_computed(self, req: Request, limit: int | None = None, slot: int | None = None) -> int:
         """Copy newly completed full blocks of `req` into the prefix cache: the target's KV of every block it has
         computed, the draft's of every block the draft has computed too (also into blocks cached without it).
-        At most `limit` block copies; returns how many were made."""
+        At most `limit` block copies; returns how many were made. `slot`: where its KV is (default its own)."""
         rid, bs = req.request_id, self.block_size
         held, held_draft = self._held[rid], self._held_draft[rid]
         done = req.num_computed // bs
@@ -345,9 +357,9 @@ class KVCacheManager:
             if with_draft and i < done_draft and not self.blocks.has_draft[block]:
                 draft_copies.append((i, block))
             held.append(block)
-        self._copy_out(req.slot, copies, self._layers[:self._target_layers])
-        self._copy_out(req.slot, draft_copies, self._layers[self._target_layers:],
-                       layer_offset=self._target_layers)
+        slot = req.slot if slot is None else slot
+        self._copy_out(slot, copies, self._layers[:self._target_layers])
+        self._copy_out(slot, draft_copies, self._layers[self._target_layers:], layer_offset=self._target_layers)
         for _, block in draft_copies:
             self.blocks.has_draft[block] = True
         self._held_draft[rid] = self._draft_prefix(held, held_draft)
@@ -355,19 +367,26 @@ class KVCacheManager:
 
     def free(self, req: Request, cache: bool = True) -> None:
         """Release `req`'s slot and block references (idempotent); with `cache`, its computed full blocks go to the
-        prefix cache first and the slot may be retained with its KV, else its memory goes back to the OS."""
+        prefix cache and the slot may be retained with its KV, else its memory goes back to the OS. A retained
+        slot's blocks are copied FLUSH_BYTES at a time by later flushes and idle calls (an 8k-token prompt's ~70 ms
+        of copies at its end had delayed whatever came next: a conversation's next turn), the rest here."""
         self._pending.pop(req.request_id, None)
+        retain = cache and self.max_retained and req.slot is not None and req.num_computed > 0
+        deferred = False
         if cache and req.slot is not None and self.blocks.num_blocks and req.request_id in self._held:
-            self.cache_computed(req)
-        for block in self._held.pop(req.request_id, []):
-            self.blocks.release(block)
-        self._held_draft.pop(req.request_id, None)
-        self._keys.pop(req.request_id, None)
+            if not retain:
+                self.cache_computed(req)
+            elif self.cache_computed(req, self._flush_blocks) == self._flush_blocks:
+                deferred = True                     # maybe more: the slot keeps the KV until it is copied
+        if not deferred:
+            self._forget(req)
         if req.slot is None:
             return
         slot, req.slot = req.slot, None
         done = req.num_computed
-        if cache and self.max_retained and done > 0:
+        if retain:
+            if deferred:
+                self._deferred[slot] = req
             self._retained[slot] = (np.asarray(req.tokens(0, done)), min(done, req.num_computed_draft))
             while len(self._retained) > self.max_retained:
                 self._evict(next(iter(self._retained)))
@@ -375,6 +394,32 @@ class KVCacheManager:
             self._release(slot)
         self._busy.discard(slot)
         heapq.heappush(self._free_slots, slot)
+
+    def _forget(self, req: Request) -> None:
+        """Drop `req`'s block references and keys."""
+        for block in self._held.pop(req.request_id, []):
+            self.blocks.release(block)
+        self._held_draft.pop(req.request_id, None)
+        self._keys.pop(req.request_id, None)
+
+    def _drop_deferred(self, slot: int) -> None:
+        """Forget what `slot`'s finished request had left to copy (a request that continues its tokens takes the
+        slot: its own completed blocks, the same ones up to where it departs, go to the cache as it computes)."""
+        req = self._deferred.pop(slot, None)
+        if req is not None:
+            self._forget(req)
+
+    def _finish_deferred(self, slot: int, limit: int | None = None) -> int:
+        """Copy on (at most `limit` blocks; all of them by default) what the finished request retained in `slot`
+        still has to give the prefix cache; returns the copies made."""
+        req = self._deferred.get(slot)
+        if req is None:
+            return 0
+        copied = self.cache_computed(req, limit, slot=slot)
+        if limit is None or copied < limit:
+            del self._deferred[slot]
+            self._forget(req)
+        return copied
 
     # -- copies -----------------------------------------------------------------------------------
     def _copy_in(self, slot: int, blocks: list[int], draft_blocks: int) -> None:
