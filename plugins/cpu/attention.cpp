@@ -261,22 +261,19 @@ inline void accumulate_rows(const float* const* p, const half_t* __restrict v, i
 
 constexpr int kMaxGroupRows = 8;   // the most query heads a KV head has in the models we build
 
-// accumulate_rows for `rows` (2 to kMaxGroupRows) over a half cache; false where not compiled for them.
-template <int D, typename T>
-inline bool accumulate_group(int rows, const float* const* p, const T* v, int n, float* const* acc) {
-  if constexpr (std::is_same_v<T, half_t> && D % 16 == 0) {
-    switch (rows) {
-      case 2: accumulate_rows<D, 2>(p, v, n, acc); return true;
-      case 3: accumulate_rows<D, 3>(p, v, n, acc); return true;
-      case 4: accumulate_rows<D, 4>(p, v, n, acc); return true;
-      case 5: accumulate_rows<D, 5>(p, v, n, acc); return true;
-      case 6: accumulate_rows<D, 6>(p, v, n, acc); return true;
-      case 7: accumulate_rows<D, 7>(p, v, n, acc); return true;
-      case 8: accumulate_rows<D, 8>(p, v, n, acc); return true;
-      default: return false;
-    }
+// accumulate_rows for `rows` (2 to kMaxGroupRows); false where not compiled for them.
+template <int D>
+inline bool accumulate_group(int rows, const float* const* p, const half_t* v, int n, float* const* acc) {
+  switch (rows) {
+    case 2: accumulate_rows<D, 2>(p, v, n, acc); return true;
+    case 3: accumulate_rows<D, 3>(p, v, n, acc); return true;
+    case 4: accumulate_rows<D, 4>(p, v, n, acc); return true;
+    case 5: accumulate_rows<D, 5>(p, v, n, acc); return true;
+    case 6: accumulate_rows<D, 6>(p, v, n, acc); return true;
+    case 7: accumulate_rows<D, 7>(p, v, n, acc); return true;
+    case 8: accumulate_rows<D, 8>(p, v, n, acc); return true;
+    default: return false;
   }
-  return false;
 }
 #endif
 
@@ -603,12 +600,13 @@ void attend_tile(const Step<T>& st, int64_t b, int64_t s0, int64_t count, int64_
         accumulate<D, 1>(s, v, count(r), a);
       };
 #ifdef __AVX512F__
-      // one token's heads (a decode step's rows), each taking the whole block: in registers, asking as they go
-      if (rows <= kMaxGroupRows && count(0) > 0) {
+      // one token's heads (a decode step's rows) over a half cache, each taking the whole block: in registers,
+      // asking as they go
+      if constexpr (std::is_same_v<T, half_t> && D % 16 == 0) {
+        bool same = rows <= kMaxGroupRows && count(0) > 0;
         const float* s[kMaxGroupRows];
         float* a[kMaxGroupRows];
-        bool same = true;
-        for (int r = 0; r < rows; ++r) s[r] = score(r, k), a[r] = sum(r), same = same && count(r) == count(0);
+        for (int r = 0; same && r < rows; ++r) s[r] = score(r, k), a[r] = sum(r), same = count(r) == count(0);
         if (same && accumulate_group<D>(rows, s, block, count(0), a)) continue;
       }
 #endif

@@ -122,7 +122,7 @@ def slot_groups(slots: list[int], fenced: set[int], dummies: dict[int, int] | No
 ONE_ROW_INDEX = np.zeros(1, np.int64)      # a one-row step's logits row
 
 
-def feed(io: ort.IOBinding, fed: dict[str, np.ndarray], name: str, value: np.ndarray) -> None:
+def feed(io: ort.IOBinding, fed: dict, name: str, value: np.ndarray) -> None:
     """Bind `value` as input `name`: into the array bound last time, where the shape is the same (ONNX Runtime reads
     a bound CPU array where it lies, so the step needs no new binding: ~4 µs an input), else a copy bound anew."""
     bound = fed.get(name)
@@ -178,7 +178,7 @@ class ModelRunner:
         self._logits = np.empty((0, self.vocab_size), np.float32)
         # (pool id, first slot, slots) → (pool, binding, session, fed): each entry holds the session too, because an
         # IOBinding does not keep its session alive, and a binding that outlives its session crashes when freed;
-        # `fed` holds the step inputs bound last (see execute)
+        # `fed` holds the step inputs bound last and the logits buffer's (address, rows) (see execute)
         self._bindings: OrderedDict[tuple[int, int, int], tuple[weakref.ref, ort.IOBinding, ort.InferenceSession,
                                                                 dict]] = OrderedDict()
 
@@ -222,14 +222,15 @@ class ModelRunner:
         batch = input_ids.shape[0]
         assert input_ids.dtype == np.int64 and input_ids.ndim == 2, input_ids.dtype
         assert seqlens_k.dtype == np.int32 and seqlens_k.shape == (batch,), seqlens_k.shape
-        assert slots.count == batch and int(seqlens_k.max()) < pool.capacity
+        total = int(seqlens_k.max()) + 1
+        assert slots.count == batch and total <= pool.capacity
         n = len(logits_indices)
         if self._logits.shape[0] < n:
             self._logits = np.empty((max(n, 2 * self._logits.shape[0]), self.vocab_size), np.float32)
         io, fed = self._binding(pool, slots)
         feed(io, fed, "input_ids", input_ids)
         feed(io, fed, "seqlens_k", seqlens_k)
-        feed(io, fed, "total_sequence_length", np.array(int(seqlens_k.max()) + 1, np.int32))
+        feed(io, fed, "total_sequence_length", np.array(total, np.int32))
         feed(io, fed, "logits_indices", np.asarray(logits_indices, np.int64))
         out = (self._logits.ctypes.data, n)
         if fed.get("logits") != out:
