@@ -339,7 +339,7 @@ struct Step {
   float* out;          // [B, S, heads·D]
   int64_t batch, seq, heads, kv_heads, head_dim, capacity, max_pos, window, tile, heads_per_task;
   float scale;
-  bool split;          // decode with few rows: one task per (b, KV head, segment of keys)
+  bool split;          // few rows, long context: one task per (b, KV head, segment of keys)
   int segs;            // the most segments a row of this step has
   struct Partials* shared;   // split: every row's partials
 
@@ -648,15 +648,17 @@ void attend(void* user, size_t task) {
   }
 }
 
-// Phase 2 of a decode step with few rows (Step::split): one task per (b, KV head, segment of keys), its partials
-// straight into the step's shared ones (row b·heads + h; tasks write disjoint entries); combined per row afterwards.
+// Phase 2 of a step with few rows over a long context (Step::split): one task per (b, KV head, segment of keys),
+// taking every query token of the step with the group's heads, its partials straight into the step's shared ones
+// (the group's rows from (b·kv_heads + g)·seq·nh, token-major as attend_tile numbers them; tasks write disjoint
+// entries); combined per row afterwards.
 template <int D, typename T>
 void attend_segment(void* user, size_t task) {
   const Step<T>& st = *static_cast<const Step<T>*>(user);
   int64_t seg = task % st.segs, g = (task / st.segs) % st.kv_heads, b = task / st.segs / st.kv_heads;
   int64_t nh = st.heads / st.kv_heads;
-  attend_tile<D>(st, b, 0, 1, g * nh, nh, static_cast<int>(seg), static_cast<int>(seg) + 1, *st.shared,
-                 b * st.heads + g * nh);
+  attend_tile<D>(st, b, 0, st.seq, g * nh, nh, static_cast<int>(seg), static_cast<int>(seg) + 1, *st.shared,
+                 (b * st.kv_heads + g) * st.seq * nh);
 }
 
 template <int D, typename T>
@@ -667,12 +669,17 @@ void run_attention(OrtKernelContext* context, Step<T>& st) {
     return;
   }
   ctx.ParallelFor(attend_segment<D, T>, static_cast<size_t>(st.batch * st.kv_heads * st.segs), 0, &st);
+  const int64_t nh = st.heads / st.kv_heads;
   for (int64_t b = 0; b < st.batch; ++b)
-    for (int64_t h = 0; h < st.heads; ++h) {
-      size_t at = static_cast<size_t>(b * st.heads + h) * st.segs;
-      int n = segments_of(static_cast<int>(st.total(b) - st.first_key(st.total(b) - 1)));
-      combine<D>(&st.shared->max[at], &st.shared->sum[at], &st.shared->acc[at * D], n, st.out + (b * st.heads + h) * D);
-    }
+    for (int64_t g = 0; g < st.kv_heads; ++g)
+      for (int64_t s = 0; s < st.seq; ++s)
+        for (int64_t i = 0; i < nh; ++i) {
+          int64_t pos = st.past(b) + s, h = g * nh + i;
+          int n = pos < st.total(b) ? segments_of(static_cast<int>(pos + 1 - st.first_key(pos))) : 0;
+          size_t at = static_cast<size_t>(((b * st.kv_heads + g) * st.seq + s) * nh + i) * st.segs;
+          combine<D>(&st.shared->max[at], &st.shared->sum[at], &st.shared->acc[at * D], n,
+                     st.out + ((b * st.seq + s) * st.heads + h) * D);
+        }
 }
 
 // The attention of a head size this op is compiled for; refuses any other before the step writes anything.
@@ -736,17 +743,20 @@ struct CausalAttentionKernel {
     // prefill: tiles of kTile tokens share key blocks (one token per task when a local window gives each its own)
     st.tile = st.seq > 1 && window <= 0 ? kTile : 1;
     // The heads of a KV group share its reads, unless that leaves too few tasks to keep every thread streaming:
-    // then a decode step whose rows have several segments splits each group's keys by segment (batch-1 decode
-    // at 512 tokens: 6 tasks), and a shorter one takes a task per head (a row's arithmetic is the same either way).
+    // then a step of one tile whose rows have several segments splits each group's keys by segment, every query
+    // token of the step in the same task (batch-1 decode at 512 tokens: 6 tasks; a warm prompt's last tokens or a
+    // batch-1 verification at 7k tokens read the cache once, where a task per head read it once per head: 1.7x
+    // the time for two tokens), and a shorter one takes a task per head (a row's arithmetic is the same either
+    // way). (Under a local window a tile is one token.)
     int64_t tiles = (st.seq + st.tile - 1) / st.tile;
     int64_t longest = 0;
     for (int64_t b = 0; b < st.batch; ++b) longest = std::max(longest, st.total(b));
     st.segs = segments_of(static_cast<int>(longest));
     bool few = st.batch * kv_heads * tiles < kMinGroupedTasks;
-    st.split = few && st.seq == 1 && st.segs > 1;
+    st.split = few && tiles == 1 && st.segs > 1;
     st.heads_per_task = few && !st.split ? 1 : heads / kv_heads;
     thread_local Partials shared;   // (one per element type: a thread runs one step at a time either way)
-    if (st.split) shared.reset(static_cast<int>(st.batch * heads), st.segs, static_cast<int>(st.head_dim));
+    if (st.split) shared.reset(static_cast<int>(st.batch * st.seq * heads), st.segs, static_cast<int>(st.head_dim));
     st.shared = &shared;
     run(context, st);
   }

@@ -178,6 +178,8 @@ CASES = [  # (batch, seq, seqlens_k, heads, kv_heads, head_dim, window)
     (2, 1, [129, 455], 4, 2, 32, -1),      # two sequences, 2 and 4 segments, split
     (1, 1, [520], 4, 2, 64, 200),          # a long window: split too, segments from the window's first key
     (1, 40, [560], 6, 2, 128, -1),         # a prompt chunk after 520 cached tokens: every segment in one task
+    (1, 5, [600], 9, 3, 64, -1),           # batch-1 verification over 5 segments: split, the 5 tokens in each task
+    (1, 3, [290], 4, 2, 128, -1),          # a warm prompt's last tokens after 287 cached ones: split
 ]
 
 
@@ -231,7 +233,8 @@ def test_matches_reference_on_any_shape(data, batch, seq, shape, window, threads
 @pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (16, 4, 2), (128, 8, 8)])
 def test_a_row_is_bitwise_the_same_alone_batched_or_in_a_chunk(head_dim, heads, kv_heads, chunk_len, position, cache):
     """The token at `position` of a sequence: decoded alone (at 517, its keys split by segment across threads),
-    decoded beside four other sequences (whose count changes how the op splits its work), and as the last of a
+    decoded beside four other sequences (whose count changes how the op splits its work), as the last of a
+    three-token step (a verification: at 517 split by segment, the three tokens in each task), and as the last of a
     prompt chunk (every segment in one task; 48 tokens make tiles of 16 rows, whose keys are scored 16 at a time
     from a transposed block): the same bits."""
     rng = np.random.default_rng(7)
@@ -244,7 +247,9 @@ def test_a_row_is_bitwise_the_same_alone_batched_or_in_a_chunk(head_dim, heads, 
     batched, _, _ = run("qs", others_qkv, others_keys, others_values, [5, 600, position, 11, 90], heads, kv_heads)
     pair_qkv, pair_keys, pair_values = others_qkv[1:3], others_keys[1:3], others_values[1:3]
     pair, _, _ = run("qs", pair_qkv, pair_keys, pair_values, [600, position], heads, kv_heads)   # split when few
+    three, _, _ = run("qs", qkv[:, -3:], chunk_keys, chunk_values, [position], heads, kv_heads)  # a short step
     assert np.array_equal(alone[0, 0], chunk[0, -1])
+    assert np.array_equal(three[0], chunk[0, -3:])
     assert np.array_equal(batched[2, 0], chunk[0, -1])
     assert np.array_equal(pair[1, 0], chunk[0, -1])
 
