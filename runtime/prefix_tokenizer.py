@@ -11,6 +11,12 @@ already has, unless the run reaches its end, and such a run is at most its last 
 of an earlier prompt that are followed in it by at least two more pre-tokens and MARGIN characters are pre-tokens
 of any text that extends it, with the same ids. Those ids are kept and only the rest is tokenized.
 
+A prompt that shares only a beginning with a recent one (one system prompt, or one document, then different
+questions) is cut at a remembered pre-token start that lies in the shared beginning, MARGIN characters before its
+end and at a printable ASCII character other than a space (every regex agrees it is not whitespace, so any
+whitespace run before it ended there): each pre-token before the cut is settled by characters the two texts share.
+Such cuts are remembered every CHECKPOINT_CHARS characters or so.
+
 Used only where that argument holds, and otherwise (or when no recent prompt begins the text) the tokenizer's own
 encoding is returned: BPE without dropout, no truncation or padding; a pre-tokenizer that is GPT-2's ByteLevel regex
 (optionally after Digits), or a Split on Llama-3's or Qwen2's regex followed by ByteLevel's byte mapping, never
@@ -30,11 +36,14 @@ import json
 import threading
 import unicodedata
 from array import array
+from bisect import bisect_left, bisect_right
 from collections import OrderedDict
+from operator import itemgetter
 
 from tokenizers import Tokenizer
 
 MARGIN = 16       # characters an earlier prompt keeps after its cut at least (the regexes read two past a match)
+CHECKPOINT_CHARS = 256   # a prompt sharing a beginning with a recent one tokenizes about this much of it again, at most
 SPLIT_REGEXES = {  # Split patterns the argument above was checked for (and the tests exercise)
     "llama3": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
               r"|\s*[\r\n]+|\s+(?!\S)|\s+",
@@ -93,11 +102,16 @@ def _spec_splits_exactly(spec: dict) -> bool:
 
 
 class PrefixTokenizer:
-    """`encode(text)`: the tokenizer's ids for `text`, reusing a recent prompt's that `text` extends. Thread-safe
-    (the servers tokenize in worker threads); remembers `capacity` recent prompts of at least `min_chars`."""
+    """`encode(text)`: the tokenizer's ids for `text`, reusing a recent prompt's that `text` extends or shares a
+    beginning with. Thread-safe (the servers tokenize in worker threads); remembers `capacity` recent prompts of
+    at least `min_chars` (with a mark every `checkpoint_chars` characters), each as (cut, its ids before the cut, marks, the number of those ids before each mark):
+    the cut holds for a text that extends the prompt, a mark for one that shares the prompt up to MARGIN characters
+    past it."""
 
-    def __init__(self, tokenizer: Tokenizer, capacity: int = 256, min_chars: int = 256):
+    def __init__(self, tokenizer: Tokenizer, capacity: int = 256, min_chars: int = 256,
+                 checkpoint_chars: int = CHECKPOINT_CHARS):
         self.tokenizer, self.capacity, self.min_chars = tokenizer, capacity, min_chars
+        self.checkpoint_chars = checkpoint_chars
         spec = json.loads(tokenizer.to_str())        # (a 150K-token vocabulary's is megabytes: read once)
         self.exact, self.ascii_cuts = _spec_splits_exactly(spec), spec.get("normalizer") is not None
         added = list(tokenizer.get_added_tokens_decoder().values())
@@ -105,14 +119,14 @@ class PrefixTokenizer:
         strips = any(t.lstrip or t.rstrip or t.single_word for t in added)
         self.unsplittable = [t.content for t in added] if strips else []
         self.margin = max([MARGIN] + [len(t.content) + 2 for t in added])
-        self._recent: OrderedDict[str, tuple[int, array]] = OrderedDict()   # prompt → (cut, its ids before cut)
+        self._recent: OrderedDict[str, tuple[int, array, array, array]] = OrderedDict()
         self._lock = threading.Lock()
 
     def encode(self, text: str, max_chars: int | None = None) -> list[int] | None:
         """The ids of `text`; with `max_chars`, None instead when more than that many characters would be
         tokenized (a server tokenizes a chat's next turn on its event loop and anything longer in a thread)."""
         whole = not self.exact or len(text) < self.min_chars or self._holds_unsplittable(text)
-        earlier, cut, head = (None, 0, array("i")) if whole else self._longest_earlier(text)
+        earlier, cut, head, marks = (None, 0, array("i"), ([], [])) if whole else self._longest_earlier(text)
         if max_chars is not None and len(text) - cut > max_chars:
             return None
         if whole:
@@ -120,7 +134,7 @@ class PrefixTokenizer:
         # a template's special tokens (all before the text) are in the head once there is one
         tail = self.tokenizer.encode_batch([text[cut:]], add_special_tokens=not head)[0]
         ids = head.tolist() + tail.ids
-        self._remember(text, earlier, cut, head, tail)
+        self._remember(text, earlier, cut, head, marks, tail)
         return ids
 
     def _holds_unsplittable(self, text: str) -> bool:
@@ -131,22 +145,31 @@ class PrefixTokenizer:
         forms = (text, unicodedata.normalize("NFC", text)) if self.ascii_cuts else (text,)
         return any(a in form for form in forms for a in self.unsplittable)
 
-    def _longest_earlier(self, text: str) -> tuple[str | None, int, array]:
+    def _longest_earlier(self, text: str) -> tuple[str | None, int, array, tuple[list, list]]:
+        """(the prompt `text` extends, or None where it only shares a beginning), the latest cut that holds for
+        `text`, the ids before it, and the marks before it with their counts (which hold for `text` too)."""
         with self._lock:
-            best = None
-            for prompt in self._recent:
-                if (best is None or len(prompt) > len(best)) and text.startswith(prompt):
-                    best = prompt
-            if best is None:
-                return None, 0, array("i")
-            cut, head = self._recent[best]
-            return best, cut, head
+            found = None, 0, array("i"), ([], [])
+            for prompt in reversed(self._recent):          # the latest first: what a server most likely sees next
+                best = found[1]
+                if len(prompt) <= best or not text.startswith(prompt[:best + 1]):
+                    continue                               # it cannot give a later cut
+                shared = _shared_length(text, prompt, best + 1)
+                cut, head, marks, counts = self._recent[prompt]
+                if shared == len(prompt) and cut > best:   # `text` extends it
+                    found = prompt, cut, head, (marks, counts)
+                    continue
+                i = bisect_right(marks, shared - self.margin) - 1
+                if i >= 0 and marks[i] > best:
+                    found = None, marks[i], head[:counts[i]], (marks[:i + 1], counts[:i + 1])
+            return found
 
-    def _remember(self, text: str, earlier: str | None, cut: int, head: array, tail) -> None:
+    def _remember(self, text: str, earlier: str | None, cut: int, head: array, marks: tuple[list, list],
+                  tail) -> None:
         """Store `text` with a cut before its last pre-tokens: the latest start of a pre-token (word_ids index them;
         a template's special tokens have none) followed by at least one more and `margin` characters (ASCII ones
         under NFC). A tail too short to move it keeps the earlier cut, which holds for `text` as it held for the
-        prompt `text` extends."""
+        prompt `text` extends. Marks: the earlier ones, and one every CHECKPOINT_CHARS characters of the tail."""
         words, offsets = tail.word_ids, tail.offsets          # offsets: characters of text[cut:]
         last = len(text) - self.margin - cut
 
@@ -158,10 +181,46 @@ class PrefixTokenizer:
         ends_in_text = bool(words) and words[-1] is not None     # (a template's specials all come first)
         keep = next((i for i in range(len(words) - 1, 0, -1) if starts_a_cut(i)), 0) if ends_in_text else 0
         new_cut, new_head = (cut + offsets[keep][0], head + array("i", tail.ids[:keep])) if keep else (cut, head)
+        marks = self._marks(text, cut, len(head), words, offsets, keep, marks)
         with self._lock:
             if earlier is not None:
                 self._recent.pop(earlier, None)     # superseded: what extends it most likely extends `text`
-            self._recent[text] = (new_cut, new_head)
+            self._recent[text] = (new_cut, new_head, *marks)
             self._recent.move_to_end(text)
             while len(self._recent) > self.capacity:
                 self._recent.popitem(last=False)
+
+    def _marks(self, text: str, cut: int, before: int, words, offsets, keep: int,
+               marks: tuple[list, list]) -> tuple[array, array]:
+        """`marks` and, every `checkpoint_chars` characters of text[cut:] up to token `keep`, the first pre-token
+        start after that point at a printable ASCII character other than a space (with `margin` ASCII characters
+        under NFC), with the number of ids before it (`before` of them are before `cut`)."""
+        chars, counts = array("i", marks[0]), array("i", marks[1])
+        i = 0
+        step = self.checkpoint_chars
+        for point in range(step, offsets[keep][0] if keep else 0, step):
+            i = bisect_left(offsets, point, lo=i, hi=keep, key=itemgetter(0))
+            while i < keep and not (words[i] is not None and words[i] != words[i - 1]
+                                    and "!" <= text[cut + offsets[i][0]] <= "~"
+                                    and (not self.ascii_cuts
+                                         or text[cut + offsets[i][0]:cut + offsets[i][0] + self.margin].isascii())):
+                i += 1
+            if i < keep and (not chars or cut + offsets[i][0] > chars[-1]):
+                chars.append(cut + offsets[i][0])
+                counts.append(before + i)
+        return chars, counts
+
+
+def _shared_length(text: str, prompt: str, known: int) -> int:
+    """How many first characters `text` and `prompt` share, given that they share `known`."""
+    lo, hi = known, min(len(text), len(prompt))
+    if text.startswith(prompt[:hi]):
+        return hi
+    hi -= 1                                   # they share lo characters and not hi + 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if text.startswith(prompt[:mid]):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import AddedToken, Regex, Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
 
-from runtime.prefix_tokenizer import SPLIT_REGEXES, PrefixTokenizer, splits_exactly
+from runtime.prefix_tokenizer import CHECKPOINT_CHARS, SPLIT_REGEXES, PrefixTokenizer, splits_exactly
 
 ROOT = Path(__file__).resolve().parents[2]
 BUNDLED = ROOT / "models" / "target" / "tokenizer.json"
@@ -126,12 +126,40 @@ def test_a_follow_up_tokenizes_only_its_tail(tokenizer):
     pt = PrefixTokenizer(tokenizer)
     history = CODE[:4000]
     assert pt.encode(history) == tokenizer.encode(history).ids
-    (prompt, (cut, head)), = pt._recent.items()
+    (prompt, (cut, head, _, _)), = pt._recent.items()
     whole = tokenizer.encode(history).ids
     assert prompt == history and len(history) - 64 < cut <= len(history) - pt.margin and len(head) > 0.95 * len(whole)
     follow_up = history + "\n# user 3, question 1: what does this do?\n" + CODE[5000:5090]
     assert pt.encode(follow_up) == tokenizer.encode(follow_up).ids
     assert list(pt._recent) == [follow_up]           # the prompt it extended is superseded
+
+
+@settings(max_examples=300, deadline=None)
+@given(start=st.lists(PIECES, min_size=20, max_size=120).map("".join), ends=st.lists(TEXT, min_size=2, max_size=4),
+       step=st.sampled_from([1, 5, 40]))
+def test_texts_that_share_a_beginning_equal_the_whole_texts_encoding(tokenizer, start, ends, step):
+    """One beginning, different ends (cut anywhere, at whitespace runs, inside an added token's spelling): each
+    cut at a mark of an earlier one, marks every `step` characters."""
+    pt = PrefixTokenizer(tokenizer, min_chars=0, checkpoint_chars=step)
+    for end in ends:
+        assert pt.encode(start + end) == tokenizer.encode(start + end).ids
+
+
+def test_questions_behind_one_long_document_tokenize_from_where_they_part(tokenizer):
+    """A RAG server's traffic: one long document, then a different question each time. The second question is
+    tokenized from a mark within CHECKPOINT_CHARS (+ a pre-token) of where it parts from the first."""
+    pt = PrefixTokenizer(tokenizer)
+    document = "<|im_start|>system\n" + CODE[:6000] + "\n# question: "
+    first, second = document + "what does admit do?\n", document + "why a budget?\n"
+    assert pt.encode(first) == tokenizer.encode(first).ids
+    cut, head, marks, counts = pt._recent[first]
+    assert len(marks) > 6000 / CHECKPOINT_CHARS / 2 and list(marks) == sorted(set(marks))
+    whole = tokenizer.encode(first).ids
+    for at, n in zip(marks, counts):          # each mark is a cut of the first text: its ids before it are those
+        assert list(head[:n]) + tokenizer.encode(first[at:], add_special_tokens=False).ids == whole
+    near = len(second) - len(document) + CHECKPOINT_CHARS + 64      # characters it may tokenize, at most
+    assert pt.encode(second, max_chars=near) == tokenizer.encode(second).ids
+    assert set(pt._recent) == {first, second}          # both kept: the next question may share either
 
 
 def test_distinct_users_behind_one_system_prompt_keep_their_own_histories(tokenizer):
