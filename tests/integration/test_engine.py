@@ -3,11 +3,12 @@ stop strings and validation — each checked against the same engine doing the s
 
 import asyncio
 import random
+import sys
 
 import numpy as np
 import pytest
 
-from runtime.async_engine import AsyncEngine
+from runtime.async_engine import SWITCH_INTERVAL_S, AsyncEngine
 from runtime.config import CacheConfig, EngineConfig, SchedulerConfig
 from runtime.engine import Engine, EngineOverloaded
 from runtime.request import InvalidRequest, SamplingParams
@@ -336,6 +337,22 @@ def test_async_stream_and_cancel(engine):
     asyncio.run(main())
     aeng.shutdown()
     assert_no_leaks(eng)
+
+
+def test_the_loop_thread_and_an_event_loop_hand_the_gil_over_within_half_a_millisecond(engine):
+    """Lowered from the interpreter's 5 ms when an AsyncEngine starts, never raised."""
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)
+        aeng = AsyncEngine(make(engine("llama")))
+        assert sys.getswitchinterval() == pytest.approx(SWITCH_INTERVAL_S)
+        aeng.shutdown()
+        sys.setswitchinterval(0.0001)
+        aeng = AsyncEngine(make(engine("llama")))
+        assert sys.getswitchinterval() == pytest.approx(0.0001)
+        aeng.shutdown()
+    finally:
+        sys.setswitchinterval(before)
 
 
 def test_int8_and_fp16_kv_caches_hold_four_and_two_times_the_tokens_in_the_same_budget(engine):
