@@ -429,7 +429,7 @@ class KVCacheManager:
             use = blocks if j < self._target_layers else blocks[:draft_blocks]
             if not use:
                 continue
-            n, idx = len(use) * self.block_size, np.asarray(use)
+            n, idx = len(use) * self.block_size, _index(use)
             for src, dst in ((self.blocks.keys[j], pool.keys[layer]), (self.blocks.values[j], pool.values[layer])):
                 rows = dst[slot, :, :n, :]                                   # [kvh, n, hd]
                 # the slot's rows as blocks (a view): the gathered blocks land in one strided copy (a reshape of the
@@ -444,9 +444,17 @@ class KVCacheManager:
             return
         bs, first = self.block_size, copies[0][0]
         span = copies[-1][0] + 1 - first
-        picked, blocks = np.array([i - first for i, _ in copies]), np.array([b for _, b in copies])
+        picked, blocks = _index([i - first for i, _ in copies]), _index([b for _, b in copies])
         rows = slice(first * bs, (first + span) * bs)
         for j, (pool, layer) in enumerate(layers, layer_offset):
             for src, dst in ((pool.keys[layer], self.blocks.keys[j]), (pool.values[layer], self.blocks.values[j])):
                 kv = src[slot, :, rows, :]                                   # [kvh, span·bs, hd]
                 dst[blocks] = kv.reshape(kv.shape[0], span, bs, -1)[:, picked].transpose(1, 0, 2, 3)
+
+
+def _index(ids: list[int]) -> slice | np.ndarray:
+    """A slice where the ids run consecutively (a prompt's blocks, fresh blocks handed out in order: the usual case),
+    so numpy copies through views in one pass instead of gathering into a temporary first; else an index array."""
+    if ids[-1] - ids[0] == len(ids) - 1 and all(b - a == 1 for a, b in zip(ids, ids[1:])):
+        return slice(ids[0], ids[-1] + 1)
+    return np.array(ids)
