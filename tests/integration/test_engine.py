@@ -197,6 +197,26 @@ def test_a_finished_sequence_is_copied_into_the_cache_a_flush_at_a_time(engine):
     assert_no_leaks(warm)
 
 
+def test_a_prompt_s_blocks_are_made_resident_by_its_own_steps(engine):
+    """The prefix-cache blocks a step's completed blocks will be copied into are made resident in that step, not one
+    flush at a time in the decode steps after it; none beyond them (no reserve here); the output is the same."""
+    prompt = (prompts(1, seed=43)[0] * 80)[:300]                  # 18 full blocks
+    eng = make(engine("llama"), cache=CacheConfig(kv_budget_bytes=32 << 20, prefix_reserve_bytes=0))
+    eng.kv._flush_blocks = 1
+    blocks = eng.kv.blocks
+    eng.add_request(prompt, GREEDY)
+    eng.step()                                                   # the whole prompt, no copy yet
+    assert blocks._handed_out == 0 and blocks._populated == 18
+    eng.step()                                                   # the first block copied, nothing more resident
+    assert blocks._handed_out == 1 and blocks._populated == 18
+    while eng.has_work():
+        eng.step()
+    assert blocks._populated == blocks._handed_out == (len(prompt) + GREEDY.max_tokens - 1) // 16   # computed tokens
+    cold = make(engine("llama"), cache=CacheConfig(kv_budget_bytes=32 << 20, enable_prefix_cache=False))
+    item = (prompt, GREEDY)
+    assert_same_greedy(run_all(eng, [item])[0], run_all(cold, [item])[0])
+
+
 def test_chunked_prefill_equals_unchunked(engine):
     items = [(p, GREEDY) for p in prompts(4, seed=5)]
     chunked = run_all(make(engine("qwen2"), prefill_chunk=7, token_budget=24), items)

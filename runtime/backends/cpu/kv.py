@@ -293,8 +293,15 @@ class KVCacheManager:
                     pool.release(slot)
 
     def computed(self, req: Request) -> None:
-        if self.blocks.num_blocks:
-            self._pending[req.request_id] = req
+        """After a step: `req`'s newly completed blocks go to the prefix cache from the next step on, into blocks
+        made resident now (BlockPool.prepare)."""
+        if not self.blocks.num_blocks:
+            return
+        self._pending[req.request_id] = req
+        bs = self.block_size
+        if req.num_computed // bs > len(self._held.get(req.request_id, ())):
+            self.blocks.prepare(sum(max(0, r.num_computed // bs - len(self._held.get(rid, ())))
+                                    for rid, r in self._pending.items()))
 
     def flush(self) -> None:
         """Copy what the last steps completed into the prefix cache, at most FLUSH_BYTES a step (the rest stays
