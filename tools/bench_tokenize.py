@@ -4,10 +4,13 @@ text, interleaved prompt by prompt, with the ids compared every time.
 
 The workload: `--users` chats behind one system prompt over held-out code, each turn the whole history plus a short
 question and an answer, as a completion prompt (plain text) or a ChatML chat (`--chatml`: <|im_start|>/<|im_end|>
-around every message, the added tokens a chat template puts in the text). Prints per-prompt medians and the spread
-over prompts, writes JSON with `--json`.
+around every message, the added tokens a chat template puts in the text). With `--questions`, a RAG server's:
+one document of `--system-chars` (the system message), then `--users` x `--turns` different questions after it,
+each sharing only the document with the ones before. Prints per-prompt medians and the spread over prompts,
+writes JSON with `--json`.
 
     python tools/bench_tokenize.py models/target/tokenizer.json --chatml
+    python tools/bench_tokenize.py models/target/tokenizer.json --chatml --questions --system-chars 30000
 """
 
 from __future__ import annotations
@@ -27,8 +30,9 @@ from runtime.prefix_tokenizer import PrefixTokenizer  # noqa: E402
 TEXT = Path(__file__).resolve().parents[1] / "compile" / "data" / "heldout_code.txt"
 
 
-def prompts(users: int, turns: int, system_chars: int, chatml: bool, seed: int = 0) -> list[str]:
-    """Every user's prompt at every turn, users interleaved within a turn (as a server sees them)."""
+def prompts(users: int, turns: int, system_chars: int, chatml: bool, seed: int = 0, questions: bool = False) -> list[str]:
+    """Every user's prompt at every turn, users interleaved within a turn (as a server sees them); with
+    `questions`, the document and one new question each."""
     text = TEXT.read_text()
     rng = np.random.default_rng(seed)
 
@@ -39,6 +43,11 @@ def prompts(users: int, turns: int, system_chars: int, chatml: bool, seed: int =
         start = int(rng.integers(0, len(text) - n))
         return text[start:start + n]
 
+    if questions:
+        header = "<|im_start|>assistant\n" if chatml else "\n# assistant:\n"
+        return [message("system", text[:system_chars]) + message("user", f"question {i}: why is this here?\n"
+                                                                  + snippet(90)) + header
+                for i in range(users * turns)]
     histories = [message("system", text[:system_chars]) for _ in range(users)]
     out = []
     for turn in range(turns):
@@ -57,6 +66,7 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=12)
     ap.add_argument("--system-chars", type=int, default=4000)
     ap.add_argument("--chatml", action="store_true", help="ChatML messages (added to the tokenizer if it lacks them)")
+    ap.add_argument("--questions", action="store_true", help="one document, a new question after it each time")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     tok = Tokenizer.from_file(str(args.tokenizer))
@@ -65,7 +75,7 @@ def main() -> None:
                                 if tok.token_to_id(t) is None])
     prefix = PrefixTokenizer(tok)
     whole_ms, prefix_ms, chars = [], [], []
-    for i, text in enumerate(prompts(args.users, args.turns, args.system_chars, args.chatml)):
+    for i, text in enumerate(prompts(args.users, args.turns, args.system_chars, args.chatml, questions=args.questions)):
         runs = {}
         for name in (("whole", "prefix") if i % 2 == 0 else ("prefix", "whole")):
             t = time.perf_counter()
@@ -76,16 +86,17 @@ def main() -> None:
         whole_ms.append(runs["whole"][0])
         prefix_ms.append(runs["prefix"][0])
         chars.append(len(text))
-    later = slice(args.users, None)          # follow-up turns (each user's first prompt has nothing to extend)
+    later = slice(1 if args.questions else args.users, None)   # what has an earlier prompt to share with
     ratios = np.array(prefix_ms[later]) / np.array(whole_ms[later])
     summary = {"prompts": len(chars), "chars_median": float(np.median(chars)),
                "tokens_last": len(runs["whole"][1]),
                "whole_ms_p50": float(np.median(whole_ms[later])), "prefix_ms_p50": float(np.median(prefix_ms[later])),
                "ratio_p50": float(np.median(ratios)), "ratio_p10": float(np.percentile(ratios, 10)),
                "ratio_p90": float(np.percentile(ratios, 90)), "ids_equal": True, "exact": prefix.exact}
-    print(f"{args.tokenizer} ({'ChatML' if args.chatml else 'plain'} chat, {args.users} users x {args.turns} turns, "
-          f"prompts of {summary['chars_median']:.0f} characters median): follow-up turns whole "
-          f"{summary['whole_ms_p50']:.2f} ms, from the last cut {summary['prefix_ms_p50']:.2f} ms "
+    what = "questions after one document" if args.questions else f"chat, {args.users} users x {args.turns} turns"
+    print(f"{args.tokenizer} ({'ChatML' if args.chatml else 'plain'} {what}, "
+          f"prompts of {summary['chars_median']:.0f} characters median): follow-up prompts whole "
+          f"{summary['whole_ms_p50']:.2f} ms, from a cut {summary['prefix_ms_p50']:.2f} ms "
           f"({summary['ratio_p50']:.2f}x [p10 {summary['ratio_p10']:.2f} - p90 {summary['ratio_p90']:.2f}]); "
           f"ids equal every prompt")
     if args.json:

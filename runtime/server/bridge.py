@@ -121,7 +121,7 @@ class Bridge:
         self.model_name = model_name or config.model_name or info.name
         self.max_model_len, self.max_waiting = info.max_model_len, info.max_waiting
         self.tokenizer = aengine.tokenizer
-        self.prompts = PrefixTokenizer(aengine.tokenizer)    # a chat's next turn tokenizes only what is new
+        self.prompts = PrefixTokenizer(aengine.tokenizer)    # a next turn, a new question: only what is new
         self.draining = False
         self.active: set[str] = set()   # engine ids of the requests being streamed (touched on the event loop only)
 
