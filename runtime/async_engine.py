@@ -26,6 +26,7 @@ log = logging.getLogger("quicksilver.engine")
 # other runs Python waits up to the interpreter's switch interval, 5 ms by default (more than a decode step of
 # the bundled model). At 0.5 ms: an 8k-token prompt served warm right after its first turn 39 vs 55 ms at the
 # API (smollm2 int4, AMD EPYC Zen 4, medians of 4 rounds), decode rates at conc 1 and 8 unchanged (1.03x, 1.02x).
+# The interval is the interpreter's, for every thread of the process, and stays lowered after shutdown.
 SWITCH_INTERVAL_S = 0.0005
 
 

@@ -199,7 +199,8 @@ def test_a_finished_sequence_is_copied_into_the_cache_a_flush_at_a_time(engine):
 
 def test_a_prompt_s_blocks_are_made_resident_by_its_own_steps(engine):
     """The prefix-cache blocks a step's completed blocks will be copied into are made resident in that step, not one
-    flush at a time in the decode steps after it; none beyond them (no reserve here); the output is the same."""
+    flush at a time in the decode steps after it; none beyond them (no reserve here), also where two requests share
+    the prompt; the output is the same."""
     prompt = (prompts(1, seed=43)[0] * 80)[:300]                  # 18 full blocks
     eng = make(engine("llama"), cache=CacheConfig(kv_budget_bytes=32 << 20, prefix_reserve_bytes=0))
     eng.kv._flush_blocks = 1
@@ -215,6 +216,13 @@ def test_a_prompt_s_blocks_are_made_resident_by_its_own_steps(engine):
     cold = make(engine("llama"), cache=CacheConfig(kv_budget_bytes=32 << 20, enable_prefix_cache=False))
     item = (prompt, GREEDY)
     assert_same_greedy(run_all(eng, [item])[0], run_all(cold, [item])[0])
+    twins = make(engine("llama"), token_budget=1024, cache=CacheConfig(kv_budget_bytes=32 << 20, prefix_reserve_bytes=0))
+    new = (prompts(1, seed=44)[0] * 80)[:300]
+    twins.add_request(new, GREEDY)
+    twins.add_request(new, GREEDY)                               # the same new prompt twice: its blocks copied once
+    twins.step()
+    assert [r.num_computed for r in twins.requests.values()] == [300, 300]
+    assert twins.kv.blocks._populated == 18
 
 
 def test_chunked_prefill_equals_unchunked(engine):

@@ -294,13 +294,15 @@ class KVCacheManager:
 
     def computed(self, req: Request) -> None:
         """After a step: `req`'s newly completed blocks go to the prefix cache from the next step on, into blocks
-        made resident now (BlockPool.prepare)."""
+        made resident now (BlockPool.prepare) — as many as the most any pending request has left to copy, not their
+        sum: requests that share a new prompt copy its blocks once (the others find them), and a burst of distinct
+        ones has the rest made resident as they are copied."""
         if not self.blocks.num_blocks:
             return
         self._pending[req.request_id] = req
         bs = self.block_size
         if req.num_computed // bs > len(self._held.get(req.request_id, ())):
-            self.blocks.prepare(sum(max(0, r.num_computed // bs - len(self._held.get(rid, ())))
+            self.blocks.prepare(max(r.num_computed // bs - len(self._held.get(rid, ()))
                                     for rid, r in self._pending.items()))
 
     def flush(self) -> None:
