@@ -104,9 +104,9 @@ def _spec_splits_exactly(spec: dict) -> bool:
 class PrefixTokenizer:
     """`encode(text)`: the tokenizer's ids for `text`, reusing a recent prompt's that `text` extends or shares a
     beginning with. Thread-safe (the servers tokenize in worker threads); remembers `capacity` recent prompts of
-    at least `min_chars` (with a mark every `checkpoint_chars` characters), each as (cut, its ids before the cut, marks, the number of those ids before each mark):
-    the cut holds for a text that extends the prompt, a mark for one that shares the prompt up to MARGIN characters
-    past it."""
+    at least `min_chars`, each as (cut, its ids before the cut, marks about every `checkpoint_chars` characters, the
+    number of those ids before each mark): the cut holds for a text that extends the prompt, a mark for one that
+    shares the prompt up to `margin` characters past it."""
 
     def __init__(self, tokenizer: Tokenizer, capacity: int = 256, min_chars: int = 256,
                  checkpoint_chars: int = CHECKPOINT_CHARS):
@@ -169,14 +169,14 @@ class PrefixTokenizer:
         """Store `text` with a cut before its last pre-tokens: the latest start of a pre-token (word_ids index them;
         a template's special tokens have none) followed by at least one more and `margin` characters (ASCII ones
         under NFC). A tail too short to move it keeps the earlier cut, which holds for `text` as it held for the
-        prompt `text` extends. Marks: the earlier ones, and one every CHECKPOINT_CHARS characters of the tail."""
+        prompt `text` extends. Marks: the earlier ones, and one every `checkpoint_chars` characters of the tail."""
         words, offsets = tail.word_ids, tail.offsets          # offsets: characters of text[cut:]
         last = len(text) - self.margin - cut
 
         def starts_a_cut(i: int) -> bool:
             at = offsets[i][0]
             return (words[i] is not None and words[i] != words[i - 1] and words[i] < words[-1] and at <= last
-                    and (not self.ascii_cuts or text[cut + at:cut + at + self.margin].isascii()))
+                    and self._ascii_after(text, cut + at))
 
         ends_in_text = bool(words) and words[-1] is not None     # (a template's specials all come first)
         keep = next((i for i in range(len(words) - 1, 0, -1) if starts_a_cut(i)), 0) if ends_in_text else 0
@@ -196,19 +196,25 @@ class PrefixTokenizer:
         start after that point at a printable ASCII character other than a space (with `margin` ASCII characters
         under NFC), with the number of ids before it (`before` of them are before `cut`)."""
         chars, counts = array("i", marks[0]), array("i", marks[1])
-        i = 0
-        step = self.checkpoint_chars
+
+        def is_mark(i: int) -> bool:
+            at = cut + offsets[i][0]
+            return words[i] is not None and words[i] != words[i - 1] and "!" <= text[at] <= "~" \
+                and self._ascii_after(text, at)
+
+        i, step = 0, self.checkpoint_chars
         for point in range(step, offsets[keep][0] if keep else 0, step):
             i = bisect_left(offsets, point, lo=i, hi=keep, key=itemgetter(0))
-            while i < keep and not (words[i] is not None and words[i] != words[i - 1]
-                                    and "!" <= text[cut + offsets[i][0]] <= "~"
-                                    and (not self.ascii_cuts
-                                         or text[cut + offsets[i][0]:cut + offsets[i][0] + self.margin].isascii())):
+            while i < keep and not is_mark(i):
                 i += 1
             if i < keep and (not chars or cut + offsets[i][0] > chars[-1]):
                 chars.append(cut + offsets[i][0])
                 counts.append(before + i)
         return chars, counts
+
+    def _ascii_after(self, text: str, at: int) -> bool:
+        """Under NFC, a cut at `at` needs `margin` ASCII characters after it (see the module doc)."""
+        return not self.ascii_cuts or text[at:at + self.margin].isascii()
 
 
 def _shared_length(text: str, prompt: str, known: int) -> int:

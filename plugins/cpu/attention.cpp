@@ -380,6 +380,13 @@ constexpr int kMinGroupedTasks = 8;  // fewer (b, KV head, tile) tasks than this
 
 inline int segments_of(int len) { return (len + kSegment - 1) / kSegment; }
 
+// The segments of the row of query token s of batch row b (0 for a padding token): the partials combine reads.
+template <typename T>
+int row_segments(const Step<T>& st, int64_t b, int64_t s) {
+  int64_t pos = st.past(b) + s;
+  return pos < st.total(b) ? segments_of(static_cast<int>(pos + 1 - st.first_key(pos))) : 0;
+}
+
 // exp(x) of a softmax argument (x ≤ 0 after the max is subtracted): qs_exp_inplace's Cody-Waite reduction and
 // degree-6 polynomial (ops.h, ~1 ulp) with every multiply-add fused and the power of two applied by an exact
 // scaling, written out so that the AVX-512 path (one register at a time, a masked tail) and the scalar one give the
@@ -645,10 +652,10 @@ void attend(void* user, size_t task) {
   p.reset(rows, segs, D);
   attend_tile<D>(st, b, s0, count, h0, nh, 0, segs, p);
   for (int r = 0; r < rows; ++r) {
-    int64_t s = s0 + r / nh, h = h0 + r % nh, pos = st.past(b) + s;
-    int n = pos < st.total(b) ? segments_of(static_cast<int>(pos + 1 - st.first_key(pos))) : 0;
+    int64_t s = s0 + r / nh, h = h0 + r % nh;
     size_t at = static_cast<size_t>(r) * p.segs;
-    combine<D>(&p.max[at], &p.sum[at], &p.acc[at * D], n, st.out + ((b * st.seq + s) * st.heads + h) * D);
+    combine<D>(&p.max[at], &p.sum[at], &p.acc[at * D], row_segments(st, b, s),
+               st.out + ((b * st.seq + s) * st.heads + h) * D);
   }
 }
 
@@ -678,11 +685,9 @@ void run_attention(OrtKernelContext* context, Step<T>& st) {
     for (int64_t g = 0; g < st.kv_heads; ++g)
       for (int64_t s = 0; s < st.seq; ++s)
         for (int64_t i = 0; i < nh; ++i) {
-          int64_t pos = st.past(b) + s, h = g * nh + i;
-          int n = pos < st.total(b) ? segments_of(static_cast<int>(pos + 1 - st.first_key(pos))) : 0;
           size_t at = static_cast<size_t>(((b * st.kv_heads + g) * st.seq + s) * nh + i) * st.segs;
-          combine<D>(&st.shared->max[at], &st.shared->sum[at], &st.shared->acc[at * D], n,
-                     st.out + ((b * st.seq + s) * st.heads + h) * D);
+          combine<D>(&st.shared->max[at], &st.shared->sum[at], &st.shared->acc[at * D], row_segments(st, b, s),
+                     st.out + ((b * st.seq + s) * st.heads + g * nh + i) * D);
         }
 }
 
@@ -749,8 +754,8 @@ struct CausalAttentionKernel {
     // The heads of a KV group share its reads, unless that leaves too few tasks to keep every thread streaming:
     // then a step of one tile whose rows have several segments splits each group's keys by segment, every query
     // token of the step in the same task (batch-1 decode at 512 tokens: 6 tasks; a warm prompt's last tokens or a
-    // batch-1 verification at 7k tokens read the cache once, where a task per head read it once per head: 1.7x
-    // the time for two tokens), and a shorter one takes a task per head (a row's arithmetic is the same either
+    // batch-1 verification at 7k tokens read the cache once, where a task per head read it once per head:
+    // 1.24x the time for two tokens), and a shorter one takes a task per head (a row's arithmetic is the same either
     // way). (Under a local window a tile is one token.)
     int64_t tiles = (st.seq + st.tile - 1) / st.tile;
     int64_t longest = 0;

@@ -300,10 +300,12 @@ class KVCacheManager:
         if not self.blocks.num_blocks:
             return
         self._pending[req.request_id] = req
-        bs = self.block_size
-        if req.num_computed // bs > len(self._held.get(req.request_id, ())):
-            self.blocks.prepare(max(r.num_computed // bs - len(self._held.get(rid, ()))
-                                    for rid, r in self._pending.items()))
+        if self._uncopied(req):
+            self.blocks.prepare(max(map(self._uncopied, self._pending.values())))
+
+    def _uncopied(self, req: Request) -> int:
+        """Completed blocks of `req` that it does not hold in the prefix cache yet."""
+        return max(0, req.num_computed // self.block_size - len(self._held.get(req.request_id, ())))
 
     def flush(self) -> None:
         """Copy what the last steps completed into the prefix cache, at most FLUSH_BYTES a step (the rest stays
@@ -464,6 +466,5 @@ class KVCacheManager:
 def _index(ids: list[int]) -> slice | np.ndarray:
     """A slice where the ids run consecutively (a prompt's blocks, fresh blocks handed out in order: the usual case),
     so numpy copies through views in one pass instead of gathering into a temporary first; else an index array."""
-    if ids[-1] - ids[0] == len(ids) - 1 and all(b - a == 1 for a, b in zip(ids, ids[1:])):
-        return slice(ids[0], ids[-1] + 1)
-    return np.array(ids)
+    run = range(ids[0], ids[0] + len(ids))
+    return slice(run.start, run.stop) if ids == list(run) else np.array(ids)
