@@ -7,6 +7,10 @@ than one run gives and more than one set of servers, so run bench_serve several 
 and pool them here:
 
     python tools/pool_serve_runs.py --baseline spec-off --metric conc1.decode_tps_per_stream RUN1.json RUN2.json
+
+Identical servers still read apart (a second `--speculation off` server beside the baseline read 0.935x of it at
+conc 1 over 24 rounds), so runs may carry several such servers and take their geometric mean, round by round, as
+the baseline: `--baseline spec-off,off-b`.
 """
 
 from __future__ import annotations
@@ -25,17 +29,28 @@ from bench_serve import round_ratios  # noqa: E402
 def pooled_ratios(paths: list[Path], baseline: str, metric: str) -> dict[str, np.ndarray]:
     """Server name → its per-round ratios to `baseline` on `metric` ("conc8.aggregate_tps"), over every run given
     (each must have the baseline): a round is divided by the same round of its own run's baseline, and rounds
-    where either lacks the figure are left out."""
+    where either lacks the figure are left out. `baseline` may name several servers ("off,off-b"): a round's
+    baseline is then the geometric mean of theirs (a round where one lacks the figure has none)."""
     level, figure = metric.split(".", 1)
+    bases = baseline.split(",")
     ratios: dict[str, list[float]] = {}
     for path in paths:
         rounds = json.loads(path.read_text())["rounds"]
-        if baseline not in rounds:
-            raise SystemExit(f"{path}: no server named {baseline!r} (it has {', '.join(rounds)})")
+        missing = [b for b in bases if b not in rounds]
+        if missing:
+            raise SystemExit(f"{path}: no server named {missing[0]!r} (it has {', '.join(rounds)})")
+        base = [{level: {figure: mean_figure([rounds[b][i] for b in bases], level, figure)}}
+                for i in range(min(len(rounds[b]) for b in bases))]
         for name, runs in rounds.items():
-            if name != baseline:
-                ratios.setdefault(name, []).extend(round_ratios(runs, rounds[baseline], level, figure))
+            if name not in bases:
+                ratios.setdefault(name, []).extend(round_ratios(runs, base, level, figure))
     return {name: np.array(r) for name, r in ratios.items() if r}
+
+
+def mean_figure(rounds: list[dict], level: str, figure: str) -> float | None:
+    """The geometric mean of these servers' figure in one round; None if any lacks it."""
+    values = [r.get(level, {}).get(figure) for r in rounds]
+    return None if any(not v for v in values) else float(np.prod(values) ** (1 / len(values)))   # one: itself
 
 
 def bootstrap_median(x: np.ndarray, draws: int = 5000, seed: int = 0) -> tuple[float, float]:
@@ -48,7 +63,8 @@ def bootstrap_median(x: np.ndarray, draws: int = 5000, seed: int = 0) -> tuple[f
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("runs", type=Path, nargs="+", help="bench_serve --json outputs")
-    ap.add_argument("--baseline", required=True, help="the server the ratios are taken against")
+    ap.add_argument("--baseline", required=True, help="the server the ratios are taken against, or several "
+                    "(comma-separated): their geometric mean, round by round")
     ap.add_argument("--metric", action="append", help="LEVEL.FIGURE, e.g. conc1.decode_tps_per_stream (repeatable; "
                     "default: conc1 decode, conc4 and conc8 aggregate)")
     ap.add_argument("--json", type=Path, help="also write the pooled figures here")

@@ -31,3 +31,26 @@ def test_the_interval_brackets_the_median_of_resampled_rounds():
     assert 0.975 <= lo <= 1.0 <= hi <= 1.025          # the median of 60 such rounds is 1.0 but for rare draws
     lo, hi = POOL["bootstrap_median"](np.full(30, 0.97))
     assert lo == hi == 0.97
+
+
+def test_several_baselines_are_their_geometric_mean_round_by_round(tmp_path):
+    # two identical "off" servers read 100 and 400 in round 1 (mean 200) and 90 and 110 in round 2 (mean ~99.5);
+    # round 3 lacks the level on one of them, so no baseline there; the baselines get no ratio of their own
+    level = lambda x: {} if x is None else {"conc1": {"decode_tps_per_stream": x}}     # noqa: E731
+    rounds = {"off": [level(100.0), level(90.0), level(50.0)], "off-b": [level(400.0), level(110.0), level(None)],
+              "ngram": [level(220.0), level(99.0), level(50.0)]}
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"rounds": rounds}))
+    ratios = POOL["pooled_ratios"]([path], "off,off-b", "conc1.decode_tps_per_stream")
+    assert list(ratios) == ["ngram"]
+    np.testing.assert_allclose(ratios["ngram"], [220.0 / 200.0, 99.0 / np.sqrt(90.0 * 110.0)], rtol=1e-12)
+
+
+def test_a_baseline_a_run_lacks_is_named(tmp_path):
+    path = _run(tmp_path / "a.json", off=[1.0], spec=[1.0])
+    try:
+        POOL["pooled_ratios"]([path], "spec-off,off-b", "conc1.decode_tps_per_stream")
+    except SystemExit as e:
+        assert "'off-b'" in str(e)
+    else:
+        raise AssertionError("a missing baseline server was not reported")
