@@ -18,7 +18,8 @@ server reports.
         --llama-server BIN GGUF --baseline spec-off --concurrency 1 4 --prompt-tokens 500 --max-tokens 128
     # what this bench can resolve: a second server identical to the baseline (off-b) reads its ratio too
     python tools/bench_serve.py --quicksilver TARGET --draft DRAFT --variant spec-off="--speculation off" \
-        --variant off-b="--speculation off" --baseline spec-off --concurrency 1 4 8 --waves 8 --prompt-tokens 500
+        --variant off-b="--speculation off" --baseline spec-off --concurrency 1 4 8 --waves 8 \
+        --prompt-tokens 500 --max-tokens 128
 """
 
 from __future__ import annotations

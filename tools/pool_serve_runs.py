@@ -50,7 +50,9 @@ def pooled_ratios(paths: list[Path], baseline: str, metric: str) -> dict[str, np
 def mean_figure(rounds: list[dict], level: str, figure: str) -> float | None:
     """The geometric mean of these servers' figure in one round; None if any lacks it."""
     values = [r.get(level, {}).get(figure) for r in rounds]
-    return None if any(not v for v in values) else float(np.prod(values) ** (1 / len(values)))   # one: itself
+    if any(not v for v in values):
+        return None
+    return float(np.prod(values) ** (1 / len(values)))     # x ** 1.0 is x: one baseline's ratios are as before
 
 
 def bootstrap_median(x: np.ndarray, draws: int = 5000, seed: int = 0) -> tuple[float, float]:
