@@ -11,6 +11,10 @@ and pool them here:
 Identical servers still read apart (a second `--speculation off` server beside the baseline read 0.935x of it at
 conc 1 over 24 rounds), so runs may carry several such servers and take their geometric mean, round by round, as
 the baseline: `--baseline spec-off,off-b`.
+
+Because a run's servers stay apart by the same few per cent in every round, a run's rounds are not independent
+draws: besides the pooled median, each run's own median is printed, and the interval is also taken resampling runs
+first, then rounds within each (a cluster bootstrap): with few runs that interval is the honest one.
 """
 
 from __future__ import annotations
@@ -31,9 +35,14 @@ def pooled_ratios(paths: list[Path], baseline: str, metric: str) -> dict[str, np
     (each must have the baseline): a round is divided by the same round of its own run's baseline, and rounds
     where either lacks the figure are left out. `baseline` may name several servers ("off,off-b"): a round's
     baseline is then the geometric mean of theirs (a round where one lacks the figure has none)."""
+    return {name: np.concatenate(runs) for name, runs in run_ratios(paths, baseline, metric).items()}
+
+
+def run_ratios(paths: list[Path], baseline: str, metric: str) -> dict[str, list[np.ndarray]]:
+    """pooled_ratios' ratios kept apart by run: server name → one array per run that has any."""
     level, figure = metric.split(".", 1)
     bases = baseline.split(",")
-    ratios: dict[str, list[float]] = {}
+    ratios: dict[str, list[np.ndarray]] = {}
     for path in paths:
         rounds = json.loads(path.read_text())["rounds"]
         missing = [b for b in bases if b not in rounds]
@@ -42,9 +51,10 @@ def pooled_ratios(paths: list[Path], baseline: str, metric: str) -> dict[str, np
         base = [{level: {figure: mean_figure([rounds[b][i] for b in bases], level, figure)}}
                 for i in range(min(len(rounds[b]) for b in bases))]
         for name, runs in rounds.items():
-            if name not in bases:
-                ratios.setdefault(name, []).extend(round_ratios(runs, base, level, figure))
-    return {name: np.array(r) for name, r in ratios.items() if r}
+            r = round_ratios(runs, base, level, figure) if name not in bases else []
+            if r:
+                ratios.setdefault(name, []).append(np.array(r))
+    return ratios
 
 
 def mean_figure(rounds: list[dict], level: str, figure: str) -> float | None:
@@ -62,6 +72,17 @@ def bootstrap_median(x: np.ndarray, draws: int = 5000, seed: int = 0) -> tuple[f
     return float(np.percentile(medians, 5)), float(np.percentile(medians, 95))
 
 
+def cluster_bootstrap_median(runs: list[np.ndarray], draws: int = 5000, seed: int = 0) -> tuple[float, float]:
+    """bootstrap_median resampling runs with replacement, then each drawn run's rounds: the 5th and 95th
+    percentiles of the pooled median, with the spread between runs (server instances) in it."""
+    rng = np.random.default_rng(seed)
+    medians = np.empty(draws)
+    for i in range(draws):
+        picked = [runs[j] for j in rng.integers(len(runs), size=len(runs))]
+        medians[i] = np.median(np.concatenate([rng.choice(r, size=len(r)) for r in picked]))
+    return float(np.percentile(medians, 5)), float(np.percentile(medians, 95))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("runs", type=Path, nargs="+", help="bench_serve --json outputs")
@@ -74,14 +95,19 @@ def main() -> None:
     metrics = args.metric or ["conc1.decode_tps_per_stream", "conc4.aggregate_tps", "conc8.aggregate_tps"]
     out: dict[str, dict] = {"runs": [str(p) for p in args.runs], "baseline": args.baseline, "pooled": {}}
     for metric in metrics:
-        for name, x in pooled_ratios(args.runs, args.baseline, metric).items():
+        for name, runs in run_ratios(args.runs, args.baseline, metric).items():
+            x = np.concatenate(runs)
             lo, hi = bootstrap_median(x)
+            clo, chi = cluster_bootstrap_median(runs)
             q1, q3 = np.percentile(x, [25, 75])
+            per_run = [float(np.median(r)) for r in runs]
             out["pooled"].setdefault(metric, {})[name] = {
                 "rounds": len(x), "median": float(np.median(x)), "quartiles": [float(q1), float(q3)],
-                "median_90pct_interval": [lo, hi]}
+                "median_90pct_interval": [lo, hi], "runs": len(runs), "run_medians": per_run,
+                "median_90pct_interval_by_run": [clo, chi]}
             print(f"{metric:30s} {name:12s} {len(x):4d} rounds  {np.median(x):.3f}x [{q1:.3f}-{q3:.3f}]  "
-                  f"median's 90 % interval {lo:.3f}-{hi:.3f}")
+                  f"median's 90 % interval {lo:.3f}-{hi:.3f}; {len(runs)} runs, {clo:.3f}-{chi:.3f} resampling "
+                  f"runs; run medians {' '.join(f'{m:.3f}' for m in per_run)}")
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
 

@@ -161,7 +161,8 @@ class RateCheck:
         return pays
 
 
-EXPLORE_BUDGET = 0.005  # explorations may cost at most this share of the decode time observed
+EXPLORE_BUDGET = 0.005  # explorations may cost at most this share of the decode time observed,
+EXPLORE_ALLOWANCE = 0.020   # and these seconds more: a fresh engine's first try (a 500-token prompt's catch-up)
 UNSEEN_WEIGHT = 0.1     # of the latest speculating step in the cost per guess the cost model does not see
 WARM_ROUNDS = 8         # verifications before the engine's acceptance is its own, not the prior's
 
@@ -172,7 +173,11 @@ class Speculator:
     missed (a 500-token prompt: ~20 ms, a tenth of a 128-token answer at the bundled pair's speed). So tries
     (the planner's with the prior, the first WARM_ROUNDS on it, the rate check's bursts) are charged what they
     cost beyond plain decoding, and one starts only while those charges stay within EXPLORE_BUDGET of the decode
-    time observed: whatever the pair and traffic, learning costs at most that share."""
+    time observed (plus EXPLORE_ALLOWANCE, so that a fresh engine may try at all): whatever the pair and traffic,
+    learning costs at most that. The part of a try's cost known beforehand, the draft's catch-up (the tokens it
+    missed × its measured cost a token), is charged ahead: a try takes only the sequences whose catch-up the budget
+    still covers (fewest missed tokens first), so a fresh engine does not start with a whole batch's prompts to
+    catch up on — at batch 8 with 500-token prompts ~170 ms, the budget of ~30 s of decoding."""
 
     def __init__(self, config: SpecConfig, proposer: Proposer, sampler: Sampler, cost: CostModel,
                  price: Callable[[int], Callable[[Sequence[int]], float]] | None = None):
@@ -220,8 +225,29 @@ class Speculator:
         self.rate_check.observe(num_decodes, speculated, tokens, seconds - self.catch_up_s if speculated else seconds)
 
     def may_explore(self) -> bool:
-        """Whether explorations so far have cost within EXPLORE_BUDGET of the decode time observed."""
-        return self.explore_cost_s <= EXPLORE_BUDGET * self.decode_s
+        """Whether explorations so far have cost within their budget (EXPLORE_BUDGET of the decode time observed,
+        and EXPLORE_ALLOWANCE)."""
+        return self.explore_cost_s <= self._explore_budget()
+
+    def _explore_budget(self) -> float:
+        return EXPLORE_BUDGET * self.decode_s + EXPLORE_ALLOWANCE
+
+    def _affordable(self, cands: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
+        """The candidates of an exploring plan whose draft catch-up, priced ahead at the measured cost a token, the
+        exploration budget still covers: fewest missed tokens first, as long as the sum fits (the draft's own
+        proposal step takes a lag of one or two tokens, priced nothing)."""
+        per_token = 0.0 if self.proposer is not None and self.proposer.free else self.cost("catch_up", 1)
+        if not per_token:
+            return cands
+        left = self._explore_budget() - self.explore_cost_s
+        kept = []
+        for r, g in sorted(cands, key=lambda c: c[0].num_tokens - c[0].num_computed_draft):
+            lag = r.num_tokens - r.num_computed_draft
+            left -= lag * per_token if lag > 2 else 0.0
+            if left < 0:
+                break
+            kept.append((r, g))
+        return kept
 
     def max_gamma(self, req: Request, capacity: int) -> int:
         left = min(req.params.max_tokens - len(req.output_ids), capacity - req.num_tokens) - 1
@@ -260,6 +286,10 @@ class Speculator:
             return {}
         burst = self.rate_check.exploring
         unmeasured = rounds < WARM_ROUNDS         # the estimates are still mostly the prior
+        if explore or burst or unmeasured:        # a try: only what the budget covers of its catch-up
+            cands = self._affordable(cands)
+            if not cands:
+                return {}
         choice = self._choose(cands, len(decodes), budget, step_cost or self.price(len(decodes)),
                               self.config.prior_acceptance if explore else 0.0)
         if choice is None:            # nothing measured yet: no basis for a decision

@@ -51,3 +51,15 @@ def test_a_baseline_a_run_lacks_is_named(tmp_path):
     path = _run(tmp_path / "a.json", off=[1.0], spec=[1.0])
     with pytest.raises(SystemExit, match="'off-b'"):
         POOL["pooled_ratios"]([path], "spec-off,off-b", "conc1.decode_tps_per_stream")
+
+
+def test_runs_are_kept_apart_and_resampled_as_wholes(tmp_path):
+    # two runs whose servers sit apart by a run-wide offset (instances): 1.05x in every round of one, 0.95x of the
+    # other. Rounds resampled alone give the pooled median a tight interval; runs resampled first cover both.
+    a = _run(tmp_path / "a.json", off=[100.0] * 20, spec=[105.0] * 20)
+    b = _run(tmp_path / "b.json", off=[100.0] * 20, spec=[95.0] * 20)
+    runs = POOL["run_ratios"]([a, b], "spec-off", "conc1.decode_tps_per_stream")
+    assert [len(r) for r in runs["ngram"]] == [20, 20]
+    np.testing.assert_allclose([r[0] for r in runs["ngram"]], [1.05, 0.95])
+    lo, hi = POOL["cluster_bootstrap_median"](runs["ngram"])
+    assert lo == pytest.approx(0.95) and hi == pytest.approx(1.05)     # a quarter of draws take one run twice

@@ -175,6 +175,7 @@ def test_a_lagging_draft_catches_up_only_where_the_rest_of_the_request_pays_for_
     spec = _speculator(prior_acceptance=0.8)
     spec.cost.record("catch_up", 1, 40e-6)                 # seconds a token, as propose() measures it
     cost = lambda guesses: 0.0013 + sum(0.0008 + 0.0004 * g for g in guesses)   # noqa: E731  target 1.3 ms a step
+    observe_plain(spec, seconds=6.0, step=0.0013)          # enough decoding that a try's catch-up is in budget
     short = Request(list(range(500)), SamplingParams(max_tokens=20), request_id="short")
     long = Request(list(range(500)), SamplingParams(max_tokens=2000), request_id="long")
     assert spec.plan([short], capacity=4096, budget=64, step_cost=cost) == {}
@@ -183,12 +184,57 @@ def test_a_lagging_draft_catches_up_only_where_the_rest_of_the_request_pays_for_
     assert spec.plan([short], capacity=4096, budget=64, step_cost=cost)["short"] >= 1
 
 
+def observe_plain(spec: Speculator, seconds: float, step: float, num_decodes: int = 1) -> None:
+    """`seconds` of plain decode-only steps of `step` seconds each, as the engine reports them."""
+    for _ in range(round(seconds / step)):
+        spec.observe(num_decodes, False, tokens=num_decodes, seconds=step)
+
+
+def test_a_try_waits_until_the_budget_covers_its_catch_up():
+    """A try's catch-up is charged ahead: on a fresh engine (no decode time observed, only EXPLORE_ALLOWANCE's
+    20 ms) a draft that has read none of a 1,000-token prompt (40 ms at 40 µs a token) is not tried, however good
+    the prior; it is once the plain decoding observed covers the rest, at the first step the rate check does not
+    keep plain. A short prompt's is tried at once."""
+    from runtime.spec_decode.speculator import EXPLORE_ALLOWANCE, EXPLORE_BUDGET
+
+    spec = _speculator(prior_acceptance=0.9)
+    spec.cost.record("catch_up", 1, 40e-6)
+    cost = lambda guesses: 0.0013 + sum(0.0008 + 0.0004 * g for g in guesses)   # noqa: E731
+    assert spec.plan([Request(list(range(20)), SamplingParams(max_tokens=2000), request_id="short")],
+                     capacity=4096, budget=64, step_cost=cost)
+    spec = _speculator(prior_acceptance=0.9)
+    spec.cost.record("catch_up", 1, 40e-6)
+    req = Request(list(range(1000)), SamplingParams(max_tokens=2000), request_id="r")
+    step, steps = 0.0013, 0
+    while not spec.plan([req], capacity=4096, budget=64, step_cost=cost):
+        spec.observe(1, False, tokens=1, seconds=step)
+        steps += 1
+    assert spec.explore_cost_s == 0
+    late = (RateCheck.PLAIN_BURST + 1) * step                # the rate check's own plain steps may come first
+    need = 1000 * 40e-6 - EXPLORE_ALLOWANCE
+    assert EXPLORE_BUDGET * spec.decode_s >= need > EXPLORE_BUDGET * (spec.decode_s - late)
+    assert steps > 3000                                    # ~4 s of 1.3 ms steps
+
+
+def test_a_try_takes_only_the_sequences_whose_catch_up_the_budget_covers():
+    """Of a batch the draft has read nothing of, a try takes the sequences with the fewest tokens to catch up
+    while their sum fits the budget left; a sequence the draft keeps up with costs nothing ahead."""
+    spec = _speculator(prior_acceptance=0.9)
+    spec.cost.record("catch_up", 1, 40e-6)
+    cost = lambda guesses: 0.0013 + sum(0.0001 + 0.0001 * g for g in guesses)   # noqa: E731  verified in a batch
+    observe_plain(spec, seconds=10.0, step=0.0013, num_decodes=3)      # 50 ms of budget, 70 with the allowance
+    reqs = [Request(list(range(n)), SamplingParams(max_tokens=2000), request_id=f"lag{n}") for n in (1000, 300, 600)]
+    assert set(spec.plan(reqs, capacity=4096, budget=64, step_cost=cost)) == {"lag300", "lag600"}   # 12 + 24 ms
+    reqs[0].num_computed_draft = 999                       # caught up: its guess step is plain work
+    assert set(spec.plan(reqs, capacity=4096, budget=64, step_cost=cost)) == {"lag1000", "lag300", "lag600"}
+
+
 def test_explorations_cost_at_most_the_budget_of_decode_time():
     """A pair that never pays (every guess rejected, each try's catch-up 200 ms: 8 sequences' 500-token prompts)
     still gets tried again, but the tries — with the prior, and the rate check's bursts — are charged their time
     beyond plain decoding's, and none starts while the charges exceed EXPLORE_BUDGET of the decode time observed:
     over a long run the loss to learning stays within the budget (plus the one try that crossed it)."""
-    from runtime.spec_decode.speculator import EXPLORE_BUDGET
+    from runtime.spec_decode.speculator import EXPLORE_ALLOWANCE, EXPLORE_BUDGET
 
     spec = _speculator(prior_acceptance=0.7)
     cost = lambda guesses: 0.010 + sum(0.001 + 0.002 * g for g in guesses)     # noqa: E731
@@ -208,7 +254,7 @@ def test_explorations_cost_at_most_the_budget_of_decode_time():
             spec.observe(2, False, tokens=2, seconds=0.010)
     assert tries >= 2, "a pair measured useless is still tried again"
     assert spec.explore_cost_s > 0
-    assert spec.explore_cost_s <= EXPLORE_BUDGET * spec.decode_s + worst
+    assert spec.explore_cost_s <= EXPLORE_BUDGET * spec.decode_s + EXPLORE_ALLOWANCE + worst
 
 
 def test_prompt_lookup_plans_only_the_sequences_it_has_a_guess_for():

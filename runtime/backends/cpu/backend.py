@@ -25,6 +25,9 @@ from ...spec_decode.speculator import CostModel
 from ..base import context_length, make_proposer
 
 
+CATCH_UP_PROBE = 64     # tokens of the draft's catch-up timed at warm-up (a 500-token prompt's costs less a token)
+
+
 def timed(fn: Callable[[], object], repeat: int = 3) -> float:
     """Median seconds of `repeat` calls (warm-up measurements)."""
     times = []
@@ -136,7 +139,7 @@ class CpuBackend:
         back afterwards, so warm-up leaves no KV memory resident."""
         models = [(self.runner, self.kv.slots)] + ([(self.draft, self.kv.pools[1])] if self.draft else [])
         sizes = [b for b in (1, 2, 4, 8, 16, 32) if b <= self._max_num_seqs] if self.proposer else [1]
-        with self.kv.scratch_slots(max(sizes), 16 + self._max_gamma + 1):
+        with self.kv.scratch_slots(max(sizes), max(16 + self._max_gamma + 1, CATCH_UP_PROBE)):
             for runner, pool in models:
                 for n in (8, 1):
                     runner.prefill(pool, 0, [0] * n, 0)
@@ -147,6 +150,10 @@ class CpuBackend:
                 self.cost.record("dec", b, timed(lambda: self.runner.decode(self.kv.slots, rows, set())))
                 if self.draft is not None:
                     self.cost.record("draft", b, timed(lambda: self.draft.decode(self.kv.pools[1], rows, set())))
+            if self.draft is not None:      # a token of catch-up, which the speculator charges its tries ahead
+                chunk = [0] * CATCH_UP_PROBE
+                self.cost.record("catch_up", 1,
+                                 timed(lambda: self.draft.prefill(self.kv.pools[1], 0, chunk, 0)) / CATCH_UP_PROBE)
             for g in range(1, self._max_gamma + 1):
                 self.cost.record("ver", g + 1, timed(lambda: self.runner.prefill(self.kv.slots, 0, [0] * (g + 1), 16, True)))
             if self.runner.batches_verifications:
