@@ -51,7 +51,7 @@ def run_ratios(paths: list[Path], baseline: str, metric: str) -> dict[str, list[
         base = [{level: {figure: mean_figure([rounds[b][i] for b in bases], level, figure)}}
                 for i in range(min(len(rounds[b]) for b in bases))]
         for name, runs in rounds.items():
-            r = round_ratios(runs, base, level, figure) if name not in bases else []
+            r = [] if name in bases else round_ratios(runs, base, level, figure)
             if r:
                 ratios.setdefault(name, []).append(np.array(r))
     return ratios

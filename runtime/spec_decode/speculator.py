@@ -235,8 +235,9 @@ class Speculator:
     def _affordable(self, cands: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
         """The candidates of an exploring plan whose draft catch-up, priced ahead at the measured cost a token, the
         exploration budget still covers: fewest missed tokens first, as long as the sum fits (the draft's own
-        proposal step takes a lag of one or two tokens, priced nothing)."""
-        per_token = 0.0 if self.proposer is not None and self.proposer.free else self.cost("catch_up", 1)
+        proposal step takes a lag of one or two tokens, priced nothing). Prompt lookup records no catch-up cost,
+        so its tries are not cut."""
+        per_token = self.cost("catch_up", 1)
         if not per_token:
             return cands
         left = self._explore_budget() - self.explore_cost_s

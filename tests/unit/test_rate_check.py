@@ -14,6 +14,12 @@ def _speculator(**config) -> Speculator:
     return Speculator(SpecConfig(**config), proposer=None, sampler=None, cost=CostModel())
 
 
+def observe_plain(spec: Speculator, seconds: float, step: float, num_decodes: int = 1) -> None:
+    """`seconds` of plain decode-only steps of `step` seconds each, as the engine reports them."""
+    for _ in range(round(seconds / step)):
+        spec.observe(num_decodes, False, tokens=num_decodes, seconds=step)
+
+
 def sides(check: RateCheck, n: int, steps: int) -> str:
     return "".join("s" if check.speculate(n) else "p" for _ in range(steps))
 
@@ -184,12 +190,6 @@ def test_a_lagging_draft_catches_up_only_where_the_rest_of_the_request_pays_for_
     assert spec.plan([short], capacity=4096, budget=64, step_cost=cost)["short"] >= 1
 
 
-def observe_plain(spec: Speculator, seconds: float, step: float, num_decodes: int = 1) -> None:
-    """`seconds` of plain decode-only steps of `step` seconds each, as the engine reports them."""
-    for _ in range(round(seconds / step)):
-        spec.observe(num_decodes, False, tokens=num_decodes, seconds=step)
-
-
 def test_a_try_waits_until_the_budget_covers_its_catch_up():
     """A try's catch-up is charged ahead: on a fresh engine (no decode time observed, only EXPLORE_ALLOWANCE's
     20 ms) a draft that has read none of a 1,000-token prompt (40 ms at 40 µs a token) is not tried, however good
@@ -205,10 +205,11 @@ def test_a_try_waits_until_the_budget_covers_its_catch_up():
     spec = _speculator(prior_acceptance=0.9)
     spec.cost.record("catch_up", 1, 40e-6)
     req = Request(list(range(1000)), SamplingParams(max_tokens=2000), request_id="r")
-    step, steps = 0.0013, 0
-    while not spec.plan([req], capacity=4096, budget=64, step_cost=cost):
+    step = 0.0013
+    for steps in range(10_000):                            # 13 s of steps: a plan that never comes fails below
+        if spec.plan([req], capacity=4096, budget=64, step_cost=cost):
+            break
         spec.observe(1, False, tokens=1, seconds=step)
-        steps += 1
     assert spec.explore_cost_s == 0
     late = (RateCheck.PLAIN_BURST + 1) * step                # the rate check's own plain steps may come first
     need = 1000 * 40e-6 - EXPLORE_ALLOWANCE
