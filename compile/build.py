@@ -73,6 +73,8 @@ def _precision_record(cfg: CompileConfig, attention: str) -> dict:
     if cfg.target == "cpu":
         record["kernels"] = cfg.kernels_used      # the runtime registers our ops for "qs"
         record["attention"] = "qs.CausalAttention" if attention == "qs" else "com.microsoft.GroupQueryAttention"
+        if cfg.attention_products != "fp32":
+            record["attention_products"] = cfg.attention_products
     if cfg.target == "cpu" and p in ("int8", "int4"):
         record["batch_invariant"] = cfg.batch_invariant
     if p == "int8" and not cfg.batch_invariant:
@@ -137,6 +139,10 @@ def _attention_op(spec: ModelSpec, cfg: CompileConfig) -> str:
         why = ("this install was built without our cpu ops" if not cfg.own_kernels
                else f"head_dim {spec.head_dim} is not one it is compiled for ({', '.join(map(str, QS_HEAD_DIMS))})")
         raise CheckpointError(f"--kv-cache fp16 needs qs.CausalAttention, and {why}; use --kv-cache fp32")
+    if cfg.attention_products == "bf16" and not (ours and cfg.kv_cache == "fp16"):
+        raise CheckpointError("--attention-products bf16 is qs.CausalAttention's over an fp16 KV cache, and this "
+                              f"engine's cache is {cfg.kv_cache} on {'ours' if ours else 'GroupQueryAttention'}; "
+                              "use --kv-cache fp16 (or drop --attention-products)")
     return "qs" if ours else "ort"
 
 
@@ -200,7 +206,8 @@ def build(cfg: CompileConfig, log=print) -> dict:
             arch = REGISTRY[spec.architecture](spec, reader)
             ctx = Ctx(builder, spec, cfg.precision, cfg.quant.block_size, cfg.quant.embeddings, cfg.target, max_len,
                       _kv_scales(spec, reader, cfg, tok_files[0], log), cfg.batch_invariant, attention=attention,
-                      own_kernels=cfg.own_kernels, own_int4=cfg.own_int4, kv_cache=cfg.kv_cache)
+                      own_kernels=cfg.own_kernels, own_int4=cfg.own_int4, kv_cache=cfg.kv_cache,
+                      attention_products=cfg.attention_products)
             with tqdm(total=spec.num_layers, desc="export", unit="layer", leave=False) as bar:
                 arch.emit(ctx, max_len, progress=bar.update)
         finally:

@@ -10,7 +10,8 @@ import click
 import numpy as np
 
 from . import __version__
-from .config import EMBEDDINGS, KERNELS, KV_CACHE_DTYPES, PRECISIONS, TARGETS, CompileConfig, QuantConfig
+from .config import (ATTENTION_PRODUCTS, EMBEDDINGS, KERNELS, KV_CACHE_DTYPES, PRECISIONS, TARGETS, CompileConfig,
+                     QuantConfig)
 from .errors import QuicksilverError
 
 
@@ -48,6 +49,11 @@ def main() -> None:
                    "int8 holds 4× the tokens in the same memory at about the same decode speed, but prefills "
                    "1.6-4× slower (ONNX Runtime has no GEMM path for a quantized cache); scales per channel, "
                    "calibrated on the --eval text.")
+@click.option("--attention-products", type=click.Choice(ATTENTION_PRODUCTS), default="fp32", show_default=True,
+              help="cpu, fp16 KV cache: bf16 multiplies attention's queries, keys, probabilities and values in "
+                   "bfloat16 pairs with float32 sums (AVX512-BF16), about half the time a token of context costs a "
+                   "decode step, at bf16's 8 significant bits (as llama.cpp's bf16 KV cache); elsewhere the op "
+                   "emulates it slowly, so build bf16 engines for hosts that have it.")
 @click.option("--kernels", type=click.Choice(KERNELS), default="auto", show_default=True,
               help="cpu: qs uses our ops beside ONNX Runtime's (plugins/cpu: an attention op that reads an fp32 or "
                    "fp16 KV cache 3-4x faster than GroupQueryAttention in decode steps, whole int8 linears, int4 "
@@ -65,7 +71,7 @@ def main() -> None:
               help="Replace --out if it is empty or a Quicksilver engine holding only the files its manifest.json "
                    "lists; other folders (and files) are never replaced.")
 def build(model_dir: Path, out_dir: Path, precision: str, target: str, max_seq_len: int | None, block_size: int,
-          calib: Path | None, embeddings: str, kv_cache: str, kernels: str, batch_invariant: bool,
+          calib: Path | None, embeddings: str, kv_cache: str, attention_products: str, kernels: str, batch_invariant: bool,
           eval_file: Path | None, no_report: bool, overwrite: bool) -> None:
     """Build an engine from a checkpoint: ONNX graph + weights + tokenizer + manifest.
 
@@ -76,7 +82,7 @@ def build(model_dir: Path, out_dir: Path, precision: str, target: str, max_seq_l
     try:
         quant = QuantConfig(block_size, calib, embeddings, eval_file, batch_invariant)
         cfg = CompileConfig(model_dir, out_dir, precision, target, max_seq_len, overwrite, quant, not no_report, kv_cache,
-                            kernels)
+                            kernels, attention_products)
         manifest = run_build(cfg, log=lambda m: click.echo(m, err=True))
     except (QuicksilverError, ValueError) as e:
         fail(str(e))
@@ -116,7 +122,9 @@ def inspect(engine_dir: Path, as_json: bool, no_verify: bool) -> None:
         *((("scheme", p["scheme"]),) if "scheme" in p else ()),
         *((("cpu path", p["cpu_conversion"]),) if "cpu_conversion" in p else ()),
         ("target", manifest["target"]),
-        *((("kernels", f"{p['kernels']}: attention {p['attention']}"),) if "kernels" in p else ()),
+        *((("kernels", f"{p['kernels']}: attention {p['attention']}"
+                       + (f", {p['attention_products']} products" if "attention_products" in p else "")),)
+          if "kernels" in p else ()),
         ("context", f"{m['max_seq_len']} tokens"),
         ("kv cache", f"{kv['layout']} {kv['dtype']}, {kv['num_layers']} layers × {kv['num_kv_heads']} heads × "
                      f"{kv['head_dim']}, {token_bytes} bytes/token"),

@@ -18,6 +18,9 @@ KERNELS = ("auto", "qs", "ort")   # cpu: our ops (plugins/cpu) beside ONNX Runti
 # quantized or fp16 engine, else fp32 (an fp32 engine stays the exact reference)
 KV_CACHE_DTYPES = ("auto", "fp32", "fp16", "int8")
 KV_CACHE_NUMPY = {"fp32": "float32", "fp16": "float16", "int8": "int8"}   # each cpu cache's element type
+# cpu attention's multiplies over an fp16 cache: fp32, or bf16 pairs with fp32 sums (half the arithmetic a token of
+# context costs, at bf16's 8 significant bits)
+ATTENTION_PRODUCTS = ("fp32", "bf16")
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,7 @@ class CompileConfig:
     report: bool = True             # measure the accuracy report (perplexity vs the fp32 build)
     kv_cache: str = "auto"          # KV cache storage (cpu): fp32, fp16, int8 (calibrated per-channel scales), auto
     kernels: str = "auto"           # cpu: qs (our ops beside ONNX Runtime's), ort (its alone), auto: qs when built
+    attention_products: str = "fp32"  # cpu, fp16 KV cache: attention's multiplies in fp32 or bf16 (qs.CausalAttention)
 
     @property
     def own_kernels(self) -> bool:
@@ -113,6 +117,13 @@ class CompileConfig:
         if self.kv_cache not in ("fp32", "auto") and self.target != "cpu":
             raise ValueError(f"--kv-cache {self.kv_cache} is a CPU format; --target {self.target} keeps its paged "
                              "cache in fp16")
+        if self.attention_products not in ATTENTION_PRODUCTS:
+            raise ValueError(f"attention products must be one of {', '.join(ATTENTION_PRODUCTS)}, "
+                             f"not {self.attention_products!r}")
+        if self.attention_products == "bf16" and (self.target != "cpu" or self.kernels == "ort"
+                                                  or self.kv_cache in ("fp32", "int8")):
+            raise ValueError("--attention-products bf16 is our cpu attention op's over an fp16 KV cache: it needs "
+                             "--target cpu, --kernels qs or auto and --kv-cache fp16 or auto")
         if self.quant.calib is not None and self.precision != "int4":
             raise ValueError("--calib (activation-aware scales) applies to --precision int4 only")
         model, out = Path(self.model_dir).resolve(), Path(self.out_dir).resolve()

@@ -39,6 +39,16 @@ def isa() -> str:
     return getattr(_native, "cpu_isa", "generic")
 
 
+def bf16_products() -> bool:
+    """Whether qs.CausalAttention's bf16 products (engines built with --attention-products bf16) run on the CPU's
+    bf16 dot-product instruction (AVX512-BF16) rather than the op's slow scalar emulation."""
+    if not available():
+        return False
+    from . import _native
+
+    return bool(getattr(_native, "cpu_bf16", False))
+
+
 def describe() -> str:
     """For the startup log: the instruction set the ops were built for, and whether prompt products run on AMX tiles
     (and if not, why: plugins/cpu/tiles.cpp), as llama.cpp prints its system info."""
@@ -49,7 +59,7 @@ def describe() -> str:
     mode, why = _native.cpu_tiles(), _native.amx_status()
     tiles = {"amx": "on", "emulate": "emulated (QS_CPU_TILES=emulate)"}.get(
         mode, f"off ({'QS_CPU_TILES=off' if why == 'granted' else why})")
-    return f"{isa()}, AMX tiles {tiles}"
+    return f"{isa()}, AMX tiles {tiles}, bf16 products {'on' if bf16_products() else 'emulated'}"
 
 
 class Unavailable(RuntimeError):

@@ -36,6 +36,7 @@ class Ctx:
     own_int4: bool = False     # cpu int4: qs.Int4MatMul for the linears (blocks of 32) instead of MatMulNBits
     shared: dict[str, str] = field(default_factory=dict)  # values built once per graph (per-row shapes)
     kv_cache: str = "fp32"     # cpu KV cache storage: fp32 | fp16 (qs.CausalAttention) | int8 (GroupQueryAttention)
+    attention_products: str = "fp32"  # qs.CausalAttention over an fp16 cache: fp32 or bf16 multiplies
 
     @property
     def act(self) -> type:
@@ -327,7 +328,8 @@ def attention(ctx: Ctx, x: str, w: dict[str, np.ndarray], layer: int, kv: dict[s
                                          "cos_cache", "sin_cache"], f"{name}/CausalAttention", domain=QS_DOMAIN,
                      outputs=[f"{name}/output", kv["present_key"], kv["present_value"]],
                      num_heads=s.num_heads, kv_num_heads=s.num_kv_heads, scale=scale,
-                     local_window_size=int(s.sliding_window or -1))[0]
+                     local_window_size=int(s.sliding_window or -1),
+                     **({"bf16_products": 1} if ctx.attention_products == "bf16" else {}))[0]
     elif ctx.target == "cpu":
         inputs = [qkv, "", "", kv["past_key"], kv["past_value"], "seqlens_k", "total_sequence_length",
                   "cos_cache", "sin_cache"]

@@ -339,8 +339,10 @@ struct Step {
   float* out;          // [B, S, heads·D]
   int64_t batch, seq, heads, kv_heads, head_dim, capacity, max_pos, window, tile, heads_per_task;
   float scale;
+  bool bf16;           // bf16 products (half caches; attend_tile_bf16)
   bool split;          // few rows, long context: one task per (b, KV head, segment of keys)
   int segs;            // the most segments a row of this step has
+  int run;             // split: the consecutive segments one task takes
   struct Partials* shared;   // split: every row's partials
 
   int64_t total(int64_t b) const { return static_cast<int64_t>(seqlens_k[b]) + 1; }
@@ -639,6 +641,319 @@ void attend_tile(const Step<T>& st, int64_t b, int64_t s0, int64_t count, int64_
   }
 }
 
+// bf16 products (attribute bf16_products = 1, over a half cache): keys, values, queries and probabilities are
+// rounded to bfloat16 as they are loaded and multiplied in pairs with float32 sums (vdpbf16ps: 32 products an
+// instruction where vfmadd231ps takes 16). Why: a decode step's attention at long context was bound by its
+// arithmetic, not its reads (qwen2.5-1.5b's heads at 2,048 tokens: 97 µs a layer with the cache in L2, 145 µs from
+// memory, where its 2 MB take ~60 µs at 33 GB/s), so halving the multiplies is what lets it reach the bandwidth.
+// The cost is precision: a bf16 has 8 significant bits where a half has 11 (llama.cpp's bf16 KV cache computes
+// the same way). A row's arithmetic is still fixed whatever the path: a key's score is its 8 lanes (lane l sums
+// the pairs of dimensions 16c + 2l, 16c + 2l + 1 over c in order) added by store_scores' tree; a row's values are
+// taken in pairs of keys (0, 1), (2, 3), … from its first key, its last key paired with zero when it has an odd
+// number, each lane d one chain over the pairs in order.
+using bf16_t = uint16_t;
+
+// 32 bf16: keys 2j, 2j + 1 of a block at 16 dimensions (pack_keys), or 16 dimensions of a pair of keys'
+// values interleaved, (v[t][d], v[t + 1][d]) for 16 d (pack_values)
+struct alignas(64) Chunk {
+  bf16_t v[32];
+};
+
+#if defined(__AVX512BF16__)
+inline __m512 widen16(const half_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+
+// a's 16 halfs as bf16 in the low half of the result, b's in the high half
+inline __m512i bf16_rows(__m512 a, __m512 b) { return (__m512i)_mm512_cvtne2ps_pbh(b, a); }
+
+inline __m512 dot_pairs(__m512 acc, __m512i a, __m512i b) {
+  return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
+}
+#else
+// float32 → bf16 rounded to nearest even (a NaN stays a NaN), and back
+inline bf16_t to_bf16(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, sizeof x);
+  if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<bf16_t>((x >> 16) | 0x40u);
+  return static_cast<bf16_t>((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+}
+inline float from_bf16(bf16_t h) {
+  uint32_t x = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &x, sizeof f);
+  return f;
+}
+// one lane of vdpbf16ps: acc + a0·b0 + a1·b1 (each product exact in float32)
+inline float dot_pair(float acc, bf16_t a0, bf16_t a1, bf16_t b0, bf16_t b1) {
+  return (acc + from_bf16(a0) * from_bf16(b0)) + from_bf16(a1) * from_bf16(b1);
+}
+#endif
+
+// n ≤ 128 floats (n a multiple of 16) → bf16
+inline void round_bf16(const float* x, int n, bf16_t* out) {
+#if defined(__AVX512BF16__)
+  for (int i = 0; i < n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
+#else
+  for (int i = 0; i < n; ++i) out[i] = to_bf16(x[i]);
+#endif
+}
+
+// A segment's n probabilities as bf16 pairs (p[2m] low, p[2m + 1] high), zero past n.
+inline void probability_pairs(const float* p, int n, uint32_t* pairs) {
+#if defined(__AVX512BF16__)
+  for (int i = 0; i < n; i += 32) {
+    const int left = n - i;
+    const __mmask16 m0 = left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1);
+    const __mmask16 m1 = left >= 32 ? 0xffff : left <= 16 ? 0 : static_cast<__mmask16>((1u << (left - 16)) - 1);
+    _mm512_storeu_si512(pairs + i / 2, bf16_rows(_mm512_maskz_loadu_ps(m0, p + i), _mm512_maskz_loadu_ps(m1, p + i + 16)));
+  }
+#else
+  for (int m = 0; 2 * m < n; ++m)
+    pairs[m] = to_bf16(p[2 * m]) | (2 * m + 1 < n ? static_cast<uint32_t>(to_bf16(p[2 * m + 1])) << 16 : 0u);
+#endif
+}
+
+// 8 keys → 4·D/16 chunks, asking for the block kStreamAhead bytes on a line a chunk
+template <int D>
+inline void pack_keys(const half_t* __restrict k, Chunk* __restrict out) {
+  for (int j = 0; j < 4; ++j)
+    for (int c = 0; c < D / 16; ++c) {
+      const int i = j * (D / 16) + c;
+      qs_stream_ahead(reinterpret_cast<const char*>(k) + 64 * i);
+      const half_t* a = k + (2 * j) * D + 16 * c;
+      const half_t* b = a + D;
+#if defined(__AVX512BF16__)
+      _mm512_store_si512(out + i, bf16_rows(widen16(a), widen16(b)));
+#else
+      for (int e = 0; e < 16; ++e) out[i].v[e] = to_bf16(to_float(a[e])), out[i].v[16 + e] = to_bf16(to_float(b[e]));
+#endif
+    }
+}
+
+// R rows' scores against a packed block of 8 keys
+template <int D, int R>
+inline void dot_keys(const bf16_t* const* q, const Chunk* __restrict packed, float* const* out) {
+#if defined(__AVX512BF16__)
+  __m512 a[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) a[r][j] = _mm512_setzero_ps();
+  for (int c = 0; c < D / 16; ++c) {
+    __m512i qq[R];
+    for (int r = 0; r < R; ++r)
+      qq[r] = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[r] + 16 * c)));
+    for (int j = 0; j < 4; ++j) {
+      __m512i kk = _mm512_load_si512(packed + j * (D / 16) + c);
+      if constexpr (R > 1) in_register(kk);
+      for (int r = 0; r < R; ++r) a[r][j] = dot_pairs(a[r][j], kk, qq[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) store_scores(a[r], out[r]);
+#else
+  for (int r = 0; r < R; ++r)
+    for (int key = 0; key < 8; ++key) {
+      float lane[8] = {};
+      for (int c = 0; c < D / 16; ++c) {
+        const Chunk& ch = packed[(key / 2) * (D / 16) + c];
+        for (int l = 0; l < 8; ++l) {
+          const int e = 16 * (key % 2) + 2 * l;
+          lane[l] = dot_pair(lane[l], ch.v[e], ch.v[e + 1], q[r][16 * c + 2 * l], q[r][16 * c + 2 * l + 1]);
+        }
+      }
+      out[r][key] = ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+    }
+#endif
+}
+
+// `pairs` pairs of value rows from v (a partner of zero where `last_alone`: the final pair is v's last row alone)
+template <int D>
+inline void pack_values(const half_t* __restrict v, int pairs, bool last_alone, Chunk* __restrict out) {
+  for (int m = 0; m < pairs; ++m)
+    for (int c = 0; c < D / 16; ++c) {
+      const int i = m * (D / 16) + c;
+      qs_stream_ahead(reinterpret_cast<const char*>(v) + 64 * i);
+      const half_t* a = v + (2 * m) * D + 16 * c;
+      const bool alone = last_alone && m == pairs - 1;
+#if defined(__AVX512BF16__)
+      const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                                  23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+      const __m512 b = alone ? _mm512_setzero_ps() : widen16(a + D);
+      _mm512_store_si512(out + i, _mm512_permutexvar_epi16(interleave, bf16_rows(widen16(a), b)));
+#else
+      for (int e = 0; e < 16; ++e)
+        out[i].v[2 * e] = to_bf16(to_float(a[e])), out[i].v[2 * e + 1] = alone ? 0 : to_bf16(to_float(a[D + e]));
+#endif
+    }
+}
+
+// acc_r[0:D] += Σ_m the m-th pair of p_r · the m-th pair of values, for R rows over the same packed pairs
+template <int D, int R>
+inline void add_values(const uint32_t* const* p, const Chunk* __restrict packed, int pairs, float* const* acc) {
+#if defined(__AVX512BF16__)
+  constexpr int V = D / 16, C = chunk_vectors(V, R);
+  for (int i0 = 0; i0 < V; i0 += C) {
+    __m512 a[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < C; ++i) a[r][i] = _mm512_loadu_ps(acc[r] + (i0 + i) * 16);
+    for (int m = 0; m < pairs; ++m) {
+      __m512i pm[R];
+      for (int r = 0; r < R; ++r) pm[r] = _mm512_set1_epi32(static_cast<int>(p[r][m]));
+      for (int i = 0; i < C; ++i) {
+        __m512i vv = _mm512_load_si512(packed + m * V + i0 + i);
+        for (int r = 0; r < R; ++r) a[r][i] = dot_pairs(a[r][i], pm[r], vv);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < C; ++i) _mm512_storeu_ps(acc[r] + (i0 + i) * 16, a[r][i]);
+  }
+#else
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < pairs; ++m)
+      for (int d = 0; d < D; ++d) {
+        const Chunk& ch = packed[m * (D / 16) + d / 16];
+        acc[r][d] = dot_pair(acc[r][d], static_cast<bf16_t>(p[r][m]), static_cast<bf16_t>(p[r][m] >> 16),
+                             ch.v[2 * (d % 16)], ch.v[2 * (d % 16) + 1]);
+      }
+#endif
+}
+
+constexpr int kMaxRowsOfPairs = 8;   // the most rows add_values_rows takes at once
+
+// add_values for `rows` (1 to kMaxRowsOfPairs) rows of the same pairs
+template <int D>
+inline void add_values_rows(int rows, const uint32_t* const* p, const Chunk* packed, int pairs, float* const* acc) {
+  switch (rows) {
+    case 1: add_values<D, 1>(p, packed, pairs, acc); return;
+    case 2: add_values<D, 2>(p, packed, pairs, acc); return;
+    case 3: add_values<D, 3>(p, packed, pairs, acc); return;
+    case 4: add_values<D, 4>(p, packed, pairs, acc); return;
+    case 5: add_values<D, 5>(p, packed, pairs, acc); return;
+    case 6: add_values<D, 6>(p, packed, pairs, acc); return;
+    case 7: add_values<D, 7>(p, packed, pairs, acc); return;
+    default: add_values<D, 8>(p, packed, pairs, acc); return;
+  }
+}
+
+// attend_tile with bf16 products: the same tasks, segments, blocks and partials.
+template <int D>
+void attend_tile_bf16(const Step<half_t>& st, int64_t b, int64_t s0, int64_t count, int64_t h0, int64_t nh, int seg0,
+                      int seg1, Partials& p, int64_t row0) {
+  const int64_t kvh = h0 / (st.heads / st.kv_heads);
+  const int rows = static_cast<int>(count * nh);
+  constexpr int stride = kSegment, chunks = D / 16;
+  thread_local std::vector<float> scores;
+  thread_local std::vector<bf16_t> qbuf;
+  thread_local std::vector<uint32_t> pairs;     // each row's probabilities of the segment, in bf16 pairs
+  thread_local std::vector<int> lo, len;
+  scores.resize(static_cast<size_t>(rows) * stride);
+  qbuf.resize(static_cast<size_t>(rows) * D);
+  pairs.resize(static_cast<size_t>(rows) * stride / 2);
+  lo.assign(rows, 0);
+  len.assign(rows, 0);
+  const half_t* keys = st.cache(st.keys, b, kvh, 0);
+  const half_t* values = st.cache(st.values, b, kvh, 0);
+  int max_len = 0;
+  for (int r = 0; r < rows; ++r) {
+    int64_t s = s0 + r / nh, h = h0 + r % nh, pos = st.past(b) + s;
+    if (pos >= st.total(b)) continue;
+    alignas(64) float rotated[128];
+    rotate(st.token(b, s) + h * D, st.cos + pos * (D / 2), st.sin + pos * (D / 2), D, st.scale, rotated);
+    round_bf16(rotated, D, &qbuf[r * D]);
+    lo[r] = static_cast<int>(st.first_key(pos));
+    len[r] = static_cast<int>(pos + 1 - lo[r]);
+    max_len = std::max(max_len, len[r]);
+  }
+  int first = 0;
+  for (int r = 0; r < rows; ++r)
+    if (len[r]) first = lo[r];
+  Chunk packed[std::max(4, kValueBlock / 2) * chunks], tail_pair[chunks];
+  alignas(64) half_t tail[8 * D];
+  for (int seg = seg0; seg < seg1; ++seg) {
+    const int k_begin = seg * kSegment, k_end = std::min(max_len, (seg + 1) * kSegment);
+    if (k_begin >= k_end) break;
+    auto score = [&](int r, int k) { return &scores[static_cast<size_t>(r) * stride + (k - k_begin)]; };
+    auto q = [&](int r) { return &qbuf[static_cast<size_t>(r) * D]; };
+    for (int r = 0; r < rows; ++r) {
+      int full = len[r] / 8 * 8;
+      if (full < len[r] && full >= k_begin && full < k_end) {
+        std::memset(tail, 0, sizeof tail);
+        std::memcpy(tail, keys + static_cast<int64_t>(lo[r] + full) * D, sizeof(half_t) * D * (len[r] - full));
+        pack_keys<D>(tail, packed);
+        const bf16_t* qs[1] = {q(r)};
+        float* o[1] = {score(r, full)};
+        dot_keys<D, 1>(qs, packed, o);
+      }
+    }
+    for (int k = k_begin; k < k_end; k += 8) {
+      if (k + 8 > max_len / 8 * 8) continue;
+      pack_keys<D>(keys + static_cast<int64_t>(first + k) * D, packed);
+      in_pairs(rows, [&](int r) { return k + 8 <= len[r] / 8 * 8; }, [](int, int) { return true; },
+               [&](int r) {
+                 const bf16_t* qs[1] = {q(r)};
+                 float* o[1] = {score(r, k)};
+                 dot_keys<D, 1>(qs, packed, o);
+               },
+               [&](int r0, int r1) {
+                 const bf16_t* qs[2] = {q(r0), q(r1)};
+                 float* o[2] = {score(r0, k), score(r1, k)};
+                 dot_keys<D, 2>(qs, packed, o);
+               });
+    }
+    for (int r = 0; r < rows; ++r) {
+      if (seg >= segments_of(len[r])) continue;
+      int n = std::min(kSegment, len[r] - k_begin);
+      size_t at = static_cast<size_t>(row0 + r) * p.segs + seg;
+      p.max[at] = softmax_unnormalised(score(r, k_begin), n, &p.sum[at]);
+      probability_pairs(score(r, k_begin), n, &pairs[static_cast<size_t>(r) * stride / 2]);
+      std::fill_n(&p.acc[at * D], D, 0.0f);
+    }
+    for (int k = k_begin; k < k_end; k += kValueBlock) {
+      auto count = [&](int r) { return std::min(k + kValueBlock, len[r]) - k; };
+      auto sum = [&](int r) { return &p.acc[(static_cast<size_t>(row0 + r) * p.segs + seg) * D]; };
+      auto pair_of = [&](int r) { return &pairs[static_cast<size_t>(r) * stride / 2 + (k - k_begin) / 2]; };
+      const half_t* block = values + static_cast<int64_t>(first + k) * D;
+      const int n = std::min(kValueBlock, max_len - k);
+      pack_values<D>(block, n / 2, false, packed);
+      // whole pairs: rows of equal counts together (all of a decode step's rows), then each odd row's last key
+      bool same = rows <= kMaxRowsOfPairs && count(0) > 0;
+      for (int r = 1; same && r < rows; ++r) same = count(r) == count(0);
+      if (same) {
+        const uint32_t* ps[kMaxRowsOfPairs];
+        float* a[kMaxRowsOfPairs];
+        for (int r = 0; r < rows; ++r) ps[r] = pair_of(r), a[r] = sum(r);
+        add_values_rows<D>(rows, ps, packed, count(0) / 2, a);
+      } else {
+        in_pairs(rows, [&](int r) { return count(r) > 1; }, [&](int r0, int r1) { return count(r0) / 2 == count(r1) / 2; },
+                 [&](int r) {
+                   const uint32_t* ps[1] = {pair_of(r)};
+                   float* a[1] = {sum(r)};
+                   add_values<D, 1>(ps, packed, count(r) / 2, a);
+                 },
+                 [&](int r0, int r1) {
+                   const uint32_t* ps[2] = {pair_of(r0), pair_of(r1)};
+                   float* a[2] = {sum(r0), sum(r1)};
+                   add_values<D, 2>(ps, packed, count(r0) / 2, a);
+                 });
+      }
+      for (int r = 0; r < rows; ++r) {
+        if (count(r) <= 0 || count(r) % 2 == 0) continue;
+        pack_values<D>(block + static_cast<int64_t>(count(r) - 1) * D, 1, true, tail_pair);
+        const uint32_t* ps[1] = {pair_of(r) + count(r) / 2};
+        float* a[1] = {sum(r)};
+        add_values<D, 1>(ps, tail_pair, 1, a);
+      }
+    }
+  }
+}
+
+// A tile's rows by the products the step asks for.
+template <int D, typename T>
+void attend_rows(const Step<T>& st, int64_t b, int64_t s0, int64_t count, int64_t h0, int64_t nh, int seg0, int seg1,
+                 Partials& p, int64_t row0 = 0) {
+  if constexpr (std::is_same_v<T, half_t>)
+    if (st.bf16) return attend_tile_bf16<D>(st, b, s0, count, h0, nh, seg0, seg1, p, row0);
+  attend_tile<D>(st, b, s0, count, h0, nh, seg0, seg1, p, row0);
+}
+
 // Phase 2 (most steps), one task per (b, heads_per_task heads, tile of query tokens): whole rows.
 template <int D, typename T>
 void attend(void* user, size_t task) {
@@ -650,7 +965,7 @@ void attend(void* user, size_t task) {
   int rows = static_cast<int>(count * nh);
   int segs = segments_of(static_cast<int>(std::min(st.total(b), st.past(b) + s0 + count)));   // of its longest row
   p.reset(rows, segs, D);
-  attend_tile<D>(st, b, s0, count, h0, nh, 0, segs, p);
+  attend_rows<D>(st, b, s0, count, h0, nh, 0, segs, p);
   for (int r = 0; r < rows; ++r) {
     int64_t s = s0 + r / nh, h = h0 + r % nh;
     size_t at = static_cast<size_t>(r) * p.segs;
@@ -659,17 +974,22 @@ void attend(void* user, size_t task) {
   }
 }
 
-// Phase 2 of a step with few rows over a long context (Step::split): one task per (b, KV head, segment of keys),
-// taking every query token of the step with the group's heads, its partials straight into the step's shared ones
-// (the group's rows from (b·kv_heads + g)·seq·nh, token-major as attend_tile numbers them; tasks write disjoint
-// entries); combined per row afterwards.
+// Phase 2 of a step with few rows over a long context (Step::split): one task per (b, KV head, run of st.run
+// consecutive segments of keys), taking every query token of the step with the group's heads, its partials straight
+// into the step's shared ones (the group's rows from (b·kv_heads + g)·seq·nh, token-major as attend_tile numbers
+// them; tasks write disjoint entries); combined per row afterwards.
+//
+// Runs, not single segments: ONNX Runtime hands a ParallelFor's tasks out one at a time, so with a task per segment
+// the two threads took alternate segments and each one's reads jumped every 32 KB, past what it had asked ahead
+// for; a run is one stream of keys and one of values.
 template <int D, typename T>
 void attend_segment(void* user, size_t task) {
   const Step<T>& st = *static_cast<const Step<T>*>(user);
-  int64_t seg = task % st.segs, g = (task / st.segs) % st.kv_heads, b = task / st.segs / st.kv_heads;
+  const int64_t runs = (st.segs + st.run - 1) / st.run;
+  int64_t r = task % runs, g = (task / runs) % st.kv_heads, b = task / runs / st.kv_heads;
   int64_t nh = st.heads / st.kv_heads;
-  attend_tile<D>(st, b, 0, st.seq, g * nh, nh, static_cast<int>(seg), static_cast<int>(seg) + 1, *st.shared,
-                 (b * st.kv_heads + g) * st.seq * nh);
+  const int seg0 = static_cast<int>(r * st.run), seg1 = std::min(st.segs, seg0 + st.run);
+  attend_rows<D>(st, b, 0, st.seq, g * nh, nh, seg0, seg1, *st.shared, (b * st.kv_heads + g) * st.seq * nh);
 }
 
 template <int D, typename T>
@@ -679,7 +999,8 @@ void run_attention(OrtKernelContext* context, Step<T>& st) {
     ctx.ParallelFor(attend<D, T>, static_cast<size_t>(st.batch * (st.heads / st.heads_per_task) * ((st.seq + st.tile - 1) / st.tile)), 0, &st);
     return;
   }
-  ctx.ParallelFor(attend_segment<D, T>, static_cast<size_t>(st.batch * st.kv_heads * st.segs), 0, &st);
+  ctx.ParallelFor(attend_segment<D, T>, static_cast<size_t>(st.batch * st.kv_heads * ((st.segs + st.run - 1) / st.run)),
+                  0, &st);
   const int64_t nh = st.heads / st.kv_heads;
   for (int64_t b = 0; b < st.batch; ++b)
     for (int64_t g = 0; g < st.kv_heads; ++g)
@@ -710,6 +1031,7 @@ template <typename T>
 struct CausalAttentionKernel {
   int64_t heads, kv_heads, window;
   float scale;
+  bool bf16;
 
   CausalAttentionKernel(const OrtApi&, const OrtKernelInfo* info) {
     Ort::ConstKernelInfo ki(info);
@@ -717,6 +1039,13 @@ struct CausalAttentionKernel {
     kv_heads = ki.GetAttribute<int64_t>("kv_num_heads");
     scale = ki.GetAttribute<float>("scale");
     window = ki.GetAttribute<int64_t>("local_window_size");
+    try {                                       // optional: absent in engines built before it
+      bf16 = ki.GetAttribute<int64_t>("bf16_products") != 0;
+    } catch (const Ort::Exception&) {
+      bf16 = false;
+    }
+    if (bf16 && !std::is_same_v<T, half_t>)
+      throw std::invalid_argument("qs.CausalAttention: bf16_products needs a float16 cache (--kv-cache fp16)");
     if (heads <= 0 || kv_heads <= 0 || heads % kv_heads) throw std::invalid_argument("num_heads must be a multiple of kv_num_heads");
   }
 
@@ -728,7 +1057,7 @@ struct CausalAttentionKernel {
     if (qs.size() != 3 || ks.size() != 4 || cs.size() != 2) throw std::invalid_argument("qs.CausalAttention: bad input ranks");
     Step<T> st{};
     st.batch = qs[0], st.seq = qs[1], st.heads = heads, st.kv_heads = kv_heads, st.head_dim = ks[3];
-    st.capacity = ks[2], st.max_pos = cs[0], st.window = window, st.scale = scale;
+    st.capacity = ks[2], st.max_pos = cs[0], st.window = window, st.scale = scale, st.bf16 = bf16;
     if (qs[2] != (heads + 2 * kv_heads) * st.head_dim || ks[0] != st.batch || ks[1] != kv_heads || cs[1] * 2 != st.head_dim)
       throw std::invalid_argument("qs.CausalAttention: qkv, cache and rotary shapes disagree");
     auto run = attention_for<T>(st.head_dim);
@@ -763,6 +1092,9 @@ struct CausalAttentionKernel {
     st.segs = segments_of(static_cast<int>(longest));
     bool few = st.batch * kv_heads * tiles < kMinGroupedTasks;
     st.split = few && tiles == 1 && st.segs > 1;
+    // runs of segments as long as leave kMinGroupedTasks tasks (the step's segments split evenly between them)
+    const int64_t groups = st.batch * kv_heads;
+    st.run = static_cast<int>(std::max<int64_t>(1, groups * st.segs / kMinGroupedTasks / groups));
     st.heads_per_task = few && !st.split ? 1 : heads / kv_heads;
     thread_local Partials shared;   // (one per element type: a thread runs one step at a time either way)
     if (st.split) shared.reset(static_cast<int>(st.batch * st.seq * heads), st.segs, static_cast<int>(st.head_dim));

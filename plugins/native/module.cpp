@@ -65,6 +65,12 @@ PYBIND11_MODULE(_native, m) {
 #else
   m.attr("cpu_isa") = "generic";
 #endif
+  // whether qs.CausalAttention's bf16 products (--attention-products bf16) run on vdpbf16ps, not its scalar emulation
+#if defined(__AVX512BF16__)
+  m.attr("cpu_bf16") = true;
+#else
+  m.attr("cpu_bf16") = false;
+#endif
 #ifdef QS_CPU_OPS
   m.def("cpu_tiles", &py_cpu_tiles, py::arg("mode") = py::none(),
         "The tile mode of the int8/int4 prompt products (off, amx, emulate); with a mode (auto, off, emulate, amx), "

@@ -17,6 +17,7 @@ import pytest
 from compile.build import build
 from compile.config import CompileConfig, QuantConfig
 from compile.graph.layers import MIN_ROWS
+from runtime import cpu_ops
 from runtime.config import CacheConfig, EngineConfig, SchedulerConfig
 from runtime.engine import Engine
 from runtime.backends.cpu.runner import ModelRunner
@@ -34,13 +35,14 @@ def engines(tmp_path_factory):
     """engines(name, precision) → engine folder of the bundled `target` or `draft` (built once per module)."""
     built: dict[tuple[str, str], Path] = {}
 
-    def get(name: str, precision: str, batch_invariant: bool = True, kernels: str = "auto") -> Path:
-        key = (name, precision, batch_invariant, kernels)
+    def get(name: str, precision: str, batch_invariant: bool = True, kernels: str = "auto",
+            attention_products: str = "fp32") -> Path:
+        key = (name, precision, batch_invariant, kernels, attention_products)
         if key not in built:
             out = tmp_path_factory.mktemp("engines") / f"{name}-{precision}"
             quant = QuantConfig(batch_invariant=batch_invariant)
-            build(CompileConfig(MODELS / name, out, precision, quant=quant, report=False, kernels=kernels),
-                  log=lambda _: None)
+            build(CompileConfig(MODELS / name, out, precision, quant=quant, report=False, kernels=kernels,
+                                attention_products=attention_products), log=lambda _: None)
             built[key] = out
         return built[key]
 
@@ -153,6 +155,33 @@ def test_greedy_speculation(engines, precision, batch):
                 assert precision in ("int8", "int4"), f"{precision} {method}: request {k} tokens differ at {n}"
                 top2 = np.sort(log_p[n])[-2:]
                 assert top2[1] - top2[0] < bound, f"request {k}: tokens differ at {n} without a near-tie"
+
+
+@pytest.mark.skipif(not cpu_ops.available(), reason="bf16 products are our attention op's")
+def test_bf16_attention_products_keep_every_invariance(engines):
+    """--attention-products bf16 (int4 weights, fp16 cache): requests joining at random steps get what they get
+    alone, draft and n-gram speculation equal plain greedy decoding (tokens and logits), and a prefix-cache hit
+    equals a miss, all bitwise; and its logits are not the fp32 products' (the option took effect)."""
+    target = engines("target", "int4", attention_products="bf16")
+    assert json.loads((target / "manifest.json").read_text())["precision"]["attention_products"] == "bf16"
+    eng = engine_for(target)
+    ps = prompts(6, seed=40, hi=150)
+    alone = [run(eng, [p])[0] for p in ps]
+    assert_identical(run(eng, ps, [0, 3, 3, 7, 11, 20]), alone, "bf16 batched")
+    for method, draft in (("draft", engines("draft", "int8")), ("ngram", None)):
+        spec = engine_for(target, draft, method)
+        assert_identical(run(spec, ps), alone, f"bf16 {method} speculation vs plain decoding")
+        assert spec.speculator.stats.proposed > 0
+    shared = ps[0][:120]
+    warm = engine_for(target)
+    run(warm, [shared + [5, 6, 7]])
+    tails = [shared + tail for tail in prompts(3, seed=41, lo=3, hi=30)]
+    hit = run(warm, tails, [0, 1, 2])
+    assert warm.kv.stats.hits >= 3
+    cold = engine_for(target, cache=CacheConfig(kv_budget_bytes=96 << 20, enable_prefix_cache=False))
+    assert_identical(hit, run(cold, tails, [0, 1, 2]), "bf16 prefix hit vs miss")
+    fp32 = run(engine_for(engines("target", "int4")), ps[:1])[0]
+    assert not np.array_equal(fp32[1][0], alone[0][1][0])
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)

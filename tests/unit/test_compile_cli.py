@@ -228,3 +228,32 @@ def test_kernels_choice(checkpoint, tmp_path, monkeypatch):
     monkeypatch.setattr(cpu_ops, "library", lambda: None)
     with pytest.raises(ArtifactError, match="--kernels ort"):
         ModelRunner(tmp_path / "e0")
+
+
+def test_bf16_attention_products(checkpoint, tmp_path):
+    """--attention-products bf16: every qs.CausalAttention node carries bf16_products, the manifest and `inspect`
+    say so, and `compile verify` passes (int8 bounds); asked of an engine whose cache is not fp16 on our op, the
+    build fails cleanly with what to use instead."""
+    import onnx
+
+    from runtime import cpu_ops
+
+    if not cpu_ops.available():
+        pytest.skip("this install was built without the qs ops")
+    model = checkpoint("llama")
+    out = tmp_path / "bf16"
+    assert run_build(model, out, "--no-report", "--precision", "int8", "--attention-products", "bf16").exit_code == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["precision"]["attention_products"] == "bf16" and manifest["kv_cache"]["dtype"] == "float16"
+    nodes = [n for n in onnx.load(str(out / "model.onnx"), load_external_data=False).graph.node
+             if n.op_type == "CausalAttention"]
+    assert len(nodes) == manifest["model"]["num_layers"]
+    assert all(onnx.helper.get_node_attr_value(n, "bf16_products") == 1 for n in nodes)
+    assert "bf16 products" in CliRunner().invoke(main, ["inspect", str(out)]).output
+    verified = CliRunner().invoke(main, ["verify", str(out), "--model", str(model)])
+    assert verified.exit_code == 0 and "PASS" in verified.output, verified.output
+    for flags, needle in ((("--kv-cache", "fp32"), "--kv-cache fp16"), (("--precision", "fp32"), "--kv-cache fp16"),
+                          (("--kernels", "ort"), "--kernels qs or auto"),
+                          (("--target", "cuda", "--precision", "fp16"), "--target cpu")):
+        bad = tmp_path / "bad"
+        assert_clean_failure(run_build(model, bad, "--no-report", "--attention-products", "bf16", *flags), bad, needle)

@@ -6,7 +6,9 @@ static cache, causal softmax over the keys up to the query, optionally within a 
 agree with com.microsoft.GroupQueryAttention on the same inputs, and be invariant in a way GroupQueryAttention is
 not: a query row's output is bitwise the same whether it is decoded alone, beside other sequences, or computed
 inside a prompt chunk. Over an fp16 cache (--kv-cache fp16) the same, against the truth reading the cache rounded
-to float16 (values stored are numpy's float16 of the inputs, bit for bit).
+to float16 (values stored are numpy's float16 of the inputs, bit for bit). With bf16 products (--attention-products
+bf16) against a truth that rounds what the op multiplies (queries, keys, each segment's probabilities, values) to
+bfloat16 and sums exactly, and with the same invariance.
 
 qs.RowQuantize (row_quantize.cpp): bit for bit what Abs → ReduceMax → ·1/127 → QuantizeLinear(zero point 128) give.
 
@@ -41,7 +43,8 @@ pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="this install wa
 CAPACITY = 640      # past several of the op's 128-key softmax segments
 
 
-def graph(op: str, heads: int, kv_heads: int, head_dim: int, window: int, cache: int = TensorProto.FLOAT) -> bytes:
+def graph(op: str, heads: int, kv_heads: int, head_dim: int, window: int, cache: int = TensorProto.FLOAT,
+          bf16: bool = False) -> bytes:
     width = (heads + 2 * kv_heads) * head_dim
     inputs = [helper.make_tensor_value_info("qkv", TensorProto.FLOAT, ["B", "S", width]),
               helper.make_tensor_value_info("past_key", cache, ["B", kv_heads, CAPACITY, head_dim]),
@@ -56,7 +59,7 @@ def graph(op: str, heads: int, kv_heads: int, head_dim: int, window: int, cache:
     names = [i.name for i in inputs]
     if op == "qs":
         node = helper.make_node("CausalAttention", names, [o.name for o in outputs], domain=cpu_ops.DOMAIN,
-                                local_window_size=window, **attrs)
+                                local_window_size=window, **attrs, **({"bf16_products": 1} if bf16 else {}))
     else:
         node = helper.make_node("GroupQueryAttention", names[:1] + ["", ""] + names[1:], [o.name for o in outputs],
                                 domain="com.microsoft", do_rotary=1, rotary_interleaved=0, local_window_size=window,
@@ -71,14 +74,14 @@ _sessions: dict[tuple, ort.InferenceSession] = {}
 
 
 def session(op: str, heads: int, kv_heads: int, head_dim: int, window: int = -1, threads: int = 2,
-            cache: int = TensorProto.FLOAT):
-    key = (op, heads, kv_heads, head_dim, window, threads, cache)
+            cache: int = TensorProto.FLOAT, bf16: bool = False):
+    key = (op, heads, kv_heads, head_dim, window, threads, cache, bf16)
     if key not in _sessions:
         so = ort.SessionOptions()
         so.intra_op_num_threads = threads
         so.log_severity_level = 3
         cpu_ops.register(so)
-        _sessions[key] = ort.InferenceSession(graph(op, heads, kv_heads, head_dim, window, cache), so,
+        _sessions[key] = ort.InferenceSession(graph(op, heads, kv_heads, head_dim, window, cache, bf16), so,
                                               providers=["CPUExecutionProvider"])
     return _sessions[key]
 
@@ -88,14 +91,14 @@ def rotary(head_dim: int) -> tuple[np.ndarray, np.ndarray]:
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
 
-def run(op, qkv, keys, values, seqlens, heads, kv_heads, window=-1, threads=2):
+def run(op, qkv, keys, values, seqlens, heads, kv_heads, window=-1, threads=2, bf16=False):
     """One call with the cache bound as past ≡ present (as the runner binds it); returns (out, keys, values). The
-    cache's dtype (float32 or float16) picks the op's cache type."""
+    cache's dtype (float32 or float16) picks the op's cache type; `bf16` asks for bf16 products."""
     head_dim = keys.shape[-1]
     keys, values = keys.copy(), values.copy()
     cos, sin = rotary(head_dim)
     cache = TensorProto.FLOAT16 if keys.dtype == np.float16 else TensorProto.FLOAT
-    sess = session(op, heads, kv_heads, head_dim, window, threads, cache)
+    sess = session(op, heads, kv_heads, head_dim, window, threads, cache, bf16)
     io = sess.io_binding()
     io.bind_cpu_input("qkv", qkv)
     io.bind_output("out")                       # first: copy_outputs_to_cpu() lists outputs in binding order
@@ -110,8 +113,20 @@ def run(op, qkv, keys, values, seqlens, heads, kv_heads, window=-1, threads=2):
     return io.copy_outputs_to_cpu()[0], keys, values
 
 
-def reference(qkv, keys, values, seqlens, heads, kv_heads, window=-1):
-    """What the op means, in float64; over a float16 cache, attention reads the new K/V rounded to float16."""
+def to_bf16(x: np.ndarray) -> np.ndarray:
+    """float32 values rounded to the nearest bfloat16 (ties to even), as float64."""
+    bits = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+    return bits.astype(np.uint32).view(np.float32).astype(np.float64)
+
+
+SEGMENT = 128       # keys per softmax segment of the op (attention.cpp kSegment): bf16 rounds each one's numerators
+
+
+def reference(qkv, keys, values, seqlens, heads, kv_heads, window=-1, bf16=False):
+    """What the op means, in float64; over a float16 cache, attention reads the new K/V rounded to float16. With
+    `bf16`, what bf16 products mean: the query (rotated and scaled in float32), keys and values rounded to bfloat16,
+    and each 128-key segment's softmax numerators exp(score − the segment's max) too, every sum exact."""
     half = keys.dtype == np.float16
     batch, seq, _ = qkv.shape
     head_dim = keys.shape[-1]
@@ -141,9 +156,23 @@ def reference(qkv, keys, values, seqlens, heads, kv_heads, window=-1):
             for h in range(heads):
                 kvh = h // (heads // kv_heads)
                 q = rot(tokens[b, s, h], pos) * head_dim ** -0.5
-                scores = keys[b, kvh, lo:pos + 1] @ q
-                p = np.exp(scores - scores.max())
-                out[b, s, h * head_dim:(h + 1) * head_dim] = (p / p.sum()) @ values[b, kvh, lo:pos + 1]
+                k, v = keys[b, kvh, lo:pos + 1], values[b, kvh, lo:pos + 1]
+                if bf16:
+                    q = to_bf16(rot(tokens[b, s, h].astype(np.float32), pos).astype(np.float32)
+                                * np.float32(head_dim ** -0.5))
+                    k, v = to_bf16(k), to_bf16(v)
+                scores = k @ q
+                if not bf16:
+                    p = np.exp(scores - scores.max())
+                    out[b, s, h * head_dim:(h + 1) * head_dim] = (p / p.sum()) @ v
+                    continue
+                segments = [slice(i, i + SEGMENT) for i in range(0, len(scores), SEGMENT)]
+                tops = [scores[g].max() for g in segments]
+                weights = np.exp(np.array(tops) - max(tops))
+                numerators = [np.exp(scores[g] - t) for g, t in zip(segments, tops)]
+                total = sum(w * e.sum() for w, e in zip(weights, numerators))
+                out[b, s, h * head_dim:(h + 1) * head_dim] = sum(
+                    w * (to_bf16(e) @ v[g]) for w, e, g in zip(weights, numerators, segments)) / total
     return out, keys, values
 
 
@@ -209,13 +238,40 @@ def test_fp16_cache_matches_reference(batch, seq, seqlens, heads, kv_heads, head
     np.testing.assert_array_equal(got[1], wide[1].astype(np.float16))    # the op rounds its float32 rotation
 
 
+@pytest.mark.parametrize("batch,seq,seqlens,heads,kv_heads,head_dim,window", CASES)
+def test_bf16_products_match_a_truth_that_rounds_what_they_multiply(batch, seq, seqlens, heads, kv_heads, head_dim,
+                                                                  window):
+    """--attention-products bf16: the cache is written as with fp32 products (bit for bit), and the output is the
+    float64 truth's over bf16-rounded queries, keys, values and numerators, within float32 summation and the rare
+    numerator that float32 rounds to the neighbouring bf16 (2^-8 of one weight); the fp32 products' output lies
+    much further from that truth, so the op did round."""
+    qkv, keys, values = inputs(np.random.default_rng(batch * 100 + seq), batch, seq, heads, kv_heads, head_dim, np.float16)
+    got = run("qs", qkv, keys, values, seqlens, heads, kv_heads, window, bf16=True)
+    fp32 = run("qs", qkv, keys, values, seqlens, heads, kv_heads, window)
+    np.testing.assert_array_equal(got[1], fp32[1])
+    np.testing.assert_array_equal(got[2], fp32[2])
+    truth = reference(qkv, keys, values, seqlens, heads, kv_heads, window, bf16=True)[0]
+    rows = [(b, s) for b, n in enumerate(np.asarray(seqlens) + 1) for s in range(min(seq, n))]
+    got_rows, fp32_rows, truth_rows = (np.array([o[b, s] for b, s in rows]) for o in (got[0], fp32[0], truth))
+    np.testing.assert_allclose(got_rows, truth_rows, atol=1e-4, rtol=1e-4)
+    assert np.abs(fp32_rows - truth_rows).max() > 4 * np.abs(got_rows - truth_rows).max()
+
+
+def test_bf16_products_need_a_half_cache():
+    qkv, keys, values = inputs(np.random.default_rng(0), 1, 1, 4, 2, 16)
+    with pytest.raises(Exception, match="bf16_products needs a float16 cache"):
+        run("qs", qkv, keys, values, [5], 4, 2, bf16=True)
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), batch=st.integers(1, 4), seq=st.integers(1, 24),
        shape=st.sampled_from([(4, 2, 16), (3, 1, 32), (6, 3, 64), (2, 2, 128)]), window=st.sampled_from([-1, 7]),
-       threads=st.sampled_from([1, 2]), cache=st.sampled_from([np.float32, np.float16]))
+       threads=st.sampled_from([1, 2]), cache=st.sampled_from([np.float32, np.float16, "bf16"]))
 def test_matches_reference_on_any_shape(data, batch, seq, shape, window, threads, cache):
     """Batches of several tokens per row are prompts with no past (GroupQueryAttention's only multi-row batch);
-    one-token rows have any past."""
+    one-token rows have any past. "bf16": bf16 products over a half cache, against the truth that rounds them."""
+    bf16 = cache == "bf16"
+    cache = np.float16 if bf16 else cache
     heads, kv_heads, head_dim = shape
     if batch > 1 and seq > 1:
         seqlens = [seq - 1] * batch
@@ -223,11 +279,11 @@ def test_matches_reference_on_any_shape(data, batch, seq, shape, window, threads
         seqlens = data.draw(st.lists(st.integers(seq - 1, CAPACITY - 1), min_size=batch, max_size=batch))
     qkv, keys, values = inputs(np.random.default_rng(data.draw(st.integers(0, 2**31))), batch, seq, heads, kv_heads,
                                head_dim, cache)
-    got = run("qs", qkv, keys, values, seqlens, heads, kv_heads, window, threads)
-    assert_matches_reference(got, reference(qkv, keys, values, seqlens, heads, kv_heads, window), seqlens)
+    got = run("qs", qkv, keys, values, seqlens, heads, kv_heads, window, threads, bf16)
+    assert_matches_reference(got, reference(qkv, keys, values, seqlens, heads, kv_heads, window, bf16), seqlens)
 
 
-@pytest.mark.parametrize("cache", [np.float32, np.float16])
+@pytest.mark.parametrize("cache", [np.float32, np.float16, "bf16"])
 @pytest.mark.parametrize("position", [50, 517])
 @pytest.mark.parametrize("chunk_len", [10, 48])
 @pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (16, 4, 2), (128, 8, 8)])
@@ -238,16 +294,19 @@ def test_a_row_is_bitwise_the_same_alone_batched_or_in_a_chunk(head_dim, heads, 
     prompt chunk (every segment in one task; 48 tokens make tiles of 16 rows, whose keys are scored 16 at a time
     from a transposed block): the same bits."""
     rng = np.random.default_rng(7)
+    bf16 = cache == "bf16"                   # bf16 products over a half cache
+    cache = np.float16 if bf16 else cache
     qkv, keys, values = inputs(rng, 1, chunk_len, heads, kv_heads, head_dim, cache)
-    chunk, chunk_keys, chunk_values = run("qs", qkv, keys, values, [position], heads, kv_heads)
+    chunk, chunk_keys, chunk_values = run("qs", qkv, keys, values, [position], heads, kv_heads, bf16=bf16)
     last = qkv[:, chunk_len - 1:chunk_len]   # decoded over the cache the chunk left (its row rewritten, same bits)
-    alone, _, _ = run("qs", last, chunk_keys, chunk_values, [position], heads, kv_heads)
+    alone, _, _ = run("qs", last, chunk_keys, chunk_values, [position], heads, kv_heads, bf16=bf16)
     others_qkv, others_keys, others_values = inputs(rng, 5, 1, heads, kv_heads, head_dim, cache)
     others_qkv[2], others_keys[2], others_values[2] = last[0], chunk_keys[0], chunk_values[0]
-    batched, _, _ = run("qs", others_qkv, others_keys, others_values, [5, 600, position, 11, 90], heads, kv_heads)
+    batched, _, _ = run("qs", others_qkv, others_keys, others_values, [5, 600, position, 11, 90], heads, kv_heads,
+                        bf16=bf16)
     pair_qkv, pair_keys, pair_values = others_qkv[1:3], others_keys[1:3], others_values[1:3]
-    pair, _, _ = run("qs", pair_qkv, pair_keys, pair_values, [600, position], heads, kv_heads)   # split when few
-    three, _, _ = run("qs", qkv[:, -3:], chunk_keys, chunk_values, [position], heads, kv_heads)  # a short step
+    pair, _, _ = run("qs", pair_qkv, pair_keys, pair_values, [600, position], heads, kv_heads, bf16=bf16)  # split
+    three, _, _ = run("qs", qkv[:, -3:], chunk_keys, chunk_values, [position], heads, kv_heads, bf16=bf16)  # short
     assert np.array_equal(alone[0, 0], chunk[0, -1])
     assert np.array_equal(three[0], chunk[0, -3:])
     assert np.array_equal(batched[2, 0], chunk[0, -1])

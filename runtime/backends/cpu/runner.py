@@ -9,6 +9,7 @@ ids, lengths and logits rows.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import weakref
 from collections import OrderedDict
@@ -26,6 +27,8 @@ from ...kv.layout import KVLayout
 from ..onnx_session import open_session
 from .slots import SlotPool, SlotRange
 from .weights import WeightArena
+
+log = logging.getLogger("quicksilver.runner")
 
 
 def check_same_tokenizer(target: "ModelRunner", draft: "ModelRunner") -> None:
@@ -153,6 +156,10 @@ class ModelRunner:
                 cpu_ops.register(so)
             except cpu_ops.Unavailable as e:
                 raise ArtifactError(f"{engine_dir}: {e}") from None
+            if precision.get("attention_products") == "bf16" and not cpu_ops.bf16_products():
+                log.warning("%s multiplies attention in bf16 and this CPU (or this install's build) has no AVX512-BF16: "
+                            "the op emulates it, several times slower; rebuild the engine without "
+                            "--attention-products bf16 for this host", engine_dir)
         # batch-invariant int4: one-row steps are padded to two rows only where this CPU needs it
         self.one_row_padded = False
         if "min_rows" in precision:
