@@ -1092,9 +1092,8 @@ struct CausalAttentionKernel {
     st.segs = segments_of(static_cast<int>(longest));
     bool few = st.batch * kv_heads * tiles < kMinGroupedTasks;
     st.split = few && tiles == 1 && st.segs > 1;
-    // runs of segments as long as leave kMinGroupedTasks tasks (the step's segments split evenly between them)
-    const int64_t groups = st.batch * kv_heads;
-    st.run = static_cast<int>(std::max<int64_t>(1, groups * st.segs / kMinGroupedTasks / groups));
+    // each group's keys in about kMinGroupedTasks runs of segments (one segment a task below that many)
+    st.run = std::max(1, st.segs / kMinGroupedTasks);
     st.heads_per_task = few && !st.split ? 1 : heads / kv_heads;
     thread_local Partials shared;   // (one per element type: a thread runs one step at a time either way)
     if (st.split) shared.reset(static_cast<int>(st.batch * st.seq * heads), st.segs, static_cast<int>(st.head_dim));

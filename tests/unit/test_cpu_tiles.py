@@ -162,12 +162,14 @@ def test_the_environment_picks_the_first_mode(setting, expected):
 
 
 def test_the_startup_line_says_whether_prompts_run_on_tiles_and_why_not():
-    """`runtime serve` logs cpu_ops.describe(): the ops' instruction set, then the tile mode with its reason."""
+    """`runtime serve` logs cpu_ops.describe(): the ops' instruction set, the tile mode with its reason, and
+    whether attention's bf16 products (--attention-products bf16) run on the CPU's instruction."""
     granted = _native.amx_status() == "granted"
+    bf16 = f", bf16 products {'on' if _native.cpu_bf16 else 'emulated'}"
     with tiles("off"):
         line = cpu_ops.describe()
-        assert line.startswith(_native.cpu_isa + ", AMX tiles off (")
+        assert line.startswith(_native.cpu_isa + ", AMX tiles off (") and line.endswith(bf16)
         assert ("QS_CPU_TILES=off" if granted else _native.amx_status()) in line
     if BUILT_FOR_TILES:
         with tiles("emulate"):
-            assert cpu_ops.describe() == f"{_native.cpu_isa}, AMX tiles emulated (QS_CPU_TILES=emulate)"
+            assert cpu_ops.describe() == f"{_native.cpu_isa}, AMX tiles emulated (QS_CPU_TILES=emulate){bf16}"
