@@ -340,7 +340,7 @@ struct Step {
   int64_t batch, seq, heads, kv_heads, head_dim, capacity, max_pos, window, tile, heads_per_task;
   float scale;
   bool bf16;           // bf16 products (half caches; attend_tile_bf16)
-  bool split;          // few rows, long context: one task per (b, KV head, segment of keys)
+  bool split;          // few rows, long context: one task per (b, KV head, run of segments of keys)
   int segs;            // the most segments a row of this step has
   int run;             // split: the consecutive segments one task takes
   struct Partials* shared;   // split: every row's partials
@@ -643,10 +643,10 @@ void attend_tile(const Step<T>& st, int64_t b, int64_t s0, int64_t count, int64_
 
 // bf16 products (attribute bf16_products = 1, over a half cache): keys, values, queries and probabilities are
 // rounded to bfloat16 as they are loaded and multiplied in pairs with float32 sums (vdpbf16ps: 32 products an
-// instruction where vfmadd231ps takes 16). Why: a decode step's attention at long context was bound by its
-// arithmetic, not its reads (qwen2.5-1.5b's heads at 2,048 tokens: 97 µs a layer with the cache in L2, 145 µs from
-// memory, where its 2 MB take ~60 µs at 33 GB/s), so halving the multiplies is what lets it reach the bandwidth.
-// The cost is precision: a bf16 has 8 significant bits where a half has 11 (llama.cpp's bf16 KV cache computes
+// instruction where vfmadd231ps takes 16). Why: a long prompt's attention is bound by its arithmetic (every row of
+// a tile against every key), and halving the multiplies took an 8,000-token prefill to 0.76–0.82× the time and a
+// 48-token chunk after it to 0.69–0.72× (smollm2, qwen2.5-0.5b; AMD EPYC Zen 4); a decode step's attention is
+// mostly bound by its reads, 0.93× at 8,192 tokens. The cost is precision: a bf16 has 8 significant bits where a half has 11 (llama.cpp's bf16 KV cache computes
 // the same way). A row's arithmetic is still fixed whatever the path: a key's score is its 8 lanes (lane l sums
 // the pairs of dimensions 16c + 2l, 16c + 2l + 1 over c in order) added by store_scores' tree; a row's values are
 // taken in pairs of keys (0, 1), (2, 3), … from its first key, its last key paired with zero when it has an odd
