@@ -507,6 +507,33 @@ inline void combine(const float* max, const float* sum, const float* acc, int n,
   for (int d = 0; d < D; ++d) out[d] = num[d] * inv;
 }
 
+// The rows of a tile (query tokens s0, s0 + 1, … × heads h0 … h0 + nh − 1 of batch row b, token-major): each one's
+// query rotated and scaled, its first key and how many keys it attends to (0 for right padding of a batched prompt).
+// Rows that attend share their first key (0 without a window; under a window a task is one token, whose heads share
+// its position): `first`.
+struct TileRows {
+  std::vector<float> q;     // [rows, D]
+  std::vector<int> lo, len;
+  int max_len = 0, first = 0;
+
+  template <int D, typename T>
+  void set(const Step<T>& st, int64_t b, int64_t s0, int64_t h0, int64_t nh, int rows) {
+    q.resize(static_cast<size_t>(rows) * D);
+    lo.assign(rows, 0);
+    len.assign(rows, 0);
+    max_len = first = 0;
+    for (int r = 0; r < rows; ++r) {
+      int64_t s = s0 + r / nh, h = h0 + r % nh, pos = st.past(b) + s;
+      if (pos >= st.total(b)) continue;
+      rotate(st.token(b, s) + h * D, st.cos + pos * (D / 2), st.sin + pos * (D / 2), D, st.scale,
+             &q[static_cast<size_t>(r) * D]);
+      lo[r] = first = static_cast<int>(st.first_key(pos));
+      len[r] = static_cast<int>(pos + 1 - lo[r]);
+      max_len = std::max(max_len, len[r]);
+    }
+  }
+};
+
 // One task: query tokens [s0, s0 + count) of batch row b, heads [h0, h0 + nh) (which read one KV head), segments
 // [seg0, seg1) of each row's keys; partials of row r's segment k go to p at (row0 + r)·p.segs + k (p.segs ≥ seg1
 // covers the rows' segments). The rows share each block of keys and values while it is in L1; each row's arithmetic (its
@@ -522,31 +549,18 @@ void attend_tile(const Step<T>& st, int64_t b, int64_t s0, int64_t count, int64_
   const int64_t kvh = h0 / (st.heads / st.kv_heads);
   const int rows = static_cast<int>(count * nh);
   constexpr int stride = kSegment;                // a row's scores of one segment
-  thread_local std::vector<float> scores, qbuf;
-  thread_local std::vector<int> lo, len;
+  thread_local std::vector<float> scores;
+  thread_local TileRows tile;
   scores.resize(static_cast<size_t>(rows) * stride);
-  qbuf.resize(static_cast<size_t>(rows) * D);
-  lo.assign(rows, 0);
-  len.assign(rows, 0);
+  tile.set<D>(st, b, s0, h0, nh, rows);
+  const float* qbuf = tile.q.data();
+  const int *lo = tile.lo.data(), *len = tile.len.data();
+  const int max_len = tile.max_len, first = tile.first;
   const T* keys = st.cache(st.keys, b, kvh, 0);
   const T* values = st.cache(st.values, b, kvh, 0);
-  int max_len = 0;
-  for (int r = 0; r < rows; ++r) {
-    int64_t s = s0 + r / nh, h = h0 + r % nh, pos = st.past(b) + s;
-    if (pos >= st.total(b)) continue;             // right padding of a batched prompt: len 0
-    rotate(st.token(b, s) + h * D, st.cos + pos * (D / 2), st.sin + pos * (D / 2), D, st.scale, &qbuf[r * D]);
-    lo[r] = static_cast<int>(st.first_key(pos));
-    len[r] = static_cast<int>(pos + 1 - lo[r]);
-    max_len = std::max(max_len, len[r]);
-  }
   // Half keys and values are widened once per block for all the tile's rows (converting them row by row bound the
   // loops), unless the rows are few: a decode task's (the heads of one KV group) read each block once or twice,
-  // so a copy only adds to the reads and they take the cache as it is (the same arithmetic either way). Rows that
-  // attend share their first key (0 without a window; under a window a task is one token, whose heads share its
-  // position): `first` is it.
-  int first = 0;
-  for (int r = 0; r < rows; ++r)
-    if (len[r]) first = lo[r];
+  // so a copy only adds to the reads and they take the cache as it is (the same arithmetic either way).
   const bool share = rows >= kMinSharedRows;
   alignas(64) float wide[kValueBlock * D];
   alignas(64) T tail[8 * D];
@@ -843,28 +857,16 @@ void attend_tile_bf16(const Step<half_t>& st, int64_t b, int64_t s0, int64_t cou
   thread_local std::vector<float> scores;
   thread_local std::vector<bf16_t> qbuf;
   thread_local std::vector<uint32_t> pairs;     // each row's probabilities of the segment, in bf16 pairs
-  thread_local std::vector<int> lo, len;
+  thread_local TileRows tile;
   scores.resize(static_cast<size_t>(rows) * stride);
   qbuf.resize(static_cast<size_t>(rows) * D);
   pairs.resize(static_cast<size_t>(rows) * stride / 2);
-  lo.assign(rows, 0);
-  len.assign(rows, 0);
+  tile.set<D>(st, b, s0, h0, nh, rows);
+  for (int r = 0; r < rows; ++r) round_bf16(&tile.q[static_cast<size_t>(r) * D], D, &qbuf[static_cast<size_t>(r) * D]);
+  const int *lo = tile.lo.data(), *len = tile.len.data();
+  const int max_len = tile.max_len, first = tile.first;
   const half_t* keys = st.cache(st.keys, b, kvh, 0);
   const half_t* values = st.cache(st.values, b, kvh, 0);
-  int max_len = 0;
-  for (int r = 0; r < rows; ++r) {
-    int64_t s = s0 + r / nh, h = h0 + r % nh, pos = st.past(b) + s;
-    if (pos >= st.total(b)) continue;
-    alignas(64) float rotated[128];
-    rotate(st.token(b, s) + h * D, st.cos + pos * (D / 2), st.sin + pos * (D / 2), D, st.scale, rotated);
-    round_bf16(rotated, D, &qbuf[r * D]);
-    lo[r] = static_cast<int>(st.first_key(pos));
-    len[r] = static_cast<int>(pos + 1 - lo[r]);
-    max_len = std::max(max_len, len[r]);
-  }
-  int first = 0;
-  for (int r = 0; r < rows; ++r)
-    if (len[r]) first = lo[r];
   Chunk packed[std::max(4, kValueBlock / 2) * chunks], tail_pair[chunks];
   alignas(64) half_t tail[8 * D];
   for (int seg = seg0; seg < seg1; ++seg) {
