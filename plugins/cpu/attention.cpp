@@ -226,6 +226,25 @@ inline void accumulate(const float* const* p, const T* __restrict v, int n, floa
   }
 }
 
+constexpr int kMaxGroupRows = 8;   // the most query heads a KV head has in the models we build
+
+// f(std::integral_constant<int, rows>{}), the kernel compiled for that many rows; false for rows outside
+// 1..kMaxGroupRows.
+template <class F>
+inline bool with_rows(int rows, F&& f) {
+  switch (rows) {
+    case 1: f(std::integral_constant<int, 1>{}); return true;
+    case 2: f(std::integral_constant<int, 2>{}); return true;
+    case 3: f(std::integral_constant<int, 3>{}); return true;
+    case 4: f(std::integral_constant<int, 4>{}); return true;
+    case 5: f(std::integral_constant<int, 5>{}); return true;
+    case 6: f(std::integral_constant<int, 6>{}); return true;
+    case 7: f(std::integral_constant<int, 7>{}); return true;
+    case 8: f(std::integral_constant<int, 8>{}); return true;
+    default: return false;
+  }
+}
+
 #ifdef __AVX512F__
 // Vectors of a row that one pass of accumulate_rows keeps in registers: R rows' chunks, at most 28 of the 32.
 constexpr int chunk_vectors(int vectors, int rows) {
@@ -259,22 +278,6 @@ inline void accumulate_rows(const float* const* p, const half_t* __restrict v, i
   }
 }
 
-constexpr int kMaxGroupRows = 8;   // the most query heads a KV head has in the models we build
-
-// accumulate_rows for `rows` (2 to kMaxGroupRows); false where not compiled for them.
-template <int D>
-inline bool accumulate_group(int rows, const float* const* p, const half_t* v, int n, float* const* acc) {
-  switch (rows) {
-    case 2: accumulate_rows<D, 2>(p, v, n, acc); return true;
-    case 3: accumulate_rows<D, 3>(p, v, n, acc); return true;
-    case 4: accumulate_rows<D, 4>(p, v, n, acc); return true;
-    case 5: accumulate_rows<D, 5>(p, v, n, acc); return true;
-    case 6: accumulate_rows<D, 6>(p, v, n, acc); return true;
-    case 7: accumulate_rows<D, 7>(p, v, n, acc); return true;
-    case 8: accumulate_rows<D, 8>(p, v, n, acc); return true;
-    default: return false;
-  }
-}
 #endif
 
 // n cache elements as float32: float ones as they are, half ones widened into `buf` (exactly, so arithmetic on
@@ -634,7 +637,9 @@ void attend_tile(const Step<T>& st, int64_t b, int64_t s0, int64_t count, int64_
         const float* s[kMaxGroupRows];
         float* a[kMaxGroupRows];
         for (int r = 0; same && r < rows; ++r) s[r] = score(r, k), a[r] = sum(r), same = count(r) == count(0);
-        if (same && accumulate_group<D>(rows, s, block, count(0), a)) continue;
+        if (same && rows > 1 &&
+            with_rows(rows, [&](auto r) { accumulate_rows<D, decltype(r)::value>(s, block, count(0), a); }))
+          continue;
       }
 #endif
       qs_stream_ahead(block, sizeof(T) * kValueBlock * D);    // and its values
@@ -830,23 +835,6 @@ inline void add_values(const uint32_t* const* p, const Chunk* __restrict packed,
 #endif
 }
 
-constexpr int kMaxRowsOfPairs = 8;   // the most rows add_values_rows takes at once
-
-// add_values for `rows` (1 to kMaxRowsOfPairs) rows of the same pairs
-template <int D>
-inline void add_values_rows(int rows, const uint32_t* const* p, const Chunk* packed, int pairs, float* const* acc) {
-  switch (rows) {
-    case 1: add_values<D, 1>(p, packed, pairs, acc); return;
-    case 2: add_values<D, 2>(p, packed, pairs, acc); return;
-    case 3: add_values<D, 3>(p, packed, pairs, acc); return;
-    case 4: add_values<D, 4>(p, packed, pairs, acc); return;
-    case 5: add_values<D, 5>(p, packed, pairs, acc); return;
-    case 6: add_values<D, 6>(p, packed, pairs, acc); return;
-    case 7: add_values<D, 7>(p, packed, pairs, acc); return;
-    default: add_values<D, 8>(p, packed, pairs, acc); return;
-  }
-}
-
 // attend_tile with bf16 products: the same tasks, segments, blocks and partials.
 template <int D>
 void attend_tile_bf16(const Step<half_t>& st, int64_t b, int64_t s0, int64_t count, int64_t h0, int64_t nh, int seg0,
@@ -916,13 +904,13 @@ void attend_tile_bf16(const Step<half_t>& st, int64_t b, int64_t s0, int64_t cou
       const int n = std::min(kValueBlock, max_len - k);
       pack_values<D>(block, n / 2, false, packed);
       // whole pairs: rows of equal counts together (all of a decode step's rows), then each odd row's last key
-      bool same = rows <= kMaxRowsOfPairs && count(0) > 0;
+      bool same = rows <= kMaxGroupRows && count(0) > 0;
       for (int r = 1; same && r < rows; ++r) same = count(r) == count(0);
       if (same) {
-        const uint32_t* ps[kMaxRowsOfPairs];
-        float* a[kMaxRowsOfPairs];
+        const uint32_t* ps[kMaxGroupRows];
+        float* a[kMaxGroupRows];
         for (int r = 0; r < rows; ++r) ps[r] = pair_of(r), a[r] = sum(r);
-        add_values_rows<D>(rows, ps, packed, count(0) / 2, a);
+        with_rows(rows, [&](auto r) { add_values<D, decltype(r)::value>(ps, packed, count(0) / 2, a); });
       } else {
         in_pairs(rows, [&](int r) { return count(r) > 1; }, [&](int r0, int r1) { return count(r0) / 2 == count(r1) / 2; },
                  [&](int r) {

@@ -242,8 +242,7 @@ class Speculator:
             return cands
         left = self._explore_budget() - self.explore_cost_s
         kept = []
-        for r, g in sorted(cands, key=lambda c: c[0].num_tokens - c[0].num_computed_draft):
-            lag = r.num_tokens - r.num_computed_draft
+        for lag, r, g in sorted(((r.num_tokens - r.num_computed_draft, r, g) for r, g in cands), key=lambda c: c[0]):
             left -= lag * per_token if lag > 2 else 0.0
             if left < 0:
                 break
