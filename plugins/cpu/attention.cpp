@@ -664,9 +664,10 @@ void attend_tile(const Step<T>& st, int64_t b, int64_t s0, int64_t count, int64_
 // rounded to bfloat16 as they are loaded and multiplied in pairs with float32 sums (vdpbf16ps: 32 products an
 // instruction where vfmadd231ps takes 16). Why: a long prompt's attention is bound by its arithmetic (every row of
 // a tile against every key), and halving the multiplies took an 8,000-token prefill to 0.76–0.82× the time and a
-// 48-token chunk after it to 0.69–0.72× (smollm2, qwen2.5-0.5b; AMD EPYC Zen 4); a decode step's attention is
-// mostly bound by its reads, 0.93× at 8,192 tokens. The cost is precision: a bf16 has 8 significant bits where a half has 11 (llama.cpp's bf16 KV cache computes
-// the same way). A row's arithmetic is still fixed whatever the path: a key's score is its 8 lanes (lane l sums
+// 48-token chunk after it to 0.69–0.72× (smollm2, qwen2.5-0.5b; AMD EPYC Zen 4); a decode step's attention gained
+// less, 0.93× at 8,192 tokens (its packing, score trees and softmax stay: tools/bench_attention_cycles.py). The cost
+// is precision: a bf16 has 8 significant bits where a half has 11 (llama.cpp's bf16 KV cache computes the same
+// way). A row's arithmetic is still fixed whatever the path: a key's score is its 8 lanes (lane l sums
 // the pairs of dimensions 16c + 2l, 16c + 2l + 1 over c in order) added by store_scores' tree; a row's values are
 // taken in pairs of keys (0, 1), (2, 3), … from its first key, its last key paired with zero when it has an odd
 // number, each lane d one chain over the pairs in order.
