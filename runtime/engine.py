@@ -204,7 +204,7 @@ class Engine:
         if self.speculator is not None and not plan.chunks:
             self.speculator.observe(len(plan.decodes), bool(plan.gammas),
                                     sum(len(r.tokens) for r in results.values()), self.stats.last_step_s)
-        self.scheduler.observe(plan, self.stats.last_step_s)
+        self.scheduler.observe(plan, self.stats.last_step_s, out.decode_s)
         self.stats.last_step_prefill = bool(plan.chunks)
         return outputs
 

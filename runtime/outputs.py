@@ -81,9 +81,12 @@ class ModelInput:
 
 @dataclass
 class RunnerOutput:
-    """Logits of one step: logits[i] is [seqs[i].num_logits, vocab] (None where no row was asked for)."""
+    """Logits of one step: logits[i] is [seqs[i].num_logits, vocab] (None where no row was asked for).
+    `decode_s`: seconds the step's batched decode call took, where the backend times it apart (the scheduler
+    sizes prompt slices against what the same decodes cost alone)."""
 
     logits: list[np.ndarray | None]
+    decode_s: float | None = None
 
 
 @dataclass

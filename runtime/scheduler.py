@@ -38,30 +38,42 @@ class Scheduler:
         # stalled 7 streams 210 ms at the API) and at most doubles a step while steps stay under the target
         self.mixed_tokens = self.MIN_CHUNK
         self._decode_step_s: float | None = None              # moving average of decode-only steps
+        self._step_rest_s: float | None = None                # of their time beyond the backend's decode call
         # where even a MIN_CHUNK slice costs more than the ratio allows: the first such steps' costs, then the
         # least of them, the level held until decode-only steps return (see observe)
         self._floor_s: list[float] = []
         self._held_s: float | None = None
 
-    def observe(self, plan: SchedulePlan, seconds: float) -> None:
+    def observe(self, plan: SchedulePlan, seconds: float, decode_s: float | None = None) -> None:
         """Feed back a step's measured time: tracks decode-only steps and adapts the prompt slice beside decodes.
 
-        Where even a MIN_CHUNK slice costs more than `mixed_step_ratio` decode steps (a model whose prompt tokens
-        cost much beside its decodes, or a long prompt whose slices attend over more of its own context each
-        step), what the first FLOOR_STEPS such steps cost (the least of them: noise only slows a step, and a
-        prompt's first slice runs cold, ~1.3x the next ones) becomes the target, and slices shrink below MIN_CHUNK
-        to hold it: the streams' gaps stay even instead of growing with the prompt, at some cost to the long
-        prompt's TTFT.
+        A slice's target is `mixed_step_ratio` × what the step's decodes cost alone. Where the backend timed its
+        decode call (`decode_s`), that is the call plus the rest of a decode-only step (sampling, delivery: a
+        moving average of such steps' time beyond their call), so the reference follows the batch a slice
+        rides with; else a moving average of decode-only steps, whatever their batch. That one misled where the
+        batch had just changed: six streams started together, two prompts arrived as they decoded, and the
+        reference was the one- and two-stream steps of the traffic before (4 ms, where 7 decodes alone took
+        10): every slice read over its target, 445-token prompts went in 5–16 tokens a step, and the streams'
+        gaps stayed at 1.6× for 60 steps (smollm2 int4, in process).
+
+        Where even a MIN_CHUNK slice costs more than the target (a model whose prompt tokens cost much beside
+        its decodes, or a long prompt whose slices attend over more of its own context each step), what the
+        first FLOOR_STEPS such steps cost (the least of them: noise only slows a step, and a prompt's first
+        slice runs cold, ~1.3x the next ones) becomes the target, and slices shrink below MIN_CHUNK to hold it:
+        the streams' gaps stay even instead of growing with the prompt, at some cost to the long prompt's TTFT.
         qwen2.5-0.5b int4, 4 streams and an 8,000-token prompt (tools/bench_burst.py): 16-token slices took the
         step from 35 to 110 ms."""
-        target = self.config.mixed_step_ratio * (self._decode_step_s or 0.0)
         if plan.decodes and not plan.chunks:
-            old = self._decode_step_s
-            self._decode_step_s = seconds if old is None else 0.8 * old + 0.2 * seconds
+            self._decode_step_s = _average(self._decode_step_s, seconds)
+            if decode_s is not None:
+                self._step_rest_s = _average(self._step_rest_s, seconds - decode_s)
             if self._held_s is not None:              # the hold is over: MIN_CHUNK is the floor again
                 self.mixed_tokens = max(self.mixed_tokens, self.MIN_CHUNK)
             self._floor_s, self._held_s = [], None
-        elif plan.sliced and self._decode_step_s:
+            return
+        alone = self._decode_step_s if decode_s is None else decode_s + (self._step_rest_s or 0.0)
+        if plan.sliced and alone:
+            target = self.config.mixed_step_ratio * alone
             if self._held_s is None and self.mixed_tokens <= self.MIN_CHUNK and seconds > target:
                 self._floor_s.append(seconds)
                 if len(self._floor_s) == self.FLOOR_STEPS:
@@ -205,6 +217,11 @@ class Scheduler:
                 budget -= n
         plan.sliced = bool(plan.decodes) and not whole and any(n < r.num_pending for r, n in plan.chunks)
         return plan
+
+
+def _average(old: float | None, new: float) -> float:
+    """Moving average of step times (the first sample alone)."""
+    return new if old is None else 0.8 * old + 0.2 * new
 
 
 def prompt_chunk(pending: int, cap: int, min_chunk: int = 2) -> int:

@@ -10,6 +10,14 @@ Graph interface (the contract with the runtime, recorded in the manifest):
     → logits               float32 [num_logits, vocab]
     → present.{i}.key/value         same shape; bound to the same buffer as past (updated in place)
 
+Engines on our attention op (qs.CausalAttention) also take packed steps, where sequences of different lengths
+share one call (a step's decodes and prompt slices: one pass over the weights):
+
+    query_starts           int32   [sequences + 1]      offsets of each sequence's tokens in the flattened ids
+    kv_rows                int32   [sequences]          each sequence's row of the bound caches (distinct)
+
+and seqlens_k then holds one entry per sequence; a padded step feeds them as 0, S, 2S, … and 0, 1, 2, ….
+
 The GPU target (--target cuda) computes in fp16 on packed tokens over a paged cache:
 
     input_ids                    int64   [num_tokens]        this step's tokens of all sequences, packed
@@ -74,10 +82,17 @@ class LlamaArch:
     def layer_weights(self, i: int, prefix: str, keys) -> dict[str, np.ndarray]:
         return {k: self.reader.get(f"model.layers.{i}.{prefix}.{k}") for k in keys}
 
-    def declare_io(self, b: GraphBuilder, target: str, kv_dtype: str = "fp32") -> None:
+    def declare_io(self, b: GraphBuilder, target: str, kv_dtype: str = "fp32", packed: bool = False) -> None:
         """The graph interface of the module docstring: step inputs, then the per-layer KV caches."""
         s, I64, I32 = self.spec, TensorProto.INT64, TensorProto.INT32
-        if target == "cpu":
+        if target == "cpu" and packed:
+            steps = [("input_ids", I64, ["batch", "sequence"]), ("seqlens_k", I32, ["sequences"]),
+                     ("total_sequence_length", I32, []), ("query_starts", I32, ["sequences_plus_1"]),
+                     ("kv_rows", I32, ["sequences"])]
+            caches = ("past_key", "past_value"), ("present_key", "present_value")
+            kv_type = helper.np_dtype_to_tensor_dtype(np.dtype(KV_CACHE_NUMPY[kv_dtype]))
+            kv_shape = ["kv_batch", s.num_kv_heads, "kv_capacity", s.head_dim]
+        elif target == "cpu":
             steps = [("input_ids", I64, ["batch", "sequence"]), ("seqlens_k", I32, ["batch"]),
                      ("total_sequence_length", I32, [])]
             caches = ("past_key", "past_value"), ("present_key", "present_value")
@@ -102,7 +117,7 @@ class LlamaArch:
 
     def emit(self, ctx: layers.Ctx, max_seq_len: int, progress: Callable[[], None] = lambda: None) -> None:
         s, b, r = self.spec, ctx.b, self.reader
-        self.declare_io(b, ctx.target, ctx.kv_cache)
+        self.declare_io(b, ctx.target, ctx.kv_cache, packed=ctx.target == "cpu" and ctx.attention == "qs")
         cos, sin = cos_sin_cache(s.head_dim, s.rope_theta, s.rope_scaling, max_seq_len)
         b.weight("cos_cache", cos.astype(ctx.act))
         b.weight("sin_cache", sin.astype(ctx.act))

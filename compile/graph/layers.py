@@ -325,7 +325,8 @@ def attention(ctx: Ctx, x: str, w: dict[str, np.ndarray], layer: int, kv: dict[s
     if ctx.target == "cpu" and ctx.attention == "qs":
         # the same inputs and meaning as GroupQueryAttention below, computed by our kernel (plugins/cpu)
         out = b.node("CausalAttention", [qkv, kv["past_key"], kv["past_value"], "seqlens_k", "total_sequence_length",
-                                         "cos_cache", "sin_cache"], f"{name}/CausalAttention", domain=QS_DOMAIN,
+                                         "cos_cache", "sin_cache", "query_starts", "kv_rows"],
+                     f"{name}/CausalAttention", domain=QS_DOMAIN,
                      outputs=[f"{name}/output", kv["present_key"], kv["present_value"]],
                      num_heads=s.num_heads, kv_num_heads=s.num_kv_heads, scale=scale,
                      local_window_size=int(s.sliding_window or -1),

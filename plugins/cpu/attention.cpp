@@ -340,6 +340,11 @@ struct Step {
   const float* cos;    // [max_pos, D/2]
   const float* sin;
   float* out;          // [B, S, heads·D]
+  // Packed steps (inputs 7 and 8): sequence b's tokens are query_starts[b] … query_starts[b + 1] − 1 of the
+  // flattened qkv (and out), and its KV is cache row kv_rows[b]; batch counts sequences and seq is the longest's
+  // tokens. Null: right-padded rows, row b's tokens b·seq … and its KV row b.
+  const int32_t* query_starts;
+  const int32_t* kv_rows;
   int64_t batch, seq, heads, kv_heads, head_dim, capacity, max_pos, window, tile, heads_per_task;
   float scale;
   bool bf16;           // bf16 products (half caches; attend_tile_bf16)
@@ -349,12 +354,17 @@ struct Step {
   struct Partials* shared;   // split: every row's partials
 
   int64_t total(int64_t b) const { return static_cast<int64_t>(seqlens_k[b]) + 1; }
-  int64_t past(int64_t b) const { return std::max<int64_t>(0, total(b) - seq); }
+  // query tokens of sequence b this step (its slots in a padded row: seq)
+  int64_t queries(int64_t b) const { return query_starts ? query_starts[b + 1] - query_starts[b] : seq; }
+  int64_t past(int64_t b) const { return std::max<int64_t>(0, total(b) - queries(b)); }
+  // index of query token s of sequence b in the flattened qkv and out
+  int64_t at(int64_t b, int64_t s) const { return query_starts ? query_starts[b] + s : b * seq + s; }
   // the first key the query at `pos` attends to (0, or the start of its local window)
   int64_t first_key(int64_t pos) const { return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0; }
-  const float* token(int64_t b, int64_t s) const { return qkv + (b * seq + s) * (heads + 2 * kv_heads) * head_dim; }
+  const float* token(int64_t b, int64_t s) const { return qkv + at(b, s) * (heads + 2 * kv_heads) * head_dim; }
   T* cache(T* base, int64_t b, int64_t kvh, int64_t pos) const {
-    return base + ((b * kv_heads + kvh) * capacity + pos) * head_dim;
+    int64_t row = kv_rows ? kv_rows[b] : b;
+    return base + ((row * kv_heads + kvh) * capacity + pos) * head_dim;
   }
 };
 
@@ -951,7 +961,8 @@ void attend(void* user, size_t task) {
   const Step<T>& st = *static_cast<const Step<T>*>(user);
   int64_t tiles = (st.seq + st.tile - 1) / st.tile, chunks = st.heads / st.heads_per_task;
   int64_t t = task % tiles, c = (task / tiles) % chunks, b = task / tiles / chunks;
-  int64_t s0 = t * st.tile, count = std::min(st.tile, st.seq - s0), h0 = c * st.heads_per_task, nh = st.heads_per_task;
+  int64_t s0 = t * st.tile, count = std::min(st.tile, st.queries(b) - s0), h0 = c * st.heads_per_task, nh = st.heads_per_task;
+  if (count <= 0) return;       // a packed sequence shorter than the step's longest
   thread_local Partials p;
   int rows = static_cast<int>(count * nh);
   int segs = segments_of(static_cast<int>(std::min(st.total(b), st.past(b) + s0 + count)));   // of its longest row
@@ -961,7 +972,7 @@ void attend(void* user, size_t task) {
     int64_t s = s0 + r / nh, h = h0 + r % nh;
     size_t at = static_cast<size_t>(r) * p.segs;
     combine<D>(&p.max[at], &p.sum[at], &p.acc[at * D], row_segments(st, b, s),
-               st.out + ((b * st.seq + s) * st.heads + h) * D);
+               st.out + (st.at(b, s) * st.heads + h) * D);
   }
 }
 
@@ -980,7 +991,7 @@ void attend_segment(void* user, size_t task) {
   int64_t r = task % runs, g = (task / runs) % st.kv_heads, b = task / runs / st.kv_heads;
   int64_t nh = st.heads / st.kv_heads;
   const int seg0 = static_cast<int>(r * st.run), seg1 = std::min(st.segs, seg0 + st.run);
-  attend_rows<D>(st, b, 0, st.seq, g * nh, nh, seg0, seg1, *st.shared, (b * st.kv_heads + g) * st.seq * nh);
+  attend_rows<D>(st, b, 0, st.queries(b), g * nh, nh, seg0, seg1, *st.shared, (b * st.kv_heads + g) * st.seq * nh);
 }
 
 template <int D, typename T>
@@ -995,11 +1006,11 @@ void run_attention(OrtKernelContext* context, Step<T>& st) {
   const int64_t nh = st.heads / st.kv_heads;
   for (int64_t b = 0; b < st.batch; ++b)
     for (int64_t g = 0; g < st.kv_heads; ++g)
-      for (int64_t s = 0; s < st.seq; ++s)
+      for (int64_t s = 0; s < st.queries(b); ++s)
         for (int64_t i = 0; i < nh; ++i) {
           size_t at = static_cast<size_t>(((b * st.kv_heads + g) * st.seq + s) * nh + i) * st.segs;
           combine<D>(&st.shared->max[at], &st.shared->sum[at], &st.shared->acc[at * D], row_segments(st, b, s),
-                     st.out + ((b * st.seq + s) * st.heads + g * nh + i) * D);
+                     st.out + (st.at(b, s) * st.heads + g * nh + i) * D);
         }
 }
 
@@ -1049,17 +1060,24 @@ struct CausalAttentionKernel {
     Step<T> st{};
     st.batch = qs[0], st.seq = qs[1], st.heads = heads, st.kv_heads = kv_heads, st.head_dim = ks[3];
     st.capacity = ks[2], st.max_pos = cs[0], st.window = window, st.scale = scale, st.bf16 = bf16;
-    if (qs[2] != (heads + 2 * kv_heads) * st.head_dim || ks[0] != st.batch || ks[1] != kv_heads || cs[1] * 2 != st.head_dim)
+    if (qs[2] != (heads + 2 * kv_heads) * st.head_dim || ks[1] != kv_heads || cs[1] * 2 != st.head_dim)
       throw std::invalid_argument("qs.CausalAttention: qkv, cache and rotary shapes disagree");
     auto run = attention_for<T>(st.head_dim);
     st.qkv = qkv.GetTensorData<float>();
     st.seqlens_k = seqlens.GetTensorData<int32_t>();
     st.cos = cos.GetTensorData<float>();
     st.sin = sin.GetTensorData<float>();
+    if (ctx.GetInputCount() > 8 && ctx.GetInput(7) != nullptr && ctx.GetInput(8) != nullptr)
+      packed(ctx.GetInput(7), ctx.GetInput(8), qs[0] * qs[1], ks[0], st);
+    else if (ks[0] != st.batch)
+      throw std::invalid_argument("qs.CausalAttention: qkv, cache and rotary shapes disagree");
+    if (static_cast<int64_t>(seqlens.GetTensorTypeAndShapeInfo().GetElementCount()) != st.batch)
+      throw std::invalid_argument("qs.CausalAttention: seqlens_k must hold one length per sequence");
     for (int64_t b = 0; b < st.batch; ++b)
-      if (st.total(b) > std::min(st.capacity, st.max_pos) || st.total(b) < 1)
-        throw std::out_of_range("qs.CausalAttention: a sequence is longer than the KV cache or rotary table");
-    auto out = ctx.GetOutput(0, {st.batch, st.seq, heads * st.head_dim});
+      if (st.total(b) > std::min(st.capacity, st.max_pos) || st.total(b) < (st.kv_rows ? st.queries(b) : 1))
+        throw std::out_of_range("qs.CausalAttention: a sequence is longer than the KV cache or rotary table, or "
+                                "shorter than its new tokens");
+    auto out = ctx.GetOutput(0, {qs[0], qs[1], heads * st.head_dim});
     auto present_k = ctx.GetOutput(1, ks), present_v = ctx.GetOutput(2, ks);
     st.out = out.template GetTensorMutableData<float>();
     st.keys = static_cast<T*>(present_k.GetTensorMutableRawData());
@@ -1091,6 +1109,29 @@ struct CausalAttentionKernel {
     st.shared = &shared;
     run(context, st);
   }
+
+  // A packed step: query_starts [sequences + 1] (0 … tokens, non-decreasing, each sequence at least one token) and
+  // kv_rows [sequences] (distinct rows of the cache); st.batch becomes the sequences and st.seq the longest's tokens.
+  static void packed(const Ort::ConstValue& starts, const Ort::ConstValue& rows, int64_t tokens, int64_t cache_rows,
+                     Step<T>& st) {
+    int64_t n = static_cast<int64_t>(rows.GetTensorTypeAndShapeInfo().GetElementCount());
+    if (static_cast<int64_t>(starts.GetTensorTypeAndShapeInfo().GetElementCount()) != n + 1)
+      throw std::invalid_argument("qs.CausalAttention: query_starts must hold one more entry than kv_rows");
+    const int32_t* q = starts.GetTensorData<int32_t>();
+    const int32_t* kv = rows.GetTensorData<int32_t>();
+    if (q[0] != 0 || q[n] != tokens)
+      throw std::invalid_argument("qs.CausalAttention: query_starts must run from 0 to the step's tokens");
+    std::vector<bool> taken(static_cast<size_t>(cache_rows), false);
+    st.seq = 0;
+    for (int64_t b = 0; b < n; ++b) {
+      if (q[b + 1] <= q[b]) throw std::invalid_argument("qs.CausalAttention: a packed sequence has no tokens");
+      if (kv[b] < 0 || kv[b] >= cache_rows || taken[kv[b]])
+        throw std::invalid_argument("qs.CausalAttention: kv_rows must be distinct rows of the cache");
+      taken[kv[b]] = true;
+      st.seq = std::max<int64_t>(st.seq, q[b + 1] - q[b]);
+    }
+    st.batch = n, st.query_starts = q, st.kv_rows = kv;
+  }
 };
 
 // The cache's ONNX element type: float, or float16 (--kv-cache fp16).
@@ -1103,10 +1144,15 @@ struct CausalAttentionOp : Ort::CustomOpBase<CausalAttentionOp<T>, CausalAttenti
   void* CreateKernel(const OrtApi& api, const OrtKernelInfo* info) const { return new CausalAttentionKernel<T>(api, info); }
   const char* GetName() const { return "CausalAttention"; }
   const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
-  size_t GetInputTypeCount() const { return 7; }
+  // qkv, past key, past value, seqlens_k, total_sequence_length, cos, sin; then optional (packed steps):
+  // query_starts, kv_rows
+  size_t GetInputTypeCount() const { return 9; }
   ONNXTensorElementDataType GetInputType(size_t i) const {
-    return i == 3 || i == 4 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32
+    return i == 3 || i == 4 || i >= 7 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32
            : i == 1 || i == 2 ? kCacheType<T> : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  }
+  OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t i) const {
+    return i < 7 ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;
   }
   size_t GetOutputTypeCount() const { return 3; }
   ONNXTensorElementDataType GetOutputType(size_t i) const { return i == 0 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT : kCacheType<T>; }

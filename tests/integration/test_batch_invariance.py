@@ -340,3 +340,96 @@ def test_batched_verification_of_a_sequence_at_the_end_of_its_slot(engines):
     eng = engine_for(target, target, "draft", cache=cache)          # the target as its own draft: all accepted
     assert [o["token_ids"] for o in eng.generate(ps, params)] == plain
     assert eng.stats.failed_steps == 0 and eng.speculator.stats.accepted > 0
+
+
+@pytest.mark.parametrize("precision,products", [(p, "fp32") for p in PRECISIONS] + [("int4", "bf16")])
+def test_packed_step_equals_each_sequence_alone(engines, precision, products):
+    """ModelRunner.step packs decodes, prompt slices (continuing a prompt or starting one) and any logits rows of
+    several sequences into one call: each sequence's logits and KV equal what a call of its own gives, bitwise, and
+    the slots between them that the call spans (other sequences', retained ones, free ones) keep every row."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    runner = ModelRunner(engines("target", precision, attention_products=products))
+    assert runner.packs_steps
+    capacity, num_slots = 128, 8
+    roles = st.lists(st.sampled_from(["decode", "slice", "prompt", "other", "free"]), min_size=num_slots,
+                     max_size=num_slots)
+
+    @settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(roles, st.lists(st.integers(1, 60), min_size=num_slots, max_size=num_slots),
+           st.lists(st.integers(2, 40), min_size=num_slots, max_size=num_slots), st.integers(0, 2**31))
+    def check(role, lengths, news, seed):
+        if sum(r in ("decode", "slice", "prompt") for r in role) < 2:
+            return
+        rng = np.random.default_rng(seed)
+        pools = [runner.new_pool(num_slots, capacity) for _ in range(2)]
+        for slot in range(num_slots):
+            if role[slot] in ("decode", "slice", "other"):
+                prompt = rng.integers(3, 8000, lengths[slot]).tolist()
+                for pool in pools:
+                    runner.prefill(pool, slot, prompt, 0)
+        seqs = []
+        for slot in range(num_slots):
+            start = 0 if role[slot] == "prompt" else lengths[slot]
+            n = {"decode": 1, "slice": news[slot], "prompt": news[slot]}.get(role[slot])
+            if n is not None:
+                wanted = int(rng.integers(0, n + 1)) if role[slot] != "decode" else 1
+                seqs.append((slot, rng.integers(3, 8000, n).tolist(), start, wanted))
+        rng.shuffle(seqs)
+        before = [a.copy() for a in pools[0].keys + pools[0].values]
+        packed = runner.step(pools[0], seqs)
+        for (slot, tokens, start, wanted), got in zip(seqs, packed):
+            if len(tokens) == 1:
+                alone = runner.decode(pools[1], [(slot, tokens[0], start)], set())
+            else:
+                alone = runner.prefill(pools[1], slot, tokens, start, all_logits=True)[len(tokens) - wanted:]
+            if wanted:
+                assert np.array_equal(got, alone), f"slot {slot}: logits differ"
+            else:
+                assert got is None
+        for a, b, old in zip(pools[0].keys + pools[0].values, pools[1].keys + pools[1].values, before):
+            for slot, tokens, start, _ in seqs:
+                assert np.array_equal(a[slot, :, :start + len(tokens)], b[slot, :, :start + len(tokens)]), \
+                    f"slot {slot}: KV differs"
+            touched = {slot for slot, *_ in seqs}
+            for slot in set(range(num_slots)) - touched:
+                assert np.array_equal(a[slot], old[slot]), f"slot {slot}: spanned, and its rows changed"
+
+    check()
+
+
+def test_a_step_with_prompt_slices_is_one_call(engines):
+    """The engine runs a step whose prompt chunks share it with decodes (or with each other) as one packed call,
+    and each request still gets what it gets alone."""
+    eng = engine_for(engines("target", "int4"))
+    runner = eng.backend.runner
+    calls, execute = [], runner.execute
+    runner.execute = lambda *a, **k: calls.append(len(a) > 5 and a[6] is not None) or execute(*a, **k)
+    ps = prompts(4, seed=7, lo=100, hi=200)
+    alone = [run(eng, [p])[0] for p in ps]
+    calls.clear()
+    batched = run(eng, ps, [0, 0, 3, 6])
+    assert_identical(batched, alone, "packed steps")
+    assert any(calls), "no step was packed"
+
+
+def test_packed_inputs_that_break_the_contract_are_refused(engines):
+    """qs.CausalAttention checks a packed step's offsets and rows before it writes anything: two sequences on one
+    KV row, offsets that do not cover the step's tokens, or a sequence with no tokens get a clear error."""
+    runner = ModelRunner(engines("target", "int4"))
+    pool = runner.new_pool(4, 64)
+    ids = np.array([[5, 6, 7]], np.int64)
+    cases = {"kv_rows must be distinct": ([0, 1, 3], [1, 1], [4, 5]),
+             "query_starts must run from 0": ([0, 1, 2], [0, 1], [4, 5]),
+             "a packed sequence has no tokens": ([0, 0, 3], [0, 1], [4, 5])}
+    for message, (starts, rows, seqlens) in cases.items():
+        with pytest.raises(RuntimeError, match=message):
+            runner.execute(ids, np.array(seqlens, np.int32), np.array([2], np.int64), pool,
+                           runner_slots(0, 4), np.array(starts, np.int32), np.array(rows, np.int32))
+
+
+def runner_slots(start: int, count: int):
+    from runtime.backends.cpu.slots import SlotRange
+
+    return SlotRange(start, count)

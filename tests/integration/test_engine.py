@@ -436,14 +436,14 @@ def test_failed_step_fails_its_requests_and_keeps_the_others(engine):
     eng = make(engine("llama"), max_num_seqs=2)
     running = eng.add_request(prompts(1, seed=60)[0], SamplingParams(max_tokens=12, ignore_eos=True))
     eng.step()                                                   # prefills alone, then decodes in every step
-    prefill, poison = eng.runner.prefill, 77
+    execute, poison = eng.runner.execute, 77
 
-    def failing_prefill(pool, slot, tokens, start, *args, **kwargs):
-        if poison in tokens:
+    def failing_execute(input_ids, *args, **kwargs):
+        if poison in input_ids:
             raise RuntimeError("simulated ONNX Runtime failure")
-        return prefill(pool, slot, tokens, start, *args, **kwargs)
+        return execute(input_ids, *args, **kwargs)
 
-    eng.runner.prefill = failing_prefill
+    eng.runner.execute = failing_execute
     bad = eng.add_request([5, 6, poison, 8], SamplingParams(max_tokens=12))
     queued = eng.add_request(prompts(1, seed=61)[0], SamplingParams(max_tokens=6, ignore_eos=True))  # no slot yet
     outs = {o.request_id: o for o in eng.step()}
@@ -512,16 +512,19 @@ def test_async_client_that_gives_up_before_admission_is_aborted(engine):
 def test_ttft_counts_from_when_the_request_arrived(engine):
     """A request submitted while a long step holds the engine waits in the inbox; that wait (and tokenizing) is
     part of its TTFT. usage.ttft_s must match what the caller measured, not start when the engine took it."""
+    import threading
     import time
 
     eng = make(engine("llama"))
-    prefill = eng.runner.prefill
+    execute, started = eng.runner.execute, threading.Event()
 
-    def slow_prefill(*args, **kwargs):
-        time.sleep(0.3)
-        return prefill(*args, **kwargs)
+    def slow_prompt_steps(input_ids, *args, **kwargs):      # any call with a prompt chunk: prefill or packed step
+        if input_ids.shape[1] > 1:
+            started.set()
+            time.sleep(0.3)
+        return execute(input_ids, *args, **kwargs)
 
-    eng.runner.prefill = slow_prefill
+    eng.runner.execute = slow_prompt_steps
     aeng = AsyncEngine(eng)
 
     async def main():
@@ -533,7 +536,8 @@ def test_ttft_counts_from_when_the_request_arrived(engine):
             return first - t0, usage.ttft_s
 
         a = asyncio.create_task(first_token(prompts(1, seed=70)[0]))
-        await asyncio.sleep(0.05)
+        while not started.is_set():         # the first prompt's step holds the engine: the second waits it out
+            await asyncio.sleep(0.01)
         return await first_token(prompts(1, seed=71)[0]), await a
 
     try:

@@ -77,13 +77,17 @@ class CpuBackend:
                               reserve_bytes=c.prefix_reserve_bytes)
 
     def run(self, inp: ModelInput) -> RunnerOutput:
-        pool, logits = self.kv.slots, [None] * len(inp.seqs)
+        if (self.runner.packs_steps and len(inp.seqs) > 1 and not all(s.is_decode for s in inp.seqs)
+                and all(s.proposal is None for s in inp.seqs)):
+            return self._run_packed(inp)
+        pool, logits, decode_s = self.kv.slots, [None] * len(inp.seqs), None
         decodes = [i for i, s in enumerate(inp.seqs) if s.is_decode]
         if decodes:
             t0 = time.perf_counter()
             rows = [(inp.seqs[i].req.slot, inp.seqs[i].tokens[0], inp.seqs[i].start) for i in decodes]
             out = self.runner.decode(pool, rows, *self.kv.decode_fence({r[0] for r in rows}))
-            self.cost.record("dec", len(decodes), time.perf_counter() - t0)
+            decode_s = time.perf_counter() - t0
+            self.cost.record("dec", len(decodes), decode_s)
             for i, row in zip(decodes, out):
                 logits[i] = row[None]
         if self.runner.batches_verifications:
@@ -96,7 +100,15 @@ class CpuBackend:
             if s.proposal is not None:
                 self.cost.record("ver", len(s.tokens), time.perf_counter() - t0)
             logits[i] = out if s.num_logits else None
-        return RunnerOutput(logits)
+        return RunnerOutput(logits, decode_s)
+
+    def _run_packed(self, inp: ModelInput) -> RunnerOutput:
+        """A step whose prompt chunks share it with other sequences, in one call (ModelRunner.step): one pass over
+        the weights where a call per prompt and one for the decodes read them each again. Its decodes' share is
+        priced at what decode-only calls of as many cost (the scheduler sizes slices against it)."""
+        logits = self.runner.step(self.kv.slots, [(s.req.slot, s.tokens, s.start, s.num_logits) for s in inp.seqs])
+        decodes = sum(s.is_decode for s in inp.seqs)
+        return RunnerOutput(logits, self.cost("dec", decodes) or None if decodes else None)
 
     def _verify_batched(self, inp: ModelInput, logits: list) -> None:
         """The step's verifications in one call, their logits into `logits`. Rows are padded to the longest, so one
@@ -138,18 +150,19 @@ class CpuBackend:
         With speculation, also measure the step costs its decisions are based on. Runs in slots that are given
         back afterwards, so warm-up leaves no KV memory resident."""
         models = [(self.runner, self.kv.slots)] + ([(self.draft, self.kv.pools[1])] if self.draft else [])
-        sizes = [b for b in (1, 2, 4, 8, 16, 32) if b <= self._max_num_seqs] if self.proposer else [1]
+        sizes = [b for b in (1, 2, 4, 8, 16, 32) if b <= self._max_num_seqs]
         with self.kv.scratch_slots(max(sizes), max(16 + self._max_gamma + 1, CATCH_UP_PROBE)):
             for runner, pool in models:
                 for n in (8, 1):
                     runner.prefill(pool, 0, [0] * n, 0)
-            if self.proposer is None:
-                return
+            # decode calls of each size: what speculation prices, and the reference of a packed step's slices
             for b in sizes:
                 rows = [(s, 0, 16) for s in range(b)]
                 self.cost.record("dec", b, timed(lambda: self.runner.decode(self.kv.slots, rows, set())))
                 if self.draft is not None:
                     self.cost.record("draft", b, timed(lambda: self.draft.decode(self.kv.pools[1], rows, set())))
+            if self.proposer is None:
+                return
             if self.draft is not None:      # a token of catch-up, which the speculator charges its tries ahead
                 chunk = [0] * CATCH_UP_PROBE
                 self.cost.record("catch_up", 1,

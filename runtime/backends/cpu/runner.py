@@ -182,6 +182,9 @@ class ModelRunner:
         # a batch-invariant graph gives each row the bits it would get alone (greedy speculation stays plain greedy).
         self.batches_verifications = (precision.get("attention") == "qs.CausalAttention"
                                       and precision.get("batch_invariant") is True)
+        # Whether the graph takes packed steps (qs.CausalAttention engines built since it could): sequences of any
+        # lengths in any slots of a range share one call (step()), each token computed as it would be alone
+        self.packs_steps = "kv_rows" in {i.name for i in self.session.get_inputs()}
         self._logits = np.empty((0, self.vocab_size), np.float32)
         # (pool id, first slot, slots) → (pool, binding, session, fed): each entry holds the session too, because an
         # IOBinding does not keep its session alive, and a binding that outlives its session crashes when freed;
@@ -217,20 +220,30 @@ class ModelRunner:
                         self.kv_layout.dtype)
 
     def execute(self, input_ids: np.ndarray, seqlens_k: np.ndarray, logits_indices: np.ndarray,
-                pool: SlotPool, slots: SlotRange) -> np.ndarray:
+                pool: SlotPool, slots: SlotRange, query_starts: np.ndarray | None = None,
+                kv_rows: np.ndarray | None = None) -> np.ndarray:
         """Run one step and return logits [len(logits_indices), vocab] (a view, valid until the next call).
 
         Args:
-            input_ids: [batch, sequence] int64, right-padded rows.
-            seqlens_k: [batch] int32, each row's KV length after this step minus one.
+            input_ids: [batch, sequence] int64, right-padded rows (packed: [1, tokens]).
+            seqlens_k: [batch] int32, each row's KV length after this step minus one (packed: each sequence's).
             logits_indices: [num_logits] int64 rows of the flattened batch×sequence to project.
-            pool, slots: the KV slots of the batch's rows, `slots.count == batch`.
+            pool, slots: the KV slots of the batch's rows, `slots.count == batch` (packed: a range holding them).
+            query_starts, kv_rows: a packed step (packs_steps graphs): int32 [sequences + 1] offsets of each
+                sequence's tokens in input_ids and int32 [sequences] its slot's index in `slots`.
         """
         batch = input_ids.shape[0]
         assert input_ids.dtype == np.int64 and input_ids.ndim == 2, input_ids.dtype
-        assert seqlens_k.dtype == np.int32 and seqlens_k.shape == (batch,), seqlens_k.shape
         total = int(seqlens_k.max()) + 1
-        assert slots.count == batch and total <= pool.capacity
+        if kv_rows is None:
+            assert seqlens_k.dtype == np.int32 and seqlens_k.shape == (batch,), seqlens_k.shape
+            assert slots.count == batch and total <= pool.capacity
+            if self.packs_steps:        # padded rows: row b's tokens b·S …, its KV row b
+                query_starts = np.arange(batch + 1, dtype=np.int32) * np.int32(input_ids.shape[1])
+                kv_rows = np.arange(batch, dtype=np.int32)
+        else:
+            assert self.packs_steps and seqlens_k.dtype == np.int32 and seqlens_k.shape == kv_rows.shape
+            assert int(kv_rows.max()) < slots.count and total <= pool.capacity
         n = len(logits_indices)
         if self._logits.shape[0] < n:
             self._logits = np.empty((max(n, 2 * self._logits.shape[0]), self.vocab_size), np.float32)
@@ -238,6 +251,9 @@ class ModelRunner:
         feed(io, fed, "input_ids", input_ids)
         feed(io, fed, "seqlens_k", seqlens_k)
         feed(io, fed, "total_sequence_length", np.array(total, np.int32))
+        if kv_rows is not None:
+            feed(io, fed, "query_starts", query_starts)
+            feed(io, fed, "kv_rows", kv_rows)
         feed(io, fed, "logits_indices", np.asarray(logits_indices, np.int64))
         out = (self._logits.ctypes.data, n)
         if fed.get("logits") != out:
@@ -301,6 +317,38 @@ class ModelRunner:
             for i in group:
                 n = len(rows[i][1])
                 out[i], at = logits[at:at + n].copy(), at + n
+        return out
+
+    def step(self, pool: SlotPool, seqs: list[tuple[int, list[int], int, int]]) -> list[np.ndarray | None]:
+        """Several sequences' tokens in one packed call (packs_steps graphs): a step's decodes, prompt chunks and
+        verifications with one pass over the weights, where separate calls read every weight again for each (a
+        16-token slice beside 7 smollm2 decodes: 20 ms as two calls). Each token's arithmetic is what it would be
+        in a call of its own (qs.CausalAttention's rows and the batch-invariant linears), and slots between the
+        sequences' are bound but not touched, so nothing needs fencing.
+
+        Args:
+            seqs: (slot, tokens, start, num_logits) per sequence: its tokens at positions [start, start + len) and
+                the logits of its last num_logits tokens; distinct slots.
+        Returns:
+            logits [num_logits, vocab] per sequence in the order of `seqs` (fresh arrays; None for 0).
+        """
+        lo = min(slot for slot, *_ in seqs)
+        width = max(slot for slot, *_ in seqs) - lo + 1
+        ids = np.fromiter((t for _, tokens, _, _ in seqs for t in tokens), np.int64)[None]
+        lengths = np.array([len(tokens) for _, tokens, _, _ in seqs], np.int32)
+        starts = np.zeros(len(seqs) + 1, np.int32)
+        np.cumsum(lengths, out=starts[1:])
+        seqlens = np.array([start for _, _, start, _ in seqs], np.int32) + lengths - 1
+        kv_rows = np.array([slot - lo for slot, *_ in seqs], np.int32)
+        index = np.concatenate([np.arange(starts[i + 1] - n, starts[i + 1]) for i, (*_, n) in enumerate(seqs)])
+        if not index.size:              # no sequence wants logits (prompts' middle chunks): one row, dropped
+            index = starts[-1:] - 1
+        logits = self.execute(ids, seqlens, index.astype(np.int64), pool, SlotRange(lo, width), starts, kv_rows)
+        out: list[np.ndarray | None] = []
+        at = 0
+        for *_, n in seqs:
+            out.append(logits[at:at + n].copy() if n else None)
+            at += n
         return out
 
     def prefill(self, pool: SlotPool, slot: int, tokens: list[int], start: int, all_logits: bool = False) -> np.ndarray:
