@@ -33,9 +33,24 @@ from runtime.request import SamplingParams
 TEXT = Path(__file__).resolve().parents[1] / "compile" / "data" / "heldout_code.txt"
 
 
-def policy(spec: str) -> tuple[int, int, float]:
-    budget, chunk, ratio = (spec.split(",") + ["4"])[:3]
-    return int(budget), int(chunk), float(ratio)
+def policy(spec: str) -> tuple:
+    """BUDGET,CHUNK[,RATIO][,unpacked]: unpacked runs prompt slices in calls of their own beside the decodes' (as
+    engines built before packed steps), to compare."""
+    fields = spec.split(",")
+    unpacked = fields[-1] == "unpacked"
+    numbers = fields[:-1] if unpacked else fields
+    if not 2 <= len(numbers) <= 3:
+        raise ValueError(f"a policy is BUDGET,CHUNK[,RATIO][,unpacked], not {spec!r}")
+    budget, chunk, ratio = (numbers + ["4"])[:3]
+    return (int(budget), int(chunk), float(ratio)) + (("unpacked",) if unpacked else ())
+
+
+def make_engine(path: str, p: tuple, streams: int) -> Engine:
+    engine = Engine(path, EngineConfig(SchedulerConfig(max(16, streams), p[0], p[1], 256, p[2]),
+                                       CacheConfig(enable_prefix_cache=False)))
+    if "unpacked" in p:
+        engine.backend.pack_steps = False
+    return engine
 
 
 def burst(engine: Engine, prompts: list[str], max_tokens: int, stall_ms: float, tag: str) -> dict:
@@ -92,9 +107,9 @@ def long_prompt(engine: Engine, prompts: list[str], long_ids: list[int], max_tok
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("engine")
-    ap.add_argument("--policy", action="append", type=policy, metavar="BUDGET,CHUNK[,RATIO]",
-                    help="token budget, prefill chunk, mixed step ratio (inf: fixed chunks) [default: the engine's "
-                         "defaults, 4096,256,2]")
+    ap.add_argument("--policy", action="append", type=policy, metavar="BUDGET,CHUNK[,RATIO][,unpacked]",
+                    help="token budget, prefill chunk, mixed step ratio (inf: fixed chunks), and `unpacked` for prompt "
+                         "slices in calls of their own [default: the engine's defaults, 4096,256,2]")
     ap.add_argument("--streams", type=int, default=8)
     ap.add_argument("--prompt-chars", type=int, default=1424, help="~340-445 tokens with the smollm2 tokenizer")
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -106,8 +121,7 @@ def main() -> None:
     args = ap.parse_args()
     policies = args.policy or [(4096, 256, 2.0)]
     text = TEXT.read_text()
-    engines = {p: Engine(args.engine, EngineConfig(SchedulerConfig(max(16, args.streams), p[0], p[1], 256, p[2]),
-                                                   CacheConfig(enable_prefix_cache=False))) for p in policies}
+    engines = {p: make_engine(args.engine, p, args.streams) for p in policies}
     rows: dict[tuple, list[dict]] = {p: [] for p in policies}
     if args.long_prompt:
         return long_prompt_main(args, engines, text)

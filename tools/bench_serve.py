@@ -59,6 +59,11 @@ class Stream:
         return (self.tokens - 1) / span if span > 0 and self.tokens > 1 else float("nan")
 
 
+def late_streams(spec: str) -> tuple[int, float]:
+    n, ms = spec.split(",")
+    return int(n), float(ms)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -108,13 +113,22 @@ async def stream_one(client, model: str, prompt: str, max_tokens: int) -> Stream
     return s
 
 
-async def level(client, model: str, waves: list[list[str]], max_tokens: int) -> dict:
+async def level(client, model: str, waves: list[list[str]], max_tokens: int,
+                late: tuple[int, float] = (0, 0.0)) -> dict:
     """Each wave's prompts streamed at once, the waves one after another; figures over every stream (aggregate:
-    tokens over the waves' summed wall time). Several waves steady a conc-1 figure, one request otherwise."""
+    tokens over the waves' summed wall time). Several waves steady a conc-1 figure, one request otherwise.
+    `late` (n, ms): a wave's last n streams start ms after the others (prompts arriving while others decode)."""
     streams, wall = [], 0.0
+
+    async def after(delay_s: float, prompt: str) -> Stream:
+        await asyncio.sleep(delay_s)
+        return await stream_one(client, model, prompt, max_tokens)
+
     for prompts in waves:
         t0 = time.perf_counter()
-        wave = await asyncio.gather(*[stream_one(client, model, p, max_tokens) for p in prompts])
+        n_late = min(late[0], len(prompts) - 1)
+        wave = await asyncio.gather(*[after(late[1] / 1e3 if i >= len(prompts) - n_late else 0.0, p)
+                                      for i, p in enumerate(prompts)])
         wall += max(s.chunks[-1] for s in wave) - t0
         streams += wave
     gaps = np.concatenate([np.diff(s.chunks) for s in streams if len(s.chunks) > 1]) * 1e3
@@ -159,7 +173,7 @@ async def measure(name: str, url: str, args, rnd: int) -> dict:
         waves = [[f"# round {rnd} level {c} wave {w} stream {i}\n"
                   + text[(i * 7 + rnd + 101 * w) * 997 % (len(text) - n_chars):][:n_chars] for i in range(c)]
                  for w in range(args.waves)]
-        out[f"conc{c}"] = await level(client, model, waves, args.max_tokens)
+        out[f"conc{c}"] = await level(client, model, waves, args.max_tokens, args.late)
     start = (rnd * 4099) % (len(text) - n_chars)
     out["prefix"] = await prefix_case(client, model, text[start:start + n_chars], args.max_tokens, f"{name} {rnd}")
     await client.close()
@@ -316,6 +330,9 @@ def main() -> None:
     ap.add_argument("--waves", type=int, default=1,
                     help="waves of `concurrency` requests per level and round, one after another (conc 1: one "
                          "request is a noisy figure)")
+    ap.add_argument("--late", type=late_streams, default=(0, 0.0), metavar="N,MS",
+                    help="the last N streams of each wave start MS later: prompts that arrive while the others "
+                         "decode, prefilled in slices beside them (a stream's TTFT counts from its own start)")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--plot", type=Path, default=None)
     args = ap.parse_args()

@@ -109,6 +109,28 @@ def test_slices_beside_decodes_share_one_bound():
     assert sched.schedule().chunks == [(a, 64)]
 
 
+def test_the_slice_target_follows_the_decodes_it_rides_with():
+    """The target is mixed_step_ratio × what the step's decodes cost alone (their call, as the backend timed or
+    priced it, plus the rest of a decode-only step), not the decode-only steps of an earlier, smaller batch: one
+    stream's 4 ms steps came before, seven decodes take 9 ms alone, so a 15 ms step with a slice is under its
+    2 × 10 ms target and the slice grows."""
+    sched, long = _setup(ratio=2.0)
+    sched.observe(SchedulePlan(decodes=[None]), 0.004, decode_s=0.003)      # the rest of a step: 1 ms
+    plan = sched.schedule()
+    assert plan.chunks == [(long, Scheduler.MIN_CHUNK)] and plan.sliced
+    sched.observe(plan, 0.015, decode_s=0.009)                  # target 2 × (9 + 1) ms
+    assert sched.mixed_tokens == round(Scheduler.MIN_CHUNK * 0.020 / 0.015)
+    sched.mixed_tokens = 60
+    sched.observe(plan, 0.030, decode_s=0.009)                  # over it: 2/3 of the slice
+    assert sched.mixed_tokens == 40
+    # a backend that times no decode call apart: the average of decode-only steps (4 ms) is the reference
+    plain, long2 = _setup(ratio=2.0)
+    plain.observe(SchedulePlan(decodes=[None]), 0.004)
+    plain.mixed_tokens = 32
+    plain.observe(SchedulePlan(decodes=[None], chunks=[(long2, 32)], sliced=True), 0.016)
+    assert plain.mixed_tokens == 16
+
+
 def test_prompts_that_outnumber_the_decoding_streams_are_computed_whole():
     """A burst: three prompts beside one decoding stream go in one step, whole (it stalls once), within the
     token budget; one prompt beside four decoding streams gets a slice; with nobody decoding, a lone prompt
