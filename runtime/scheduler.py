@@ -65,7 +65,7 @@ class Scheduler:
         step from 35 to 110 ms."""
         if plan.decodes and not plan.chunks:
             self._decode_step_s = _average(self._decode_step_s, seconds)
-            if decode_s is not None:
+            if decode_s is not None and not plan.gammas:     # a speculating step's rest holds its verifications
                 self._step_rest_s = _average(self._step_rest_s, seconds - decode_s)
             if self._held_s is not None:              # the hold is over: MIN_CHUNK is the floor again
                 self.mixed_tokens = max(self.mixed_tokens, self.MIN_CHUNK)

@@ -433,3 +433,22 @@ def runner_slots(start: int, count: int):
     from runtime.backends.cpu.slots import SlotRange
 
     return SlotRange(start, count)
+
+
+def test_a_speculating_step_is_one_call(engines):
+    """At batch > 1 a speculating step's plain decodes and every verification go to the target in one packed call
+    (they took a call for the decodes and one for the verifications, two passes over the weights), and greedy
+    speculation still equals plain greedy decoding, tokens and logits."""
+    target = engines("target", "int4")
+    ps = prompts(4, seed=12, hi=80)
+    alone = [run(engine_for(target), [p])[0] for p in ps]
+    spec = engine_for(target, engines("draft", "int8"), "draft")
+    runner, schedule = spec.backend.runner, spec.scheduler.schedule
+    calls, plans = [], []
+    runner.execute = lambda *a, execute=runner.execute, **k: calls.append(len(plans)) or execute(*a, **k)
+    spec.scheduler.schedule = lambda: plans.append(schedule()) or plans[-1]
+    assert_identical(run(spec, ps, [0, 0, 1, 1]), alone, "speculation in packed steps")
+    speculating = [i for i, p in enumerate(plans, 1) if p.gammas and len(p.decodes) > 1]
+    assert speculating, "no step speculated at batch > 1"
+    for step in speculating:
+        assert calls.count(step) == 1, f"step {step}: {calls.count(step)} target calls"

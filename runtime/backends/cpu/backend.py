@@ -80,8 +80,9 @@ class CpuBackend:
                               reserve_bytes=c.prefix_reserve_bytes)
 
     def run(self, inp: ModelInput) -> RunnerOutput:
-        if (self.pack_steps and any(s.is_decode for s in inp.seqs) and not all(s.is_decode for s in inp.seqs)
-                and all(s.proposal is None for s in inp.seqs)):
+        seqs = inp.seqs
+        if (self.pack_steps and len(seqs) > 1 and not all(s.is_decode for s in seqs)
+                and any(s.is_decode or s.proposal is not None for s in seqs)):
             return self._run_packed(inp)
         pool, logits, decode_s = self.kv.slots, [None] * len(inp.seqs), None
         decodes = [i for i, s in enumerate(inp.seqs) if s.is_decode]
@@ -106,12 +107,18 @@ class CpuBackend:
         return RunnerOutput(logits, decode_s)
 
     def _run_packed(self, inp: ModelInput) -> RunnerOutput:
-        """A step whose prompt chunks ride beside decodes, in one call (ModelRunner.step): one pass over the weights
-        where the decodes' call and one per prompt read them each again (7 smollm2 decodes and a 16-token slice:
-        21 vs 24 ms). Prompts alone keep a call each: packing a burst of six gained nothing (0.98–1.08x, the
-        larger call's activations out of cache). The decodes' share is priced at what decode-only calls of as
-        many cost (the scheduler sizes slices against it)."""
+        """A step whose prompt chunks or verifications ride beside decodes (or verifications beside each other), in
+        one call (ModelRunner.step): one pass over the weights where the decodes' call, the verifications' and one
+        per prompt read them each again (7 smollm2 decodes and a 16-token slice: 21 vs 24 ms). Prompts alone keep
+        a call each: packing a burst of six gained nothing (0.98–1.08x, the larger call's activations out of
+        cache). A speculating step's call is recorded by its tokens, which is how step_cost prices it; a step with
+        slices reports its decodes' share at what decode-only calls of as many cost (the scheduler sizes slices
+        against it)."""
+        t0 = time.perf_counter()
         logits = self.runner.step(self.kv.slots, [(s.req.slot, s.tokens, s.start, s.num_logits) for s in inp.seqs])
+        if any(s.proposal is not None for s in inp.seqs):
+            self.cost.record("dec", sum(len(s.tokens) for s in inp.seqs), time.perf_counter() - t0)
+            return RunnerOutput(logits)
         decodes = sum(s.is_decode for s in inp.seqs)
         return RunnerOutput(logits, self.cost("dec", decodes) or None if decodes else None)
 
@@ -132,8 +139,10 @@ class CpuBackend:
             logits[i] = rows
 
     def step_cost(self, num_decodes: int) -> Callable[[Sequence[int]], float]:
-        """Plain decodes batched; verifications batched (each row padded to the longest: "ver" is keyed by the
-        tokens a call computes) or each its own call; the draft's guess steps batched."""
+        """Packed steps: one call of every decode's token and every guess ("dec" is keyed by the tokens a call
+        computes: a decode-only call's are its rows). Otherwise plain decodes batched; verifications batched (each
+        row padded to the longest: "ver" is keyed by the tokens a call computes) or each its own call. The draft's
+        guess steps batched."""
         batched = self.runner.batches_verifications
         memo: dict[tuple[str, int], float] = {}
 
@@ -141,6 +150,12 @@ class CpuBackend:
             if (kind, n) not in memo:
                 memo[kind, n] = self.cost(kind, n) if n else 0.0
             return memo[kind, n]
+
+        if self.pack_steps:
+            def packed(guesses: Sequence[int]) -> float:
+                draft = max(guesses) * cost("draft", len(guesses)) if guesses else 0.0
+                return cost("dec", num_decodes + sum(guesses)) + draft
+            return packed
 
         def seconds(guesses: Sequence[int]) -> float:
             k = len(guesses)
@@ -172,6 +187,12 @@ class CpuBackend:
                 chunk = [0] * CATCH_UP_PROBE
                 self.cost.record("catch_up", 1,
                                  timed(lambda: self.draft.prefill(self.kv.pools[1], 0, chunk, 0)) / CATCH_UP_PROBE)
+            if self.pack_steps:         # a speculating step is one call, priced by its tokens
+                for b in sizes:
+                    for g in sorted({1, 3, self._max_gamma}):
+                        seqs = [(s, [0] * (g + 1), 16, g + 1) for s in range(b)]
+                        self.cost.record("dec", b * (g + 1), timed(lambda: self.runner.step(self.kv.slots, seqs)))
+                return
             for g in range(1, self._max_gamma + 1):
                 self.cost.record("ver", g + 1, timed(lambda: self.runner.prefill(self.kv.slots, 0, [0] * (g + 1), 16, True)))
             if self.runner.batches_verifications:
