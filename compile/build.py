@@ -29,9 +29,9 @@ GRAPH_FILE, DATA_FILE = "model.onnx", "model.onnx.data"
 CALIB_TOKENS = 512
 # What the compiler emits for the same checkpoint and options; bumped when that changes (2: qs.Int8MatMul, 3: an
 # fp16 KV cache by default where qs.CausalAttention runs a quantized engine, and qs.SwiGLU; 4: our int8 and int4
-# linears take in the norms, SwiGLU and biases around them), so engines built before — the bundled ones above all —
-# are known to be older graphs and rebuilt (runtime.bundled).
-GRAPH_REVISION = 4
+# linears take in the norms, SwiGLU and biases around them; 5: qs.CausalAttention engines take packed steps), so
+# engines built before — the bundled ones above all — are known to be older graphs and rebuilt (runtime.bundled).
+GRAPH_REVISION = 5
 
 
 def _kv_record(spec: ModelSpec, cfg: CompileConfig, max_len: int) -> dict:

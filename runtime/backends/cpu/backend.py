@@ -89,7 +89,10 @@ class CpuBackend:
         if decodes:
             t0 = time.perf_counter()
             rows = [(inp.seqs[i].req.slot, inp.seqs[i].tokens[0], inp.seqs[i].start) for i in decodes]
-            out = self.runner.decode(pool, rows, *self.kv.decode_fence({r[0] for r in rows}))
+            if self.pack_steps and len(rows) > 1:   # one call whatever lies between the slots: no dummy rows, no split
+                out = [row[0] for row in self.runner.step(pool, [(slot, [t], pos, 1) for slot, t, pos in rows])]
+            else:
+                out = self.runner.decode(pool, rows, *self.kv.decode_fence({r[0] for r in rows}))
             decode_s = time.perf_counter() - t0
             self.cost.record("dec", len(decodes), decode_s)
             for i, row in zip(decodes, out):
