@@ -1067,7 +1067,11 @@ struct CausalAttentionKernel {
     st.seqlens_k = seqlens.GetTensorData<int32_t>();
     st.cos = cos.GetTensorData<float>();
     st.sin = sin.GetTensorData<float>();
-    if (ctx.GetInputCount() > 8 && ctx.GetInput(7) != nullptr && ctx.GetInput(8) != nullptr)
+    const bool starts_given = ctx.GetInputCount() > 7 && ctx.GetInput(7) != nullptr;
+    const bool rows_given = ctx.GetInputCount() > 8 && ctx.GetInput(8) != nullptr;
+    if (starts_given != rows_given)
+      throw std::invalid_argument("qs.CausalAttention: a packed step needs both query_starts and kv_rows");
+    if (starts_given)
       packed(ctx.GetInput(7), ctx.GetInput(8), qs[0] * qs[1], ks[0], st);
     else if (ks[0] != st.batch)
       throw std::invalid_argument("qs.CausalAttention: qkv, cache and rotary shapes disagree");

@@ -403,15 +403,18 @@ def test_a_step_with_prompt_slices_is_one_call(engines):
     """The engine runs a step whose prompt chunks share it with decodes (or with each other) as one packed call,
     and each request still gets what it gets alone."""
     eng = engine_for(engines("target", "int4"))
-    runner = eng.backend.runner
-    calls, execute = [], runner.execute
-    runner.execute = lambda *a, **k: calls.append(len(a) > 5 and a[6] is not None) or execute(*a, **k)
+    runner, schedule = eng.backend.runner, eng.scheduler.schedule
     ps = prompts(4, seed=7, lo=100, hi=200)
     alone = [run(eng, [p])[0] for p in ps]
-    calls.clear()
+    calls, plans = [], []
+    runner.execute = lambda *a, execute=runner.execute, **k: calls.append(len(plans)) or execute(*a, **k)
+    eng.scheduler.schedule = lambda: plans.append(schedule()) or plans[-1]
     batched = run(eng, ps, [0, 0, 3, 6])
     assert_identical(batched, alone, "packed steps")
-    assert any(calls), "no step was packed"
+    mixed = [i for i, p in enumerate(plans, 1) if p.decodes and p.chunks]
+    assert mixed, "no step carried prompt chunks beside decodes"
+    for step in mixed:
+        assert calls.count(step) == 1, f"step {step}: {calls.count(step)} calls"
 
 
 def test_packed_inputs_that_break_the_contract_are_refused(engines):

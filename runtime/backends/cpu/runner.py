@@ -183,7 +183,8 @@ class ModelRunner:
         self.batches_verifications = (precision.get("attention") == "qs.CausalAttention"
                                       and precision.get("batch_invariant") is True)
         # Whether the graph takes packed steps (qs.CausalAttention engines built since it could): sequences of any
-        # lengths in any slots of a range share one call (step()), each token computed as it would be alone
+        # lengths in any slots of a range share one call (step()); on a batch-invariant graph each token computed
+        # as it would be alone (elsewhere as batched decodes are: its linears' activations quantized per step)
         self.packs_steps = "kv_rows" in {i.name for i in self.session.get_inputs()}
         self._logits = np.empty((0, self.vocab_size), np.float32)
         # (pool id, first slot, slots) → (pool, binding, session, fed): each entry holds the session too, because an
