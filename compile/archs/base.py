@@ -85,19 +85,14 @@ class LlamaArch:
     def declare_io(self, b: GraphBuilder, target: str, kv_dtype: str = "fp32", packed: bool = False) -> None:
         """The graph interface of the module docstring: step inputs, then the per-layer KV caches."""
         s, I64, I32 = self.spec, TensorProto.INT64, TensorProto.INT32
-        if target == "cpu" and packed:
-            steps = [("input_ids", I64, ["batch", "sequence"]), ("seqlens_k", I32, ["sequences"]),
-                     ("total_sequence_length", I32, []), ("query_starts", I32, ["sequences_plus_1"]),
-                     ("kv_rows", I32, ["sequences"])]
-            caches = ("past_key", "past_value"), ("present_key", "present_value")
-            kv_type = helper.np_dtype_to_tensor_dtype(np.dtype(KV_CACHE_NUMPY[kv_dtype]))
-            kv_shape = ["kv_batch", s.num_kv_heads, "kv_capacity", s.head_dim]
-        elif target == "cpu":
-            steps = [("input_ids", I64, ["batch", "sequence"]), ("seqlens_k", I32, ["batch"]),
+        if target == "cpu":
+            rows = "sequences" if packed else "batch"       # packed: seqlens_k per sequence, the caches apart
+            steps = [("input_ids", I64, ["batch", "sequence"]), ("seqlens_k", I32, [rows]),
                      ("total_sequence_length", I32, [])]
+            steps += [("query_starts", I32, ["sequences_plus_1"]), ("kv_rows", I32, [rows])] if packed else []
             caches = ("past_key", "past_value"), ("present_key", "present_value")
             kv_type = helper.np_dtype_to_tensor_dtype(np.dtype(KV_CACHE_NUMPY[kv_dtype]))
-            kv_shape = ["batch", s.num_kv_heads, "kv_capacity", s.head_dim]
+            kv_shape = ["kv_batch" if packed else "batch", s.num_kv_heads, "kv_capacity", s.head_dim]
         else:
             steps = [("input_ids", I64, ["num_tokens"]), ("cumulative_sequence_length", I32, ["batch_plus_1"]),
                      ("past_seqlens", I32, ["batch"]), ("block_table", I32, ["batch", "max_blocks"]),

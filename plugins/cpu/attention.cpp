@@ -1114,7 +1114,7 @@ struct CausalAttentionKernel {
     run(context, st);
   }
 
-  // A packed step: query_starts [sequences + 1] (0 … tokens, non-decreasing, each sequence at least one token) and
+  // A packed step: query_starts [sequences + 1] (0 … tokens, increasing: each sequence at least one token) and
   // kv_rows [sequences] (distinct rows of the cache); st.batch becomes the sequences and st.seq the longest's tokens.
   static void packed(const Ort::ConstValue& starts, const Ort::ConstValue& rows, int64_t tokens, int64_t cache_rows,
                      Step<T>& st) {

@@ -81,18 +81,14 @@ class CpuBackend:
 
     def run(self, inp: ModelInput) -> RunnerOutput:
         seqs = inp.seqs
-        if (self.pack_steps and len(seqs) > 1 and not all(s.is_decode for s in seqs)
-                and any(s.is_decode or s.proposal is not None for s in seqs)):
+        if self.pack_steps and len(seqs) > 1 and any(s.is_decode or s.proposal is not None for s in seqs):
             return self._run_packed(inp)
         pool, logits, decode_s = self.kv.slots, [None] * len(inp.seqs), None
         decodes = [i for i, s in enumerate(inp.seqs) if s.is_decode]
         if decodes:
             t0 = time.perf_counter()
             rows = [(inp.seqs[i].req.slot, inp.seqs[i].tokens[0], inp.seqs[i].start) for i in decodes]
-            if self.pack_steps and len(rows) > 1:   # one call whatever lies between the slots: no dummy rows, no split
-                out = [row[0] for row in self.runner.step(pool, [(slot, [t], pos, 1) for slot, t, pos in rows])]
-            else:
-                out = self.runner.decode(pool, rows, *self.kv.decode_fence({r[0] for r in rows}))
+            out = self.runner.decode(pool, rows, *self.kv.decode_fence({r[0] for r in rows}))
             decode_s = time.perf_counter() - t0
             self.cost.record("dec", len(decodes), decode_s)
             for i, row in zip(decodes, out):
@@ -110,20 +106,22 @@ class CpuBackend:
         return RunnerOutput(logits, decode_s)
 
     def _run_packed(self, inp: ModelInput) -> RunnerOutput:
-        """A step whose prompt chunks or verifications ride beside decodes (or verifications beside each other), in
-        one call (ModelRunner.step): one pass over the weights where the decodes' call, the verifications' and one
-        per prompt read them each again (7 smollm2 decodes and a 16-token slice: 21 vs 24 ms). Prompts alone keep
-        a call each: packing a burst of six gained nothing (0.98–1.08x, the larger call's activations out of
-        cache). A speculating step's call is recorded by its tokens, which is how step_cost prices it; a step with
-        slices reports its decodes' share at what decode-only calls of as many cost (the scheduler sizes slices
-        against it)."""
+        """A step of several sequences with decodes or verifications among them, in one call (ModelRunner.step):
+        one pass over the weights where the decodes' call, the verifications' and one per prompt read them each
+        again (7 smollm2 decodes and a 16-token slice: 21 vs 24 ms), and no dummy rows or splits around other
+        slots. Prompts alone keep a call each: packing a burst of six gained nothing (0.98–1.08x, the larger
+        call's activations out of cache). A call without prompt chunks is recorded by its tokens, which is how
+        step_cost prices decodes and guesses; a step with chunks reports its decodes' share at what decode-only
+        calls of as many cost (the scheduler sizes slices against it)."""
+        seqs = inp.seqs
         t0 = time.perf_counter()
-        logits = self.runner.step(self.kv.slots, [(s.req.slot, s.tokens, s.start, s.num_logits) for s in inp.seqs])
-        if any(s.proposal is not None for s in inp.seqs):
-            self.cost.record("dec", sum(len(s.tokens) for s in inp.seqs), time.perf_counter() - t0)
-            return RunnerOutput(logits)
-        decodes = sum(s.is_decode for s in inp.seqs)
-        return RunnerOutput(logits, self.cost("dec", decodes) or None if decodes else None)
+        logits = self.runner.step(self.kv.slots, [(s.req.slot, s.tokens, s.start, s.num_logits) for s in seqs])
+        seconds = time.perf_counter() - t0
+        decodes = sum(s.is_decode for s in seqs)
+        if any(not s.is_decode and s.proposal is None for s in seqs):        # prompt chunks
+            return RunnerOutput(logits, self.cost("dec", decodes) or None if decodes else None)
+        self.cost.record("dec", sum(len(s.tokens) for s in seqs), seconds)
+        return RunnerOutput(logits, seconds if decodes == len(seqs) else None)
 
     def _verify_batched(self, inp: ModelInput, logits: list) -> None:
         """The step's verifications in one call, their logits into `logits`. Rows are padded to the longest, so one
