@@ -15,7 +15,7 @@ from pathlib import Path
 
 import uvicorn
 
-from ..async_engine import AsyncEngine
+from ..async_engine import Arrivals, AsyncEngine
 from ..config import EngineConfig, ServerConfig
 from ..engine import Engine
 from ..metrics import Metrics
@@ -56,6 +56,7 @@ class Server:
             from ..tracing import Tracing
             self.tracing = Tracing(config.otlp_endpoint, service_name=f"quicksilver:{Path(engine_dir).name}")
         limits = TenantLimits(config.tenants) if config.tenants else None      # one set of buckets for all models
+        arrivals = Arrivals()           # requests the transports are reading, which idle engines wait for
         self.bridges: list[Bridge] = []
         self.cluster = None
         try:
@@ -72,7 +73,7 @@ class Server:
                     aengine = self.cluster.deploy(name or Path(path).resolve().name, Path(path), econf)
                 else:
                     self.engines.append(Engine(path, econf))
-                    aengine = AsyncEngine(self.engines[-1], on_step=metrics.on_step)
+                    aengine = AsyncEngine(self.engines[-1], on_step=metrics.on_step, arrivals=arrivals)
                 self.bridges.append(Bridge(aengine, metrics, config, self.tracing, name, limits))
             self.router = Router(self.bridges, config.route)
             self.semantic_cache = None
@@ -82,7 +83,7 @@ class Server:
         except BaseException:
             self._shutdown_engines()
             raise
-        self.frontend = Frontend(self.router, self.semantic_cache)
+        self.frontend = Frontend(self.router, self.semantic_cache, arrivals)
         self.bridge = self.bridges[0]
         self.engine = self.engines[0] if self.engines else None
         self.aengine, self.metrics = self.bridge.aengine, self.bridge.metrics

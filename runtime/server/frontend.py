@@ -10,6 +10,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
+from ..async_engine import Arrivals
 from ..request import InvalidRequest, SamplingParams
 from . import semantic_cache
 from .bridge import MAX_TAG, Bridge, Draining, Overloaded
@@ -20,8 +21,11 @@ CACHE_HEADER = "x-quicksilver-cache"     # HTTP header and gRPC metadata: bypass
 
 
 class Frontend:
-    def __init__(self, router: Router, cache: semantic_cache.SemanticCache | None = None):
+    def __init__(self, router: Router, cache: semantic_cache.SemanticCache | None = None,
+                 arrivals: Arrivals | None = None):
+        """`arrivals`: the requests being received, which the transports count (the engines wait for them)."""
         self.router, self.cache = router, cache
+        self.arrivals = arrivals if arrivals is not None else Arrivals()
 
     async def choose(self, model, text_prompt: bool, count: Callable[[Bridge], Awaitable],
                      prompt_len: Callable[[object], int], max_tokens: int | None):

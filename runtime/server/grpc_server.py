@@ -83,6 +83,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self.frontend, self.router = frontend, frontend.router
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        with self.frontend.arrivals.receiving():      # until the request reaches an engine (async_engine.Arrivals)
+            async with contextlib.aclosing(self._generate(request, context)) as messages:   # a cancel closes it now
+                async for msg in messages:
+                    yield msg
+
+    async def _generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         arrival, b = time.monotonic(), self.router.primary          # TTFT counts from here
         try:
             if isinstance(request, Malformed):

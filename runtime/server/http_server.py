@@ -200,6 +200,10 @@ class HttpApi:
         return prompt, echo, params
 
     async def _handle(self, request: Request, chat: bool) -> Response:
+        with self.frontend.arrivals.receiving():      # until the request reaches an engine (async_engine.Arrivals)
+            return await self._respond(request, chat)
+
+    async def _respond(self, request: Request, chat: bool) -> Response:
         streams = []
         try:
             body = await _json_body(request)

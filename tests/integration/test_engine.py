@@ -2,13 +2,16 @@
 stop strings and validation — each checked against the same engine doing the simple thing."""
 
 import asyncio
+import contextlib
 import random
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
 
-from runtime.async_engine import SWITCH_INTERVAL_S, AsyncEngine
+from runtime.async_engine import SWITCH_INTERVAL_S, Arrivals, AsyncEngine
 from runtime.config import CacheConfig, EngineConfig, SchedulerConfig
 from runtime.engine import Engine, EngineOverloaded
 from runtime.request import InvalidRequest, SamplingParams
@@ -365,6 +368,98 @@ def test_async_stream_and_cancel(engine):
     asyncio.run(main())
     aeng.shutdown()
     assert_no_leaks(eng)
+
+
+def _first_tokens_by_step(eng):
+    """An on_step callback and the list it fills: per step, the prompts whose first token that step made."""
+    steps, seen = [], set()
+
+    def on_step(e):
+        new = {tuple(r.prompt_ids) for r in e.requests.values() if r.output_ids} - seen
+        seen.update(new)
+        steps.append(sorted(new))
+    return on_step, steps
+
+
+async def _first_output(aeng, prompt):
+    async with contextlib.aclosing(aeng.generate(prompt, SamplingParams(max_tokens=4, ignore_eos=True))) as stream:
+        async for out in stream:
+            return out
+
+
+def test_an_idle_engine_waits_for_a_request_still_being_received_and_prefills_both_in_one_step(engine):
+    """A burst: `b` reaches the idle engine while `a` is still being read by its transport. The engine waits for
+    `a` (handed over when it is posted), and their prompts share the first step; without `a` being counted, `b`
+    starts alone."""
+    for counted in (True, False):
+        arrivals = Arrivals()
+        eng = make(engine("llama"))
+        on_step, steps = _first_tokens_by_step(eng)
+        aeng = AsyncEngine(eng, on_step=on_step, arrivals=arrivals, gather_s=30.0)
+        a, b = [5, 6, 7, 8], [9, 10, 11]
+
+        async def main():
+            first_b = asyncio.create_task(_first_output(aeng, b))        # not inside the block: not counted
+            with arrivals.receiving() if counted else contextlib.nullcontext():
+                await asyncio.sleep(0.2)              # b is posted and (if a is counted) the engine waits for it
+                assert arrivals.pending == counted
+                await _first_output(aeng, a)          # posting a hands it over: the count drops at once
+                assert arrivals.pending == 0
+            await first_b
+
+        asyncio.run(main())
+        aeng.shutdown()
+        firsts = [s for s in steps if s]
+        want = [sorted([tuple(a), tuple(b)])] if counted else [[tuple(b)], [tuple(a)]]
+        assert firsts[:len(want)] == want, firsts
+        assert_no_leaks(eng)
+
+
+def test_the_wait_for_requests_being_received_is_bounded_and_a_lone_request_does_not_wait(engine):
+    """A request counted but never handed over (answered by a cache, or for another model) delays an idle engine
+    by `gather_s` at most; with nothing being received, the engine starts at once."""
+    arrivals = Arrivals()
+    eng = make(engine("llama"))
+    aeng = AsyncEngine(eng, arrivals=arrivals, gather_s=0.3)
+
+    async def ttft(prompt):
+        t0 = time.perf_counter()
+        await _first_output(aeng, prompt)
+        return time.perf_counter() - t0
+
+    async def main():
+        alone = await ttft([5, 6, 7])
+        loop = asyncio.get_running_loop()
+        stray = threading.Event()
+        held = loop.run_in_executor(None, lambda: _held(arrivals, stray))     # its own context: never handed over
+        while not arrivals.pending or eng.requests:       # counted, and the engine idle again
+            await asyncio.sleep(0.01)
+        waited = await ttft([8, 9, 10])
+        stray.set()
+        await held
+        return alone, waited
+
+    alone, waited = asyncio.run(main())
+    aeng.shutdown()
+    assert alone < 0.3 <= waited < 20, (alone, waited)
+    assert arrivals.pending == 0
+
+
+def _held(arrivals, until):
+    with arrivals.receiving():
+        until.wait(60)
+
+
+def test_arrivals_release_each_request_once():
+    arrivals = Arrivals()
+    assert not arrivals.wait_quiet(10.0)               # nothing being received: no wait at all
+    with pytest.raises(RuntimeError):
+        with arrivals.receiving():
+            with arrivals.receiving():
+                assert arrivals.pending == 2
+            assert arrivals.pending == 1
+            raise RuntimeError("refused before it reached an engine")
+    assert arrivals.pending == 0
 
 
 def test_the_loop_thread_and_an_event_loop_hand_the_gil_over_within_half_a_millisecond(engine):

@@ -455,6 +455,44 @@ def test_concurrent_clients_and_metrics(server):
     assert server.metric("quicksilver_prefix_cache_queries_tokens_total") > 0
 
 
+def test_every_request_received_is_released_whatever_its_end(server):
+    """The count of requests being received (which an idle engine waits for, async_engine.Arrivals) returns to
+    zero after served, refused, malformed, cancelled and concurrent requests on both transports: a leaked count
+    would delay every request that reaches an idle engine."""
+    arrivals = server.server.frontend.arrivals
+    url = f"{server.http_url}/v1/completions"
+    rest = threading.Event()
+
+    def slow_body():                                         # headers and half a body, then the rest
+        yield b'{"prompt": "def f():", '
+        rest.wait(30)
+        yield b'"max_tokens": 3}'
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        sent = pool.submit(httpx.post, url, content=slow_body(), headers={"content-type": "application/json"})
+        assert wait_until(lambda: arrivals.pending == 1)    # counted while its body is still on the way
+        rest.set()
+        assert sent.result().status_code == 200
+    assert httpx.post(url, json={"prompt": PROMPT, "max_tokens": 3}).status_code == 200
+    assert httpx.post(url, content=b"{not json").status_code == 400
+    assert httpx.post(url, json={"prompt": PROMPT, "model": "gpt-7"}).status_code == 404
+    assert httpx.post(url, json={"prompt": "", "max_tokens": 3}).status_code == 400
+    with httpx.stream("POST", url, json={"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True}) as r:
+        next(r.iter_lines())                                 # hangs up after one event
+    with Client(server.grpc_target) as c:
+        assert len(list(c.generate(PROMPT, max_tokens=3))) >= 1
+        with pytest.raises(grpc.RpcError):
+            list(c.generate("", max_tokens=3))
+        stream = c.generate(PROMPT, max_tokens=400, ignore_eos=True)
+        next(stream)
+        stream.close()
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        codes = list(pool.map(lambda i: httpx.post(url, json={"prompt": PROMPT + " " * i, "max_tokens": 4}).status_code,
+                              range(12)))
+    assert codes == [200] * 12
+    assert wait_until(lambda: arrivals.pending == 0), arrivals.pending
+    assert wait_until(lambda: server.metric("quicksilver_requests_running") == 0)
+
+
 def test_graceful_shutdown(engine):
     exe = Path(sys.executable).parent / "runtime"
     proc = subprocess.Popen([str(exe), "serve", str(engine("llama")), "--grpc-port", "0", "--http-port", "-1",
