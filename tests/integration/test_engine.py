@@ -405,6 +405,7 @@ def test_an_idle_engine_waits_for_a_request_still_being_received_and_prefills_bo
                 assert arrivals.pending == counted
                 await _first_output(aeng, a)          # posting a hands it over: the count drops at once
                 assert arrivals.pending == 0
+            assert arrivals.pending == 0
             await first_b
 
         asyncio.run(main())
@@ -428,15 +429,19 @@ def test_the_wait_for_requests_being_received_is_bounded_and_a_lone_request_does
         return time.perf_counter() - t0
 
     async def main():
+        await ttft([4, 5, 6])                             # the first run's allocations, out of the way
         alone = await ttft([5, 6, 7])
         loop = asyncio.get_running_loop()
         stray = threading.Event()
         held = loop.run_in_executor(None, lambda: _held(arrivals, stray))     # its own context: never handed over
-        while not arrivals.pending or eng.requests:       # counted, and the engine idle again
-            await asyncio.sleep(0.01)
-        waited = await ttft([8, 9, 10])
-        stray.set()
-        await held
+        try:
+            end = time.monotonic() + 30
+            while (not arrivals.pending or eng.requests) and time.monotonic() < end:   # counted, engine idle again
+                await asyncio.sleep(0.01)
+            waited = await ttft([8, 9, 10])
+        finally:
+            stray.set()
+            await held
         return alone, waited
 
     alone, waited = asyncio.run(main())
