@@ -62,8 +62,8 @@ class Arrivals:
         ticket = _Ticket(self)
         with self._quiet:
             self._pending += 1
-        _RECEIVING.set(ticket)
         try:
+            _RECEIVING.set(ticket)
             yield
         finally:
             ticket.handed_over()      # (the variable may stay set: a released ticket is released once)
