@@ -22,7 +22,9 @@ std::string probe_amx() {
   if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return "no CPUID leaf 7";
   if (!(d & (1u << 24)) || !(d & (1u << 25))) return "this CPU has no AMX-TILE/AMX-INT8 (CPUID.7.0:EDX bits 24, 25)";
   if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return "the OS has not enabled XSAVE (OSXSAVE)";
-  if (!__get_cpuid_count(0x1d, 1, &a, &b, &c, &d) || (a >> 16) < 8 || (b & 0xffff) < 64 || (b >> 16) < 16)
+  // CPUID.1D.1: EAX bytes per tile (31:16), EBX tile names (31:16) and bytes per row (15:0), ECX rows (15:0)
+  if (!__get_cpuid_count(0x1d, 1, &a, &b, &c, &d) || (a >> 16) < 1024 || (b >> 16) < 8 || (b & 0xffff) < 64 ||
+      (c & 0xffff) < 16)
     return "AMX palette 1 is smaller than 8 tiles of 16 rows × 64 bytes (CPUID.1D.1)";
   // ARCH_REQ_XCOMP_PERM (0x1023) for XFEATURE_XTILEDATA (18): Linux ≥ 5.16 hands out tile data per process
   if (syscall(SYS_arch_prctl, 0x1023, 18) != 0)

@@ -148,6 +148,31 @@ def test_amx_is_refused_with_the_reason_where_not_granted():
         _native.cpu_tiles("fast")
 
 
+def _cpu_flags() -> set[str]:
+    with contextlib.suppress(OSError):
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def _linux_at_least(major: int, minor: int) -> bool:
+    numbers = [int(part) for part in os.uname().release.split("-")[0].split(".")[:2] if part.isdigit()]
+    return sys.platform == "linux" and tuple(numbers) >= (major, minor)
+
+
+@pytest.mark.skipif(not {"amx_tile", "amx_int8"} <= _cpu_flags() or not _linux_at_least(5, 16),
+                    reason="Linux lists no AMX-TILE/AMX-INT8 here (or is older than 5.16, which grants tile data)")
+def test_amx_is_granted_where_linux_lists_it():
+    """Where Linux lists AMX-TILE and AMX-INT8, the probe (CPUID leaves 7 and 0x1D, XCR0, arch_prctl) grants the
+    tiles: a probe that misreads a CPUID field (it once took the 8 tile names for a 16-row minimum) would keep every
+    Sapphire Rapids host on the vector kernels without a word."""
+    assert _native.amx_status() == "granted"
+    with tiles("auto"):
+        assert _native.cpu_tiles() == "amx"
+
+
 @pytest.mark.parametrize("setting,expected", [("off", "off"), ("emulate", "emulate"), ("auto", None), ("", None)])
 def test_the_environment_picks_the_first_mode(setting, expected):
     """QS_CPU_TILES: auto (or unset) is amx where granted, else off; emulate needs an AVX-512 build."""

@@ -2,7 +2,9 @@
 # Build llama.cpp's llama-server (and llama-quantize) from the sources vendored in the llama-cpp-python sdist, and
 # GGUF files of a checkpoint, for side-by-side API benchmarks (tools/bench_serve.py --llama-server).
 # Cached under $QS_PEERS (default ~/.cache/quicksilver/peers): a second run only converts what is missing.
-# ~25 min on 2 cores the first time.
+# ~25 min on 2 cores the first time. Built for this CPU (GGML_NATIVE) but never with AMX tiles: ggml's AMX path
+# crashed on our Sapphire Rapids hosts, so the peer we measure is llama.cpp's AVX-512 build (LLAMA_CMAKE_ARGS adds
+# flags).
 #
 #   bash tools/peers/llama_server.sh CKPT_DIR [q8_0 q4_0 ...]     → prints the paths it built
 set -euo pipefail
@@ -20,8 +22,11 @@ fi
 LLAMA=$(ls -d "$PEERS"/sdist/llama_cpp_python-*/vendor/llama.cpp | head -1)
 
 if [ ! -x build/bin/llama-server ] || [ ! -x build/bin/llama-quantize ]; then
+  NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"     # explicit -mno-* win over -march=native in GCC
   cmake -S "$LLAMA" -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
-        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON >/dev/null
+        -DCMAKE_C_FLAGS="$NO_AMX" -DCMAKE_CXX_FLAGS="$NO_AMX" \
+        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON \
+        ${LLAMA_CMAKE_ARGS:-} >/dev/null
   cmake --build build --target llama-server llama-quantize -j "${JOBS:-2}"
 fi
 
