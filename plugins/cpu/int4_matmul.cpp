@@ -129,13 +129,24 @@ void micro(const Problem& p, int64_t row0, int64_t panel0) {
   }
 }
 
-// On AMX tiles (tiles.h): 32 rows × 2 panels a call, one block (32 k) a step, since every block has its own scales.
-// A tile of x is 16 rows × the block's 32 signed bytes; the weight's tile is the block's nibbles less 8, signed —
-// chunk c's low nibbles are k = 8c..8c+3 and its high ones 8c+4..8c+7 for 16 channels, the [k/4][channel][4]
-// rows TDPBSSD reads — so a tile sum is Σ x_q·(u − 8) = t_b − 8·Σ x_q exactly, the vector kernel's integer before
-// its conversion, and the epilogue is the vector kernel's multiply-add in the same block order.
+// On AMX tiles (tiles.h): every block (32 k) has its own scales, so a tile step is one block and its sums leave the
+// tiles for the float epilogue — a conversion and a multiply-add per block, row and channel, the vector kernel's —
+// after every product. So the kernel keeps that epilogue's accumulators in registers:
+//   - a task's panel at a time, its blocks unpacked once into a thread-local copy that serves every row of the task:
+//     the nibbles less 8, signed (chunk c's low nibbles are k = 8c..8c+3, its high ones 8c+4..8c+7, for 16
+//     channels: the [k/4][channel][4] rows TDPBSSD reads);
+//   - 16 rows at a time, their 16 accumulators (one panel each) in registers; the blocks two a step into a pair of
+//     C tiles, the pairs alternating, so the tiles can take the next pair while the vector unit finishes this one.
+// A tile sum is Σ x_q·(u − 8) = t_b − 8·Σ x_q exactly, the vector kernel's integer before its conversion, and the
+// epilogue is the vector kernel's multiply-add in the same block order: the same bits whichever path a row takes.
+// (Tried and slower on a Sapphire Rapids host: x copied into A-tile order, and a three-stage pipeline of products,
+// stores and epilogues — the tile loads and products bound this kernel, not the epilogue.)
 struct TileKernel {
-  // C 0–3: rows 0–15 | 16–31 × panel 0 | 1; A 4, 5: x rows 0–15 | 16–31 (32 bytes); B 6, 7: panel 0 | 1 (8 rows)
+  static constexpr int64_t kCallRows = kRowBlock, kCallPanels = 1;
+  static constexpr int64_t kUnpackedBlock = 8 * 64;            // a block's B tile: 8 rows (k/4) × 16 channels × 4
+
+  // C 0, 1 | 2, 3: two blocks' sums of 16 rows × 16 channels, pairs alternating; A 4, 5: 16 rows of x, one block
+  // (32 bytes) each; B 6, 7: that block's weights
   static QsTileConfig config() {
     QsTileConfig c;
     for (int t = 0; t < 4; ++t) c.tile(t, 16, 64);
@@ -143,62 +154,79 @@ struct TileKernel {
   }
 
   template <class Tiles>
-  static void run(const Problem& p, int64_t row0, int nr, int64_t panel0, int np) {
-    const int64_t panel_bytes = p.blocks * kBlockBytes;
+  static void run(const Problem& p, int64_t row_begin, int nr, int64_t panel, int) {
+    const uint8_t* w = p.w + panel * p.blocks * kBlockBytes;
+    thread_local std::vector<int8_t> unpacked_storage;
+    unpacked_storage.resize(static_cast<size_t>(p.blocks * kUnpackedBlock));
+    int8_t* unpacked = unpacked_storage.data();
     const __m512i low = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
-    alignas(64) int8_t w[2][8][64];
-    alignas(64) int32_t sums[32][32];
-    alignas(64) float acc[32][32];
-    for (int r = 0; r < nr; ++r)
-      for (int q = 0; q < np; ++q) _mm512_store_ps(&acc[r][16 * q], _mm512_setzero_ps());
-    const int8_t* x = p.xq + row0 * p.k;
-    for (int64_t b = 0; b < p.blocks; ++b) {
-      for (int q = 0; q < np; ++q)
-        for (int c = 0; c < 4; ++c) {
-          const __m512i v = _mm512_loadu_si512(p.w + (panel0 + q) * panel_bytes + b * kBlockBytes + c * 64);
-          _mm512_store_si512(w[q][2 * c], _mm512_sub_epi8(_mm512_and_si512(v, low), eight));
-          _mm512_store_si512(w[q][2 * c + 1], _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(v, 4), low), eight));
-        }
-      Tiles::template zero<0>();
-      Tiles::template load<4>(x + b * kBlock, p.k);
-      Tiles::template load<6>(w[0], 64);
-      Tiles::template dot_ss<0, 4, 6>();
-      if (np > 1) {
-        Tiles::template zero<1>();
-        Tiles::template load<7>(w[1], 64);
-        Tiles::template dot_ss<1, 4, 7>();
+    for (int64_t b = 0; b < p.blocks; ++b)
+      for (int c = 0; c < 4; ++c) {
+        const __m512i v = _mm512_loadu_si512(w + b * kBlockBytes + c * 64);
+        int8_t* out = unpacked + b * kUnpackedBlock + 2 * c * 64;
+        _mm512_storeu_si512(out, _mm512_sub_epi8(_mm512_and_si512(v, low), eight));
+        _mm512_storeu_si512(out + 64, _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(v, 4), low), eight));
       }
-      if (nr > 16) {
-        Tiles::template zero<2>();
-        Tiles::template load<5>(x + 16 * p.k + b * kBlock, p.k);
-        Tiles::template dot_ss<2, 5, 6>();
-        if (np > 1) {
-          Tiles::template zero<3>();
-          Tiles::template dot_ss<3, 5, 7>();
+    const int64_t col0 = panel * kPanel, valid = std::min<int64_t>(kPanel, p.n - col0);
+    const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
+    for (int64_t row0 = row_begin; row0 < row_begin + nr; row0 += 16) {
+      const Rows16 rows{p, p.xq + row0 * p.k, unpacked, w};
+      __m512 acc[16];
+      for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
+      rows.dots<Tiles, 0, 1>(0);
+      for (int64_t b = 0; b < p.blocks; b += 4) {
+        if (b + 2 < p.blocks) rows.dots<Tiles, 2, 3>(b + 2);
+        rows.finish<Tiles, 0, 1>(b, acc);
+        if (b + 2 < p.blocks) {
+          if (b + 4 < p.blocks) rows.dots<Tiles, 0, 1>(b + 4);
+          rows.finish<Tiles, 2, 3>(b + 2, acc);
         }
       }
-      Tiles::template store<0>(&sums[0][0], sizeof(sums[0]));
-      if (np > 1) Tiles::template store<1>(&sums[0][16], sizeof(sums[0]));
-      if (nr > 16) {
-        Tiles::template store<2>(&sums[16][0], sizeof(sums[0]));
-        if (np > 1) Tiles::template store<3>(&sums[16][16], sizeof(sums[0]));
-      }
-      for (int q = 0; q < np; ++q) {
-        const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(
-            reinterpret_cast<const __m256i*>(p.w + (panel0 + q) * panel_bytes + b * kBlockBytes + 256)));
-        for (int r = 0; r < nr; ++r)
-          _mm512_store_ps(&acc[r][16 * q], _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(&sums[r][16 * q])),
-                                                           scale, _mm512_load_ps(&acc[r][16 * q])));
-      }
-    }
-    for (int q = 0; q < np; ++q) {
-      const int64_t col0 = (panel0 + q) * kPanel, valid = std::min<int64_t>(kPanel, p.n - col0);
-      const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
-      for (int r = 0; r < nr; ++r)
+      const int rows_here = static_cast<int>(std::min<int64_t>(16, row_begin + nr - row0));
+      for (int r = 0; r < rows_here; ++r)
         _mm512_mask_storeu_ps(p.y + (row0 + r) * p.n + col0, mask,
-                              _mm512_mul_ps(_mm512_load_ps(&acc[r][16 * q]), _mm512_set1_ps(p.x_scale[row0 + r])));
+                              _mm512_mul_ps(acc[r], _mm512_set1_ps(p.x_scale[row0 + r])));
     }
   }
+
+ private:
+  struct Rows16 {
+    const Problem& p;
+    const int8_t* x;            // the 16 rows' quantized activations (zero rows past m)
+    const int8_t* unpacked;     // the panel's blocks, unpacked
+    const uint8_t* w;           // the panel's packed blocks (their scales)
+
+    // blocks b and b + 1 (where there is one) into C tiles C0, C1
+    template <class Tiles, int C0, int C1>
+    void dots(int64_t b) const {
+      Tiles::template zero<C0>();
+      Tiles::template load<4>(x + b * kBlock, p.k);
+      Tiles::template load<6>(unpacked + b * kUnpackedBlock, 64);
+      Tiles::template dot_ss<C0, 4, 6>();
+      if (b + 1 < p.blocks) {
+        Tiles::template zero<C1>();
+        Tiles::template load<5>(x + (b + 1) * kBlock, p.k);
+        Tiles::template load<7>(unpacked + (b + 1) * kUnpackedBlock, 64);
+        Tiles::template dot_ss<C1, 5, 7>();
+      }
+    }
+
+    // the sums of blocks b and b + 1 from C0, C1 into the rows' accumulators, block by block
+    template <class Tiles, int C0, int C1>
+    void finish(int64_t b, __m512 (&acc)[16]) const {
+      alignas(64) int32_t sums[2][16][16];
+      const int blocks = b + 1 < p.blocks ? 2 : 1;
+      Tiles::template store<C0>(&sums[0][0][0], 64);
+      if (blocks > 1) Tiles::template store<C1>(&sums[1][0][0], 64);
+      for (int j = 0; j < blocks; ++j) {
+        const __m512 scale =
+            _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (b + j) * kBlockBytes + 256)));
+#pragma GCC unroll 16
+        for (int r = 0; r < 16; ++r)
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums[j][r])), scale, acc[r]);
+      }
+    }
+  };
 };
 
 #else

@@ -115,18 +115,16 @@ class PanelGemm {
   }
 };
 
-// Rows of x a tile kernel call takes (two 16-row tiles): x is padded with zero rows to a multiple of this.
+// Rows of x are padded with zero rows to a multiple of this for the tile kernels (two 16-row tiles).
 constexpr int64_t kTileCallRows = 32;
 
 #if defined(__x86_64__)
 // The same tasks on AMX tiles, hardware or emulated (tiles.h): Kernel::config() once per task (the tile registers
-// are per thread), then Kernel::run(problem, first row, rows ≤ 32, first panel, panels ≤ 2) over the task, then the
-// tiles released.
+// are per thread), then Kernel::run(problem, first row, rows ≤ Kernel::kCallRows, first panel, panels ≤
+// Kernel::kCallPanels) over the task, then the tiles released.
 template <class Problem, class Kernel>
 class TileGemm {
  public:
-  static constexpr int64_t kPanels = 2;
-
   static void run(Ort::KernelContext& ctx, QsTiles mode, const Problem& problem, int64_t m, int64_t n,
                   int64_t group_panels) {
     qs_count_tile_product();
@@ -147,11 +145,11 @@ class TileGemm {
     int64_t row_begin, row_end, panel_begin, panel_end;
     job.tasks.bounds(index, &row_begin, &row_end, &panel_begin, &panel_end);
     Tiles::begin(Kernel::config());
-    for (int64_t panel = panel_begin; panel < panel_end; panel += kPanels) {
-      const int np = static_cast<int>(std::min<int64_t>(kPanels, panel_end - panel));
-      for (int64_t row = row_begin; row < row_end; row += kTileCallRows)
+    for (int64_t panel = panel_begin; panel < panel_end; panel += Kernel::kCallPanels) {
+      const int np = static_cast<int>(std::min<int64_t>(Kernel::kCallPanels, panel_end - panel));
+      for (int64_t row = row_begin; row < row_end; row += Kernel::kCallRows)
         Kernel::template run<Tiles>(*job.problem, row,
-                                    static_cast<int>(std::min<int64_t>(kTileCallRows, row_end - row)), panel, np);
+                                    static_cast<int>(std::min<int64_t>(Kernel::kCallRows, row_end - row)), panel, np);
     }
     Tiles::end();
   }
