@@ -5,7 +5,7 @@ runs one KV group's decode rows (a batch-1 step's query heads of one KV head, fp
 one cache that stays in L2 or over copies enough to stream from memory, and prints ns and cycles a key beside the
 floor its products set: every key costs rows x head_dim multiply-adds for its score and as many for its value, and
 one 512-bit FMA (or vdpbf16ps, two products a lane) retires a cycle on AMD Zen 4, so a key needs at least
-2 x rows x head_dim / 16 cycles (/ 32 with bf16 products). The clock is measured here (a chain of dependent adds).
+2 x rows x head_dim / 16 cycles (/ 32 with bf16 products). The clock is measured here (a chain of dependent multiplies).
 The driver also prints a hash of the outputs' bits, so two source trees can be checked for equal results.
 
     python tools/bench_attention_cycles.py --json tools/results/attention_cycles.json
@@ -39,10 +39,10 @@ template <class F> double median_seconds(int reps, F f) {
   return ts[ts.size() / 2];
 }
 int main(int argc, char** argv) {
-  if (argc == 1) {      // the clock: 4 dependent adds an iteration, one a cycle
-    long x = 0, n = 400000000;
-    double s = median_seconds(3, [&] { for (long k = 0; k < n; ++k) asm volatile("add $1,%0\n\tadd $1,%0\n\tadd $1,%0\n\tadd $1,%0" : "+r"(x)); });
-    printf("%.4f\n", 4.0 * n / s / 1e9);
+  if (argc == 1) {      // the clock: 4 dependent multiplies an iteration, three cycles each (Golden Cove folds
+    long x = 1, y = 3, n = 100000000;      // chained immediate adds at rename, so an add chain reads 5x the clock)
+    double s = median_seconds(3, [&] { for (long k = 0; k < n; ++k) asm volatile("imul %1,%0\n\timul %1,%0\n\timul %1,%0\n\timul %1,%0" : "+r"(x) : "r"(y)); });
+    printf("%.4f\n", 12.0 * n / s / 1e9);
     return 0;
   }
   const int H = atoi(argv[1]), D = atoi(argv[2]), N = atoi(argv[3]), copies = atoi(argv[4]), reps = atoi(argv[5]);
@@ -119,7 +119,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         binary = build(args.source, Path(tmp))
         ghz = float(subprocess.run([str(binary)], capture_output=True, text=True, check=True).stdout)
-        print(f"{platform.processor() or platform.machine()}, clock {ghz:.2f} GHz (dependent adds), one thread")
+        print(f"{platform.processor() or platform.machine()}, clock {ghz:.2f} GHz (dependent multiplies), one thread")
         print(f"{'rows x D':>9} {'products':>8} {'where':>8} {'ns/key':>7} {'cyc/key':>8} {'floor':>6} {'GB/s':>6}  bits")
         for rows, dim in shapes:
             key_bytes = 2 * dim * 2                       # its fp16 key and value
