@@ -314,7 +314,7 @@ struct Int4MatMulKernel {
     if (p.m == 0) return;
     p.w = w.GetTensorData<uint8_t>();
 
-    const QsTiles tiles = p.m >= kTileMinRows ? qs_tiles_mode() : QsTiles::kOff;
+    const QsTiles tiles = p.m >= kInt4TileMinRows ? qs_tiles_mode() : QsTiles::kOff;
     const int64_t rows = tiles == QsTiles::kOff ? p.m : (p.m + kTileCallRows - 1) / kTileCallRows * kTileCallRows;
     thread_local std::vector<int8_t> xq;
     thread_local std::vector<int32_t> xsum8;
