@@ -161,7 +161,7 @@ def _accuracy(engine_dir: Path, cfg: CompileConfig, log) -> dict:
     with tempfile.TemporaryDirectory(prefix="qs-baseline-") as tmp:
         log("building the fp32 baseline for the accuracy report")
         base = replace(cfg, out_dir=Path(tmp) / "fp32", precision="fp32", report=False, overwrite=False,
-                       quant=QuantConfig(eval_file=cfg.quant.eval_file), kv_cache="fp32")
+                       quant=QuantConfig(eval_file=cfg.quant.eval_file), kv_cache="fp32", attention_products="fp32")
         build(base, log=lambda _: None)
         return report.measure(engine_dir, base.out_dir, cfg.quant.eval_file)
 

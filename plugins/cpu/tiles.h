@@ -29,7 +29,7 @@ uint64_t qs_tile_products();
 
 // Rows of x from which a product goes to the tiles: fewer rows (decode steps) stream weights, which vectors do.
 // int8 products gain from one 16-row tile (0.48x the vector time at 16 rows on a Sapphire Rapids Xeon); int4 ones,
-// whose per-block epilogue bounds them, only from two (1.02-1.24x at 16 and 24 rows, 0.79-0.92x at 32).
+// whose per-block epilogue bounds them, only from two (0.99-1.24x at 16 and 24 rows, 0.79-0.92x at 32).
 constexpr int64_t kTileMinRows = 16;
 constexpr int64_t kInt4TileMinRows = 32;
 
