@@ -96,12 +96,13 @@ def test_int8_matmul_on_tiles_is_the_vector_kernel_bit_for_bit(mode, k, n, rows,
 @needs_tile_build
 @pytest.mark.parametrize("mode", TILE_MODES)
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(k=st.sampled_from([32, 64, 96, 576]), n=st.sampled_from([1, 15, 17, 33, 100]),
+@given(k=st.sampled_from([32, 64, 96, 128, 160, 576]), n=st.sampled_from([1, 15, 17, 33, 100]),
        rows=st.sampled_from([15, 16, 31, 32, 33, 47, 64, 129, 160]), threads=st.sampled_from([1, 2]),
        seed=st.integers(0, 2**31))
 def test_int4_matmul_on_tiles_is_the_vector_kernel_bit_for_bit(mode, k, n, rows, threads, seed):
-    """One block (32 k) a tile step with its own scales: K of one to eighteen blocks, the rest as for int8; weights
-    at both ends of the nibble range (u = 0 and 15) and an all-zero channel."""
+    """One block (32 k) a tile step with its own scales: K of one to five and eighteen blocks (odd and even counts of
+    the kernel's block pairs), the rest as for int8; weights at both ends of the nibble range (u = 0 and 15) and an
+    all-zero channel."""
     rng = np.random.default_rng(seed)
     w = rng.standard_normal((k, n)).astype(np.float32)
     w[:, 0] = 0
@@ -162,6 +163,7 @@ def _linux_at_least(major: int, minor: int) -> bool:
     return sys.platform == "linux" and tuple(numbers) >= (major, minor)
 
 
+@needs_tile_build
 @pytest.mark.skipif(not {"amx_tile", "amx_int8"} <= _cpu_flags() or not _linux_at_least(5, 16),
                     reason="Linux lists no AMX-TILE/AMX-INT8 here (or is older than 5.16, which grants tile data)")
 def test_amx_is_granted_where_linux_lists_it():
