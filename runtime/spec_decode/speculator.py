@@ -134,6 +134,14 @@ class RateCheck:
         spec, plain = self.rate(True, num_decodes), self.rate(False, num_decodes)
         return spec is None or plain is None or spec >= self.MARGIN * plain
 
+    def plain_ahead(self, num_decodes: int) -> int:
+        """The calls of speculate(num_decodes) after this one that answer plain decoding whatever they are told,
+        as long as speculation does not come to pay: the steps to the next exploration of losing speculation
+        (none during a burst, or while speculation pays)."""
+        if self.burst.get(num_decodes, (False, 0))[1] or self.pays(num_decodes):
+            return 0
+        return max(0, self.interval.get(num_decodes, self.EXPLORE_EVERY) - self.steps.get(num_decodes, 0) - 1)
+
     def rate(self, speculated: bool, num_decodes: int) -> float | None:
         """Measured tokens per second of decode-only steps of this side and batch size; None before any."""
         sums = self.sums[speculated].get(num_decodes)
@@ -197,6 +205,10 @@ class Speculator:
         self.unseen_per_guess = 0.0    # seconds a guess costs that the cost model does not price (see observe)
         self._planned: tuple[float, int] | None = None   # the last plan's priced seconds and guesses, if it chose
         self._looked = False           # this step's plan ran a lookup (see observe)
+        # Plans known to choose no one (see _settle): how many are left, for which decodes (and rounds), whether
+        # each counts a step of the rate check (else an idle plan), and speculation's measured rate there.
+        self._quiet, self._quiet_decodes, self._quiet_counts_steps, self._quiet_spec_rate = 0, [], False, 0.0
+        self._quiet_rounds = 0
 
     def observe(self, num_decodes: int, speculated: bool, tokens: int, seconds: float) -> None:
         """A decode-only step's outcome (adaptive speculation checks its decisions against these). A speculating
@@ -213,6 +225,12 @@ class Speculator:
         A step whose lookup found nothing is plain but for the lookup: the rate check counts it on speculation's
         side, so lookups that cost more than their guesses save turn themselves off."""
         self.decode_s += seconds
+        if self._quiet:                # a plain step of a settled plan: only the reference moves
+            self.rate_check.observe(num_decodes, False, tokens, seconds)
+            if (self._quiet_counts_steps and num_decodes == len(self._quiet_decodes)
+                    and self._quiet_spec_rate >= RateCheck.MARGIN * self.rate_check.rate(False, num_decodes)):
+                self._quiet = 0        # plain decoding slowed down until speculation pays (RateCheck.pays)
+            return
         planned, self._planned = self._planned, None
         speculated, self._looked = speculated or self._looked, False
         if speculated and planned is not None:
@@ -267,6 +285,15 @@ class Speculator:
         """γ per request id for the decodes that should speculate this step, at most `budget` guesses in all
         (the scheduler's token budget left after the decodes); `step_cost(guesses)` prices the step (default:
         `price`'s, made only once the cheap exits are past)."""
+        if self._quiet:
+            if decodes == self._quiet_decodes and self.stats.rounds == self._quiet_rounds:
+                self._quiet -= 1
+                if self._quiet_counts_steps:
+                    self.rate_check.steps[len(decodes)] += 1
+                else:
+                    self.idle_plans += 1
+                return {}
+            self._quiet = 0
         self._exploring, self._looked_up, self._planned, self._looked = False, {}, None, False
         if not self.config.adaptive:
             return self._every_guess(decodes, capacity, budget)
@@ -274,11 +301,15 @@ class Speculator:
         rounds, explore_due = self.stats.rounds, self.idle_plans >= self.explore_after
         if self._empty_plan == (decodes, rounds) and not (explore_due and self.may_explore()):
             self.idle_plans += 1      # the same requests, no round since their plan was empty: it would be again
+            if not explore_due:
+                self._settle(decodes, self.explore_after - self.idle_plans, counts_steps=False)
             return {}
         may_explore = self.may_explore()
         if not may_explore and rounds < WARM_ROUNDS:
             return {}                 # the estimates are still mostly the prior, and tries are over budget
         if not (decodes and self.rate_check.speculate(len(decodes), may_explore)):
+            if decodes:
+                self._settle(decodes, self.rate_check.plain_ahead(len(decodes)), counts_steps=True)
             return {}
         explore = explore_due and may_explore
         cands = self._candidates(decodes, capacity)
@@ -303,6 +334,19 @@ class Speculator:
         self._empty_plan = None if chosen else (list(decodes), rounds)   # a copy: preemption edits plan lists
         self._exploring = bool(chosen) and (explore or burst or unmeasured)
         return chosen
+
+    def _settle(self, decodes: list[Request], plans: int, counts_steps: bool) -> None:
+        """The next `plans` plans for these same decodes choose no one, as this one did: they skip the checks and
+        only count what those would have counted (a step of the rate check, or an idle plan), and their steps'
+        observations only move plain decoding's rate. Why: the checks and their bookkeeping, cheap as they are,
+        ran on every plain step with the caches cold after the model's call; at batch 1 on the bundled pair
+        that was ~1 % of a 0.9 ms step. Exact: what could change the answer ends the count — other decodes or a
+        round verified (plan), or plain decoding slowing until speculation's measured rate pays (observe; a step
+        of the rate check consults that) — and tries' budget only grows meanwhile."""
+        if plans > 0:
+            self._quiet, self._quiet_decodes, self._quiet_counts_steps = plans, list(decodes), counts_steps
+            self._quiet_rounds = self.stats.rounds
+            self._quiet_spec_rate = self.rate_check.rate(True, len(decodes)) if counts_steps else 0.0
 
     def _every_guess(self, decodes: list[Request], capacity: int, budget: int) -> dict[str, int]:
         """Not adaptive: everyone guesses as far as they may, within the budget."""

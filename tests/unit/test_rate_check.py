@@ -5,6 +5,8 @@ acceptance estimates count the guesses tried, and estimates that keep speculatio
 prior, ever more rarely."""
 
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from runtime.request import Request, SamplingParams
 from runtime.spec_decode.speculator import CostModel, RateCheck, SpecConfig, Speculator
@@ -300,3 +302,61 @@ def test_what_a_speculating_step_costs_beyond_its_price_is_learned_per_guess():
     # it stops once a guess's price exceeds what γ = 1 at α = 2/3 gains over plain: 1.667 / (13 ms + u) < 100/s
     assert 0.0036 < spec.unseen_per_guess <= 0.008
     assert spec.rate_check.pays(1)
+
+
+_SETTLED = []
+
+
+class _Unsettled(Speculator):
+    """The speculator without its settled plans: every plan runs every check (the slow truth)."""
+
+    def _settle(self, decodes, plans, counts_steps):
+        pass
+
+
+def _state(spec: Speculator) -> tuple:
+    check = spec.rate_check
+    return (check.sums, check.steps, check.interval, check.burst, check.last_speculated, check.exploring,
+            spec.idle_plans, spec.explore_after, spec.decode_s, spec.explore_cost_s, spec.unseen_per_guess,
+            spec.stats.rounds, spec.stats.recent_counts, spec.stats.history, spec._empty_plan)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3),                      # which decodes
+                          st.integers(1, 700),                    # steps of this phase
+                          st.sampled_from([0.0010, 0.0012, 0.0030]),   # a plain step's seconds
+                          st.sampled_from([0.0011, 0.0016, 0.0040]),   # a speculating step's seconds
+                          st.integers(0, 4)),                     # guesses accepted in a round
+                min_size=1, max_size=8))
+@example([(0, 400, 0.0010, 0.0016, 0), (0, 300, 0.0030, 0.0016, 0)])   # plain slows until speculation pays
+@example([(0, 300, 0.0010, 0.0040, 0), (1, 50, 0.0010, 0.0040, 0), (0, 300, 0.0010, 0.0040, 0)])
+def test_settled_plans_answer_and_count_exactly_as_checking_every_step(phases):
+    """While the rate check keeps plain decoding (or the same decodes' plan was empty), the speculator settles the
+    next plans at once and skips its checks: decisions, rates, counters and budgets stay those of checking every
+    step, whatever the traffic — other decodes, plain decoding slowing until speculation pays, rounds accepted
+    or not."""
+    cost = lambda guesses: 0.001 + sum(0.0002 + 0.0001 * g for g in guesses)     # noqa: E731
+    reqs = [Request(list(range(40)), SamplingParams(max_tokens=100_000), request_id=f"r{i}") for i in range(3)]
+    pools = [[reqs[0]], [reqs[1]], [reqs[0], reqs[1]], [reqs[2], reqs[0]]]
+    fast, slow = (cls(SpecConfig(prior_acceptance=0.6), proposer=None, sampler=None, cost=CostModel())
+                  for cls in (Speculator, _Unsettled))
+    settled = 0
+    for which, steps, plain_s, spec_s, accepted in phases:
+        decodes = pools[which]
+        for _ in range(steps):
+            settled += fast._quiet > 0
+            plans = [s.plan(decodes, capacity=200_000, budget=64, step_cost=cost) for s in (fast, slow)]
+            assert plans[0] == plans[1]
+            for spec in (fast, slow):
+                for r in decodes:
+                    if r.request_id in plans[0]:
+                        spec._account(r, proposed=plans[0][r.request_id], accepted=min(accepted, plans[0][r.request_id]))
+                tokens = len(decodes) + (accepted if plans[0] else 0)
+                spec.catch_up_s = 0.0
+                spec.observe(len(decodes), bool(plans[0]), tokens, spec_s if plans[0] else plain_s)
+            assert _state(fast) == _state(slow)
+    _SETTLED.append(settled)
+
+
+def test_settled_plans_were_exercised():
+    assert sum(1 for n in _SETTLED if n > 100) >= 10, _SETTLED
