@@ -84,8 +84,11 @@ def _precision_record(cfg: CompileConfig, attention: str) -> dict:
         record.update(scheme="int8 symmetric (7-bit magnitude), per output channel; activations uint8 per row "
                              "(batch-invariant); " + ("qs.Int8MatMul" if cfg.own_kernels else "MatMulIntegerToFloat"))
     elif p == "int4" and cfg.own_int4:
-        record.update(scheme="int4 symmetric, block 32 along K, fp16 scales; activations int8 per row "
-                             "(batch-invariant); qs.Int4MatMul", block_size=q.block_size, awq=q.calib is not None)
+        scales = ("a float scale per channel times an integer in 1..16 per block" if q.int4_scales == "int"
+                  else "fp16 scales")
+        record.update(scheme=f"int4 symmetric, block 32 along K, {scales}; activations int8 per row "
+                             "(batch-invariant); qs.Int4MatMul", block_size=q.block_size, awq=q.calib is not None,
+                      int4_scales=q.int4_scales)
     elif p == "int4":
         record.update(scheme=f"int4 symmetric, block {q.block_size} along K; MatMulNBits accuracy_level 4"
                              + ("; one-row steps padded to two (batch-invariant)" if cfg.batch_invariant else ""),
@@ -207,6 +210,7 @@ def build(cfg: CompileConfig, log=print) -> dict:
             ctx = Ctx(builder, spec, cfg.precision, cfg.quant.block_size, cfg.quant.embeddings, cfg.target, max_len,
                       _kv_scales(spec, reader, cfg, tok_files[0], log), cfg.batch_invariant, attention=attention,
                       own_kernels=cfg.own_kernels, own_int4=cfg.own_int4, kv_cache=cfg.kv_cache,
+                      int4_int_scales=cfg.quant.int4_scales == "int",
                       attention_products=cfg.attention_products)
             with tqdm(total=spec.num_layers, desc="export", unit="layer", leave=False) as bar:
                 arch.emit(ctx, max_len, progress=bar.update)

@@ -10,8 +10,8 @@ import click
 import numpy as np
 
 from . import __version__
-from .config import (ATTENTION_PRODUCTS, EMBEDDINGS, KERNELS, KV_CACHE_DTYPES, PRECISIONS, TARGETS, CompileConfig,
-                     QuantConfig)
+from .config import (ATTENTION_PRODUCTS, EMBEDDINGS, INT4_SCALES, KERNELS, KV_CACHE_DTYPES, PRECISIONS, TARGETS,
+                     CompileConfig, QuantConfig)
 from .errors import QuicksilverError
 
 
@@ -39,6 +39,11 @@ def main() -> None:
 @click.option("--max-model-len", "--max-seq-len", "max_seq_len", type=int, default=None,
               help="Longest context the engine serves [default: the model's max_position_embeddings].")
 @click.option("--block-size", type=int, default=32, show_default=True, help="int4: weights per scale along the input dimension.")
+@click.option("--int4-scales", type=click.Choice(INT4_SCALES), default="int", show_default=True,
+              help="int4 with our kernels: each 32-weight block's scale as an integer multiplier (1-16) of one "
+                   "float scale per output channel, so a product sums exactly over the whole input dimension: "
+                   "prompts on AMX tiles ~2x faster than with fp16, 5 % fewer bytes a decode step, weights ~5 % "
+                   "further from the originals; fp16: one fp16 scale per block (engines built before).")
 @click.option("--calib", type=click.Path(path_type=Path), default=None,
               help="int4: calibration text for the activation-aware (AWQ) scale search.")
 @click.option("--embeddings", type=click.Choice(EMBEDDINGS), default="quantized", show_default=True,
@@ -71,7 +76,7 @@ def main() -> None:
               help="Replace --out if it is empty or a Quicksilver engine holding only the files its manifest.json "
                    "lists; other folders (and files) are never replaced.")
 def build(model_dir: Path, out_dir: Path, precision: str, target: str, max_seq_len: int | None, block_size: int,
-          calib: Path | None, embeddings: str, kv_cache: str, attention_products: str, kernels: str, batch_invariant: bool,
+          int4_scales: str, calib: Path | None, embeddings: str, kv_cache: str, attention_products: str, kernels: str, batch_invariant: bool,
           eval_file: Path | None, no_report: bool, overwrite: bool) -> None:
     """Build an engine from a checkpoint: ONNX graph + weights + tokenizer + manifest.
 
@@ -80,7 +85,7 @@ def build(model_dir: Path, out_dir: Path, precision: str, target: str, max_seq_l
     from .build import build as run_build, summary
 
     try:
-        quant = QuantConfig(block_size, calib, embeddings, eval_file, batch_invariant)
+        quant = QuantConfig(block_size, calib, embeddings, eval_file, batch_invariant, int4_scales)
         cfg = CompileConfig(model_dir, out_dir, precision, target, max_seq_len, overwrite, quant, not no_report, kv_cache,
                             kernels, attention_products)
         manifest = run_build(cfg, log=lambda m: click.echo(m, err=True))

@@ -21,6 +21,7 @@ KV_CACHE_NUMPY = {"fp32": "float32", "fp16": "float16", "int8": "int8"}   # each
 # cpu attention's multiplies over an fp16 cache: fp32, or bf16 pairs with fp32 sums (half the arithmetic a token of
 # context costs, at bf16's 8 significant bits)
 ATTENTION_PRODUCTS = ("fp32", "bf16")
+INT4_SCALES = ("int", "fp16")     # qs.Int4MatMul's block scales: integer multipliers of a channel scale, or fp16
 
 
 @dataclass(frozen=True)
@@ -30,8 +31,11 @@ class QuantConfig:
     embeddings: str = "quantized"   # embedding table + LM head: as the weights, or held at "int8" / "fp32"
     eval_file: Path | None = None   # accuracy report text; None: the held-out code text shipped with Quicksilver
     batch_invariant: bool = True    # cpu int8/int4: a row's result never depends on the other rows of its step
+    int4_scales: str = "int"        # qs.Int4MatMul: block scales as integer multipliers of a channel's, or fp16
 
     def __post_init__(self):
+        if self.int4_scales not in INT4_SCALES:
+            raise ValueError(f"int4 scales must be one of {', '.join(INT4_SCALES)}, not {self.int4_scales!r}")
         if self.embeddings not in EMBEDDINGS:
             raise ValueError(f"embeddings must be one of {', '.join(EMBEDDINGS)}, not {self.embeddings!r}")
         if self.block_size < 16 or self.block_size & (self.block_size - 1):

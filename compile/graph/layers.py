@@ -34,6 +34,7 @@ class Ctx:
     attention: str = "ort"     # cpu: "qs" (qs.CausalAttention, plugins/cpu) or "ort" (GroupQueryAttention)
     own_kernels: bool = False  # cpu: our qs ops may be used (qs.Int8MatMul in the int8 linears and head)
     own_int4: bool = False     # cpu int4: qs.Int4MatMul for the linears (blocks of 32) instead of MatMulNBits
+    int4_int_scales: bool = True  # qs.Int4MatMul's packing: integer block multipliers of a channel scale (or fp16)
     shared: dict[str, str] = field(default_factory=dict)  # values built once per graph (per-row shapes)
     kv_cache: str = "fp32"     # cpu KV cache storage: fp32 | fp16 (qs.CausalAttention) | int8 (GroupQueryAttention)
     attention_products: str = "fp32"  # qs.CausalAttention over an fp16 cache: fp32 or bf16 multiplies
@@ -122,7 +123,17 @@ def folded_linear(ctx: Ctx, x: str | SkipNorm, w: np.ndarray, bias: str, name: s
     while inputs[-1] == "":
         inputs.pop()
     return ctx.b.node(f"Int{bits}MatMul", inputs, f"{name}/Int{bits}MatMul", domain=QS_DOMAIN, outputs=outputs, K=k,
-                      N=n, **attrs)[0]
+                      N=n, **attrs, **int4_attributes(ctx, bits))[0]
+
+
+def int4_attributes(ctx: Ctx, bits: int = 4) -> dict:
+    """qs.Int4MatMul's and qs.Int4Gather's packing attribute (none for int8, or for fp16 block scales: the default)."""
+    return {"int_scales": 1} if bits == 4 and ctx.int4_int_scales else {}
+
+
+def int4_panels(ctx: Ctx, w: np.ndarray) -> np.ndarray:
+    """w [K, N] packed for qs.Int4MatMul as the engine's int4 scales say (compile.quantize.int4)."""
+    return int4.pack_panels_int(w) if ctx.int4_int_scales else int4.pack_panels(w)
 
 
 def packed_weights(ctx: Ctx, w: np.ndarray, name: str) -> tuple[int, list[str]]:
@@ -130,7 +141,7 @@ def packed_weights(ctx: Ctx, w: np.ndarray, name: str) -> tuple[int, list[str]]:
     (8, [panels, channel scales, zero-point sums]) for qs.Int8MatMul."""
     b = ctx.b
     if ctx.precision == "int4":
-        return 4, [b.weight(f"{name}.weight_int4_panels", int4.pack_panels(w))]
+        return 4, [b.weight(f"{name}.weight_int4_panels", int4_panels(ctx, w))]
     q, scale = int8.quantize(w, levels=int8.WEIGHT_LEVELS)
     packed, zsum = int8.pack_panels(q)
     return 8, [b.weight(f"{name}.weight_int8_panels", packed), b.weight(f"{name}.weight_scale", scale),
@@ -144,7 +155,7 @@ def panel_matmul(ctx: Ctx, x: str, bits: int, weights: list[str], k: int, n: int
     activations quantized per row inside the op (plugins/cpu): the LM head's, and the linears' where they do not fold
     (`folded_linear`)."""
     return ctx.b.node(f"Int{bits}MatMul", [x, *weights], f"{name}/Int{bits}MatMul", domain=QS_DOMAIN,
-                      outputs=[output] if output else None, K=k, N=n)[0]
+                      outputs=[output] if output else None, K=k, N=n, **int4_attributes(ctx, bits))[0]
 
 
 def linear(ctx: Ctx, x: str | SkipNorm, weight: np.ndarray, bias: np.ndarray | None, name: str,
@@ -414,7 +425,7 @@ class Embeddings:
                 self.table = b.weight(f"{name}.weight_int8_t", np.ascontiguousarray(q.T))   # [H, V]
         elif ctx.own_int4:          # one table packed for qs.Int4MatMul (the head), read by qs.Int4Gather
             self.mode = "int4-panels"
-            self.table = b.weight(f"{name}.weight_int4_panels", int4.pack_panels(np.ascontiguousarray(table.T)))
+            self.table = b.weight(f"{name}.weight_int4_panels", int4_panels(ctx, np.ascontiguousarray(table.T)))
         else:
             packed, scales = int4.quantize(table.T, ctx.block_size)  # [V, H/bs, bs/2], [V*H/bs]
             self.table = b.weight(f"{name}.weight_q4", packed)
@@ -427,7 +438,8 @@ class Embeddings:
         if self.mode == "float":
             return b.op("Gather", [self.table, ids], f"{n}/Gather", axis=0)
         if self.mode == "int4-panels":
-            return b.op("Int4Gather", [ids, self.table], f"{n}/Int4Gather", domain=QS_DOMAIN, K=self.hidden, N=self.vocab)
+            return b.op("Int4Gather", [ids, self.table], f"{n}/Int4Gather", domain=QS_DOMAIN, K=self.hidden, N=self.vocab,
+                        **int4_attributes(self.ctx))
         if self.mode == "int8-panels":
             return b.op("PackedGather", [ids, self.table, self.scale], f"{n}/PackedGather", domain=QS_DOMAIN,
                         K=self.hidden)

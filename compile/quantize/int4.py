@@ -80,3 +80,49 @@ def unpack_panels(packed: np.ndarray, k: int, n: int) -> np.ndarray:
     scale = np.ascontiguousarray(cells[..., 256:]).view(np.float16).astype(np.float32)  # [P, nb, 16]
     scale = np.repeat(scale.transpose(1, 0, 2).reshape(nb, panels * PANEL), BLOCK, axis=0)
     return ((u - 8) * scale)[:, :n]
+
+
+INT_BLOCK_BYTES = 4 * 64 + PANEL            # …, or with integer scales: the nibbles, then 16 multipliers (bytes)
+MAX_MULTIPLIER = 16                         # (u − 8) · m stays within int8 for m ≤ 16
+
+
+def pack_panels_int(w: np.ndarray) -> np.ndarray:
+    """w [K, N] float → qs.Int4MatMul's weight with integer block scales (`int_scales`): uint8 [ceil(N/16),
+    K/32 · 272 + 64].
+
+    Per channel one float32 scale S = max|w| / (7 · 16); per (32-k block, channel) an integer multiplier m in 1..16
+    (the smallest with max|block| ≤ 7 · m · S) and u = round(w / (m · S)) + 8 clipped to [0, 15]: w ≈ (u − 8) · m · S.
+    (u − 8) · m fits int8, so a product sums exactly in int32 over all of K — on AMX tiles in one accumulator, as the
+    int8 kernel does — where an fp16 scale per block makes every block leave the integers.
+    Per panel: its blocks (four 64-byte chunks of nibbles as in pack_panels, then the 16 multipliers as bytes), then
+    the 16 channel scales as float32. N is padded with zero channels.
+    """
+    k, n = w.shape
+    if k % BLOCK:
+        raise ValueError(f"qs.Int4MatMul needs K divisible by {BLOCK}, not {k}")
+    panels, nb = -(-n // PANEL), k // BLOCK
+    padded = np.zeros((k, panels * PANEL), np.float32)
+    padded[:, :n] = w
+    blocks = padded.reshape(nb, BLOCK, panels, PANEL)                                   # [nb, 32, P, 16]
+    absmax = np.abs(blocks).max(axis=1)                                                # [nb, P, 16]
+    top = absmax.max(axis=0)                                                           # [P, 16]
+    scale = np.where(top > 0, top / (7.0 * MAX_MULTIPLIER), 1.0).astype(np.float32)
+    m = np.clip(np.ceil(absmax / (7.0 * scale) - 1e-6), 1, MAX_MULTIPLIER).astype(np.uint8)   # [nb, P, 16]
+    step = m.astype(np.float32) * scale
+    u = (np.clip(np.rint(blocks / step[:, None]), -8, 7) + 8).astype(np.uint8)
+    u = u.reshape(nb, 4, 2, 4, panels, PANEL).transpose(4, 0, 1, 5, 3, 2)             # [P, nb, c, ch, j, h]
+    nibbles = (u[..., 0] | (u[..., 1] << 4)).reshape(panels, nb, 256)
+    cells = np.concatenate([nibbles, m.transpose(1, 0, 2)], axis=2).reshape(panels, nb * INT_BLOCK_BYTES)
+    return np.ascontiguousarray(np.concatenate([cells, scale.view(np.uint8).reshape(panels, 4 * PANEL)], axis=1))
+
+
+def unpack_panels_int(packed: np.ndarray, k: int, n: int) -> np.ndarray:
+    """Inverse of pack_panels_int: the dequantized weight float32 [K, N], (u − 8) · m · S."""
+    panels, nb = packed.shape[0], k // BLOCK
+    cells = packed[:, :nb * INT_BLOCK_BYTES].reshape(panels, nb, INT_BLOCK_BYTES)
+    nibbles = cells[..., :256].reshape(panels, nb, 4, PANEL, 4)                          # [P, nb, c, ch, j]
+    u = np.stack([nibbles & 0x0F, nibbles >> 4], axis=-1)                                # [P, nb, c, ch, j, h]
+    u = u.transpose(1, 2, 5, 4, 0, 3).reshape(k, panels * PANEL).astype(np.int32)       # k = 8c + 4h + j
+    m = np.repeat(cells[..., 256:].transpose(1, 0, 2).reshape(nb, panels * PANEL), BLOCK, axis=0).astype(np.int32)
+    scale = np.ascontiguousarray(packed[:, nb * INT_BLOCK_BYTES:]).view(np.float32).reshape(panels * PANEL)
+    return ((u - 8) * m).astype(np.float32)[:, :n] * scale[:n]

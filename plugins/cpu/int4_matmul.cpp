@@ -13,6 +13,16 @@
 // (chunk c: byte 4·ch + j holds u at k = 8c + j in its low nibble and k = 8c + 4 + j in its high one), then the
 // block's 16 scales as fp16: 288 bytes a block, the panel's blocks in K order.
 //
+// With integer scales (attribute int_scales = 1, compile/quantize/int4.py `pack_panels_int`) a block's scale is a
+// multiplier m ∈ 1..16 of one float scale S per channel, w = S · m · (u − 8), and the sums stay integers:
+//
+//                     ─▶ y[n] = float(Σ_b m_b[n] · t_b[n]) · S[n] · a                            exact int32 sum
+//
+// (u − 8)·m fits int8, so on AMX tiles a row's product is one accumulator over all of K with one store at the end,
+// as the int8 kernel's is, where fp16 block scales take every block out of the tiles (below). A block's bytes are
+// then its nibbles and its 16 multipliers (272), and a panel ends in its 16 channel scales as float32. The integer
+// sum is the same whatever the order, so every path gives the same bits by construction.
+//
 // Every output is one row's blocks in K order, with a fixed sequence of operations whatever M, the task split or
 // the thread: a row's result never depends on the rows beside it.
 //
@@ -37,6 +47,12 @@
 namespace {
 
 constexpr int64_t kPanel = 16, kBlock = 32, kBlockBytes = 4 * 64 + kPanel * 2;
+constexpr int64_t kIntBlockBytes = 4 * 64 + kPanel;     // integer scales: the nibbles, then 16 multipliers
+
+// Bytes of a panel of `blocks` blocks: fp16 block scales, or integer ones (and the 16 channel scales at its end).
+inline int64_t panel_bytes_of(int64_t blocks, bool int_scales) {
+  return int_scales ? blocks * kIntBlockBytes + kPanel * 4 : blocks * kBlockBytes;
+}
 
 struct Problem {
   QsPrologueRows x;        // the rows the product quantizes: the input's, or its prologue's
@@ -46,6 +62,8 @@ struct Problem {
   int32_t* xsum8;          // [M, K/32]: 8 · Σ_{k∈b} x_q
   float* x_scale;          // [M]
   int64_t m, k, n, blocks, panels;
+  bool int_scales;         // multipliers of a channel scale (pack_panels_int), not fp16 block scales
+  int64_t block_bytes, panel_bytes;
 };
 
 #if defined(__F16C__)
@@ -128,6 +146,146 @@ void micro(const Problem& p, int64_t row0, int64_t panel0) {
                             _mm512_mul_ps(acc[r][q], _mm512_set1_ps(p.x_scale[row0 + r])));
   }
 }
+
+// Integer scales: a block's sums less 8·Σx_q times its multipliers, added in int32 (the sum fits int16: 32·127·8,
+// so vpmaddwd against m in the low half of each lane is the product in one instruction); the float work once a row.
+template <int R, int P>
+void micro_int(const Problem& p, int64_t row0, int64_t panel0) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512i acc[R][P];
+  for (int r = 0; r < R; ++r)
+    for (int q = 0; q < P; ++q) acc[r][q] = _mm512_setzero_si512();
+  const bool ahead = first_rows(row0);
+  for (int64_t b = 0; b < p.blocks; ++b) {
+    __m512i t[R][P];
+    for (int r = 0; r < R; ++r)
+      for (int q = 0; q < P; ++q) t[r][q] = _mm512_setzero_si512();
+    const uint8_t* block[P];
+    for (int q = 0; q < P; ++q) {
+      block[q] = p.w + (panel0 + q) * p.panel_bytes + b * kIntBlockBytes;
+      if (ahead) qs_stream_ahead(block[q], kIntBlockBytes);
+    }
+    for (int c = 0; c < 4; ++c) {
+      __m512i lo[P], hi[P];
+      for (int q = 0; q < P; ++q) {
+        const __m512i v = _mm512_loadu_si512(block[q] + c * 64);
+        lo[q] = _mm512_and_si512(v, low);
+        hi[q] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      }
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xr = p.xq + (row0 + r) * p.k + b * kBlock + 8 * c;
+        int32_t first, second;
+        std::memcpy(&first, xr, 4);
+        std::memcpy(&second, xr + 4, 4);
+        const __m512i x0 = _mm512_set1_epi32(first), x1 = _mm512_set1_epi32(second);
+        for (int q = 0; q < P; ++q) t[r][q] = dot4(dot4(t[r][q], lo[q], x0), hi[q], x1);
+      }
+    }
+    __m512i mult[P];
+    for (int q = 0; q < P; ++q)
+      mult[q] = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block[q] + 256)));
+    for (int r = 0; r < R; ++r) {
+      const __m512i corr = _mm512_set1_epi32(p.xsum8[(row0 + r) * p.blocks + b]);
+      for (int q = 0; q < P; ++q)
+        acc[r][q] = _mm512_add_epi32(acc[r][q], _mm512_madd_epi16(_mm512_sub_epi32(t[r][q], corr), mult[q]));
+    }
+  }
+  for (int q = 0; q < P; ++q) {
+    const int64_t col0 = (panel0 + q) * kPanel, valid = std::min<int64_t>(kPanel, p.n - col0);
+    const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
+    const __m512 scale = _mm512_loadu_ps(reinterpret_cast<const float*>(p.w + (panel0 + q) * p.panel_bytes +
+                                                                        p.blocks * kIntBlockBytes));
+    for (int r = 0; r < R; ++r)
+      _mm512_mask_storeu_ps(p.y + (row0 + r) * p.n + col0, mask,
+                            _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(acc[r][q]), scale),
+                                          _mm512_set1_ps(p.x_scale[row0 + r])));
+  }
+}
+
+// Integer scales on AMX tiles: a task's two panels at a time unpacked once into a thread-local copy of int8
+// weights (u − 8)·m in the [k/4][channel][4] rows TDPBSSD reads (two blocks a 64-byte step; an odd last block
+// padded with zero weights), then 32 rows at a time: two row tiles × two panels in four C tiles over all of K,
+// one store, and the vector kernel's float finish. The integer sum is the vector kernel's exactly.
+struct TileKernelInt {
+  static constexpr int64_t kCallRows = kRowBlock, kCallPanels = 2;
+
+  // C 0–3: rows 0–15 | 16–31 × panel 0 | 1; A 4, 5: rows 0–15 | 16–31 of x; B 6, 7: panel 0 | 1
+  static QsTileConfig config() {
+    QsTileConfig c;
+    for (int t = 0; t < 8; ++t) c.tile(t, 16, 64);
+    return c;
+  }
+
+  // (u − 8)·m of one block (32 k × 16 channels) into 8 rows of 64 bytes
+  static void unpack_block(const uint8_t* block, int8_t* out) {
+    const __m512i low = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
+    alignas(64) int16_t m16[32];
+    for (int i = 0; i < 32; ++i) m16[i] = block[256 + i / 2];           // bytes 2i, 2i + 1: channel i / 2
+    const __m512i m = _mm512_load_si512(m16);
+    const __mmask64 odd = 0xAAAAAAAAAAAAAAAAull;
+    auto times_m = [&](__m512i v) {            // bytes × m, each product within int8 (mod 256 is exact)
+      const __m512i even = _mm512_mullo_epi16(v, m);
+      const __m512i high = _mm512_slli_epi16(_mm512_mullo_epi16(_mm512_srai_epi16(v, 8), m), 8);
+      return _mm512_mask_blend_epi8(odd, even, high);
+    };
+    for (int c = 0; c < 4; ++c) {
+      const __m512i v = _mm512_loadu_si512(block + c * 64);
+      _mm512_storeu_si512(out + 2 * c * 64, times_m(_mm512_sub_epi8(_mm512_and_si512(v, low), eight)));
+      _mm512_storeu_si512(out + (2 * c + 1) * 64,
+                          times_m(_mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(v, 4), low), eight)));
+    }
+  }
+
+  template <class Tiles>
+  static void run(const Problem& p, int64_t row_begin, int nr, int64_t panel0, int np) {
+    const int64_t steps = (p.blocks + 1) / 2, panel_stride = steps * 16 * 64;
+    thread_local std::vector<int8_t> unpacked_storage;
+    unpacked_storage.assign(static_cast<size_t>(2 * panel_stride), int8_t{0});
+    int8_t* unpacked = unpacked_storage.data();
+    for (int q = 0; q < np; ++q)
+      for (int64_t b = 0; b < p.blocks; ++b)
+        unpack_block(p.w + (panel0 + q) * p.panel_bytes + b * kIntBlockBytes, unpacked + q * panel_stride + b * 8 * 64);
+    for (int64_t row0 = row_begin; row0 < row_begin + nr; row0 += 32) {
+      const int8_t* a = p.xq + row0 * p.k;
+      const bool two_rows = row0 + 16 < row_begin + nr;
+      Tiles::template zero<0>();
+      Tiles::template zero<1>();
+      Tiles::template zero<2>();
+      Tiles::template zero<3>();
+      for (int64_t s = 0; s < steps; ++s) {
+        Tiles::template load<4>(a + s * 64, p.k);
+        Tiles::template load<6>(unpacked + s * 16 * 64, 64);
+        Tiles::template dot_ss<0, 4, 6>();
+        if (np > 1) {
+          Tiles::template load<7>(unpacked + panel_stride + s * 16 * 64, 64);
+          Tiles::template dot_ss<1, 4, 7>();
+        }
+        if (two_rows) {
+          Tiles::template load<5>(a + 16 * p.k + s * 64, p.k);
+          Tiles::template dot_ss<2, 5, 6>();
+          if (np > 1) Tiles::template dot_ss<3, 5, 7>();
+        }
+      }
+      alignas(64) int32_t acc[32][32];
+      Tiles::template store<0>(&acc[0][0], sizeof(acc[0]));
+      Tiles::template store<1>(&acc[0][16], sizeof(acc[0]));
+      Tiles::template store<2>(&acc[16][0], sizeof(acc[0]));
+      Tiles::template store<3>(&acc[16][16], sizeof(acc[0]));
+      const int rows_here = static_cast<int>(std::min<int64_t>(32, row_begin + nr - row0));
+      for (int q = 0; q < np; ++q) {          // the vector kernel's finish, operation for operation
+        const int64_t col0 = (panel0 + q) * kPanel, valid = std::min<int64_t>(kPanel, p.n - col0);
+        const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
+        const __m512 scale = _mm512_loadu_ps(reinterpret_cast<const float*>(p.w + (panel0 + q) * p.panel_bytes +
+                                                                            p.blocks * kIntBlockBytes));
+        for (int r = 0; r < rows_here; ++r)
+          _mm512_mask_storeu_ps(p.y + (row0 + r) * p.n + col0, mask,
+                                _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(&acc[r][16 * q])),
+                                                            scale),
+                                              _mm512_set1_ps(p.x_scale[row0 + r])));
+      }
+    }
+  }
+};
 
 // On AMX tiles (tiles.h): every block (32 k) has its own scales, so a tile step is one block and its sums leave the
 // tiles for the float epilogue — a conversion and a multiply-add per block, row and channel, the vector kernel's —
@@ -233,6 +391,30 @@ struct TileKernel {
 #else
 constexpr int kRows = 1, kPanels = 1;
 
+// Integer scales, one row and panel: the AVX-512 kernel's integers and float finish.
+inline void micro_int_row(const Problem& p, int64_t row, int64_t panel) {
+  const uint8_t* w = p.w + panel * p.panel_bytes;
+  const int8_t* x = p.xq + row * p.k;
+  int32_t acc[kPanel] = {};
+  for (int64_t b = 0; b < p.blocks; ++b, w += kIntBlockBytes) {
+    int32_t t[kPanel] = {};
+    for (int c = 0; c < 4; ++c)
+      for (int ch = 0; ch < kPanel; ++ch)
+        for (int j = 0; j < 4; ++j) {
+          const uint8_t byte = w[c * 64 + ch * 4 + j];
+          t[ch] += int32_t{static_cast<uint8_t>(byte & 0x0F)} * x[b * kBlock + 8 * c + j] +
+                   int32_t{static_cast<uint8_t>(byte >> 4)} * x[b * kBlock + 8 * c + 4 + j];
+        }
+    for (int ch = 0; ch < kPanel; ++ch) acc[ch] += (t[ch] - p.xsum8[row * p.blocks + b]) * int32_t{w[256 + ch]};
+  }
+  const int64_t col0 = panel * kPanel, valid = std::min<int64_t>(kPanel, p.n - col0);
+  for (int64_t ch = 0; ch < valid; ++ch) {
+    float scale;
+    std::memcpy(&scale, p.w + panel * p.panel_bytes + p.blocks * kIntBlockBytes + 4 * ch, 4);
+    p.y[row * p.n + col0 + ch] = static_cast<float>(acc[ch]) * scale * p.x_scale[row];
+  }
+}
+
 // Portable (and AVX2 through the compiler's vectoriser): the same integer sums and the same float operations in
 // the same order as the AVX-512 kernel (one fused multiply-add per block), so results agree across machines too.
 template <int R, int P>
@@ -243,6 +425,10 @@ void micro(const Problem& p, int64_t row0, int64_t panel0) {
       const uint8_t* w = p.w + (panel0 + q) * panel_bytes;
       const int8_t* x = p.xq + (row0 + r) * p.k;
       float acc[kPanel] = {};
+      if (p.int_scales) {
+        micro_int_row(p, row0 + r, panel0 + q);
+        continue;
+      }
       for (int64_t b = 0; b < p.blocks; ++b, w += kBlockBytes) {
         int32_t t[kPanel] = {};
         for (int c = 0; c < 4; ++c)
@@ -266,7 +452,12 @@ void micro(const Problem& p, int64_t row0, int64_t panel0) {
 
 template <int R, int P>
 struct Micro {
-  static void run(const Problem& p, int64_t row0, int64_t panel0) { micro<R, P>(p, row0, panel0); }
+  static void run(const Problem& p, int64_t row0, int64_t panel0) {
+#if defined(__AVX512BW__)
+    if (p.int_scales) return micro_int<R, P>(p, row0, panel0);
+#endif
+    micro<R, P>(p, row0, panel0);
+  }
 };
 
 // Row → int8 on max|x|/127: qs_quantize_row's values (zero point 128) flipped to signed in place, and 8 × each
@@ -286,13 +477,28 @@ void quantize(const Problem& p, int64_t row) {
   }
 }
 
+// The optional attribute int_scales (absent in engines built before it: 0): which of the two packings the weight has.
+inline bool int_scales_of(const OrtKernelInfo* info, const char* op) {
+  Ort::ConstKernelInfo ki(info);
+  int64_t value = 0;
+  try {
+    value = ki.GetAttribute<int64_t>("int_scales");
+  } catch (const Ort::Exception&) {
+    value = 0;
+  }
+  if (value != 0 && value != 1) throw std::invalid_argument(std::string(op) + ": int_scales must be 0 or 1");
+  return value == 1;
+}
+
 struct Int4MatMulKernel {
   int64_t k, n;
+  bool int_scales;
   QsPrologue prologue;
 
   Int4MatMulKernel(const OrtApi&, const OrtKernelInfo* info)
       : k(Ort::ConstKernelInfo(info).GetAttribute<int64_t>("K")),
         n(Ort::ConstKernelInfo(info).GetAttribute<int64_t>("N")),
+        int_scales(int_scales_of(info, "qs.Int4MatMul")),
         prologue(Ort::ConstKernelInfo(info), k, "qs.Int4MatMul") {
     if (k <= 0 || n <= 0 || k % kBlock)
       throw std::invalid_argument("qs.Int4MatMul: K must be a positive multiple of 32 and N positive");
@@ -307,9 +513,15 @@ struct Int4MatMulKernel {
     p.n = n;
     p.blocks = k / kBlock;
     p.panels = (n + kPanel - 1) / kPanel;
+    p.int_scales = int_scales;
+    p.block_bytes = int_scales ? kIntBlockBytes : kBlockBytes;
+    p.panel_bytes = panel_bytes_of(p.blocks, int_scales);
     auto w = ctx.GetInput(1);
-    if (w.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(p.panels * p.blocks * kBlockBytes))
-      throw std::invalid_argument("qs.Int4MatMul: the packed weight must hold ceil(N/16) panels of K/32 blocks of 288 bytes");
+    if (w.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(p.panels * p.panel_bytes))
+      throw std::invalid_argument(int_scales ? "qs.Int4MatMul: the packed weight must hold ceil(N/16) panels of K/32 "
+                                               "blocks of 272 bytes and 16 float scales"
+                                             : "qs.Int4MatMul: the packed weight must hold ceil(N/16) panels of K/32 "
+                                               "blocks of 288 bytes");
     const float* bias = qs_bias_input(ctx, 2, n, "qs.Int4MatMul");
     p.y = output_rows(ctx, shape, n, &p.m);
     if (p.m == 0) return;
@@ -320,7 +532,7 @@ struct Int4MatMulKernel {
     thread_local std::vector<int8_t> xq;
     thread_local std::vector<int32_t> xsum8;
     thread_local std::vector<float> x_scale;
-    xq.resize(static_cast<size_t>(rows * p.k));
+    xq.resize(static_cast<size_t>(rows * p.k + 64));    // (a tile step of 64 k past an odd last block: × zero)
     std::fill(xq.begin() + p.m * p.k, xq.end(), int8_t{0});
     xsum8.resize(static_cast<size_t>(p.m * p.blocks));
     x_scale.resize(static_cast<size_t>(p.m));
@@ -331,6 +543,8 @@ struct Int4MatMulKernel {
     if (tiles == QsTiles::kOff)
       PanelGemm<Problem, Micro, kRows, kPanels>::run(ctx, p, p.m, p.n, 2 * kPanels);
 #if defined(__AVX512BW__)           // (elsewhere the mode is always off: tiles.cpp)
+    else if (p.int_scales)
+      TileGemm<Problem, TileKernelInt>::run(ctx, tiles, p, p.m, p.n, 2 * kPanels);
     else
       TileGemm<Problem, TileKernel>::run(ctx, tiles, p, p.m, p.n, 2 * kPanels);
 #endif
@@ -361,13 +575,16 @@ struct Int4MatMulOp : Ort::CustomOpBase<Int4MatMulOp, Int4MatMulKernel> {
 // qs.Int4Gather: rows of a table packed for qs.Int4MatMul (pack_panels of the table transposed: K = H, N = V), so
 // a tied int4 embedding is stored once for the lookup and the LM head:
 //     ids [...] int64, packed uint8 [ceil(V/16), H/32 · 288]  →  out [..., H] float,  out[..., h] = float(u − 8) · s
+// (with int_scales: [ceil(V/16), H/32 · 272 + 64], out[..., h] = float((u − 8) · m) · S)
 struct Int4GatherKernel {
   int64_t k, vocab;
+  bool int_scales;
 
   Int4GatherKernel(const OrtApi&, const OrtKernelInfo* info) {
     Ort::ConstKernelInfo ki(info);
     k = ki.GetAttribute<int64_t>("K");
     vocab = ki.GetAttribute<int64_t>("N");
+    int_scales = int_scales_of(info, "qs.Int4Gather");
     if (k <= 0 || k % kBlock || vocab <= 0)
       throw std::invalid_argument("qs.Int4Gather: K must be a positive multiple of 32 and N positive");
   }
@@ -376,7 +593,8 @@ struct Int4GatherKernel {
     Ort::KernelContext ctx(context);
     auto ids = ctx.GetInput(0);
     auto packed = ctx.GetInput(1);
-    const int64_t blocks = k / kBlock, panel_bytes = blocks * kBlockBytes;
+    const int64_t blocks = k / kBlock, panel_bytes = panel_bytes_of(blocks, int_scales);
+    const int64_t block_bytes = int_scales ? kIntBlockBytes : kBlockBytes;
     if (packed.GetTensorTypeAndShapeInfo().GetElementCount() !=
         static_cast<size_t>((vocab + kPanel - 1) / kPanel * panel_bytes))
       throw std::invalid_argument("qs.Int4Gather: the packed table must hold ceil(N/16) panels of K/32 blocks");
@@ -391,15 +609,24 @@ struct Int4GatherKernel {
       if (t < 0 || t >= vocab)
         throw std::out_of_range("qs.Int4Gather: token id " + std::to_string(t) + " outside the vocabulary");
       const int64_t ch = t % kPanel;
+      const uint8_t* panel = table + (t / kPanel) * panel_bytes;
+      float channel_scale = 0.0f;
+      if (int_scales) std::memcpy(&channel_scale, panel + blocks * kIntBlockBytes + 4 * ch, 4);
       for (int64_t b = 0; b < blocks; ++b) {
-        const uint8_t* block = table + (t / kPanel) * panel_bytes + b * kBlockBytes;
-        uint16_t h;
-        std::memcpy(&h, block + 256 + 2 * ch, 2);
-        const float s = half_to_float(h);
+        const uint8_t* block = panel + b * block_bytes;
+        float s = channel_scale;
+        int m = 1;
+        if (int_scales) {
+          m = block[256 + ch];
+        } else {
+          uint16_t h;
+          std::memcpy(&h, block + 256 + 2 * ch, 2);
+          s = half_to_float(h);
+        }
         for (int64_t kk = 0; kk < kBlock; ++kk) {      // k = 8c + 4·nibble + j
           const uint8_t byte = block[(kk / 8) * 64 + ch * 4 + kk % 4];
           const int u = (kk % 8) < 4 ? (byte & 0x0F) : (byte >> 4);
-          out[b * kBlock + kk] = static_cast<float>(u - 8) * s;
+          out[b * kBlock + kk] = static_cast<float>((u - 8) * m) * s;
         }
       }
     }

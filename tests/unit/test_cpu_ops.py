@@ -469,31 +469,45 @@ def test_pack_panels_layout():
     assert np.array_equal(zsum, 128 * q.astype(np.int32).sum(axis=0))
 
 
-def int4_session(k: int, n: int, packed: np.ndarray, threads: int = 2) -> ort.InferenceSession:
+def int4_session(k: int, n: int, packed: np.ndarray, threads: int = 2, int_scales: bool = False) -> ort.InferenceSession:
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", k])
-    return _session([helper.make_node("Int4MatMul", ["x", "w"], ["y"], domain=cpu_ops.DOMAIN, K=k, N=n)],
+    return _session([helper.make_node("Int4MatMul", ["x", "w"], ["y"], domain=cpu_ops.DOMAIN, K=k, N=n,
+                                      **({"int_scales": 1} if int_scales else {}))],
                     [numpy_helper.from_array(packed, "w")], [x], threads)
+
+
+def int4_pack(w: np.ndarray, int_scales: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(qs.Int4MatMul's packed weight, its dequantized values float32 [K, N]) in either packing."""
+    k, n = w.shape
+    if int_scales:
+        packed = int4.pack_panels_int(w)
+        return packed, int4.unpack_panels_int(packed, k, n)
+    packed = int4.pack_panels(w)
+    return packed, int4.unpack_panels(packed, k, n)
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(k=st.sampled_from([32, 64, 576, 1536]), n=st.sampled_from([1, 15, 16, 17, 33, 300]),
        rows=st.sampled_from([1, 2, 3, 4, 5, 9, 127, 128, 129]), threads=st.sampled_from([1, 2]),
-       seed=st.integers(0, 2**31))
-def test_int4_matmul_matches_float64_truth_and_is_row_invariant(k, n, rows, threads, seed):
-    """The op computes x_q @ dequantized(W) · a (x_q: the row's int8 activations, exact sums per block of 32, one
-    fp32 multiply-add per block): within float32 rounding of float64 truth; and every row's bits are the same
-    alone as among the others (row counts across the 4-row micro-kernel and the 128-row task blocks)."""
+       int_scales=st.booleans(), seed=st.integers(0, 2**31))
+def test_int4_matmul_matches_float64_truth_and_is_row_invariant(k, n, rows, threads, int_scales, seed):
+    """The op computes x_q @ dequantized(W) · a (x_q: the row's int8 activations; fp16 block scales: exact sums per
+    block of 32, one fp32 multiply-add per block; integer scales: one exact sum over K, then the channel scale):
+    within float32 rounding of float64 truth; and every row's bits are the same alone as among the others (row
+    counts across the 4-row micro-kernel and the 128-row task blocks)."""
     rng = np.random.default_rng(seed)
     w = rng.standard_normal((k, n)).astype(np.float32)
     w[:, 0] = 0                                           # an all-zero channel (scale 1, u = 8)
-    packed = int4.pack_panels(w)
-    session = int4_session(k, n, packed, threads)
+    if k > 32 and n > 1:
+        w[:32, 1] *= 1e-3                                 # a block far below its channel's largest: multiplier 1
+    packed, dequantized = int4_pack(w, int_scales)
+    session = int4_session(k, n, packed, threads, int_scales)
     x = (rng.standard_normal((rows, k)) * rng.random((rows, 1)) * 10).astype(np.float32)
     got = session.run(None, {"x": x})[0]
     a = np.abs(x).max(axis=1, keepdims=True) * np.float32(1 / 127)
     xq = np.clip(np.rint(x / a), -127, 127).astype(np.float64)
-    want = (xq @ int4.unpack_panels(packed, k, n).astype(np.float64)) * a
-    scale = np.abs(xq).sum(axis=1, keepdims=True) @ np.abs(int4.unpack_panels(packed, k, n)).max(axis=0, keepdims=True) * a
+    want = (xq @ dequantized.astype(np.float64)) * a
+    scale = np.abs(xq).sum(axis=1, keepdims=True) @ np.abs(dequantized).max(axis=0, keepdims=True) * a
     assert got.shape == (rows, n)
     assert (np.abs(got - want) <= 1e-6 * scale + 1e-30).all()
     assert not got[:, 0].any()
@@ -515,17 +529,38 @@ def test_int4_pack_panels_round_trip_and_error_bound():
         int4.pack_panels(np.ones((40, 4), np.float32))
 
 
+def test_int4_pack_panels_int_round_trip_and_error_bound():
+    """Integer scales: each block's step is m · S with m the smallest multiplier in 1..16 that holds the block
+    (S = the channel's max / (7 · 16)), values within half a step; unpack inverts pack."""
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((96, 20)).astype(np.float32)
+    w[32:64, 3] *= 1e-4                                                        # a tiny block: m = 1
+    w[:, 5] = 0
+    packed = int4.pack_panels_int(w)
+    assert packed.shape == (2, 3 * int4.INT_BLOCK_BYTES + 64) and packed.dtype == np.uint8
+    back = int4.unpack_panels_int(packed, 96, 20)
+    absmax = np.abs(w.reshape(3, 32, 20)).max(axis=1)                         # [blocks, N]
+    top = np.where(absmax.max(axis=0) > 0, absmax.max(axis=0), 112.0)
+    m = np.clip(np.ceil(absmax / (top / 16) - 1e-6), 1, 16)
+    assert m[1, 3] == 1 and (np.delete(m.max(axis=0), 5) == 16).all()
+    step = m * top / 112
+    assert (np.abs(back - w) <= np.repeat(step, 32, axis=0) * 0.5 * (1 + 1e-3)).all()
+    assert not back[:, 5].any()
+
+
+@pytest.mark.parametrize("int_scales", [False, True])
 @pytest.mark.parametrize("vocab,hidden", [(100, 64), (16, 32), (33, 96)])
-def test_int4_gather_reads_the_head_table_rows(vocab, hidden):
+def test_int4_gather_reads_the_head_table_rows(vocab, hidden, int_scales):
     rng = np.random.default_rng(vocab)
     table = rng.standard_normal((vocab, hidden)).astype(np.float32)
-    packed = int4.pack_panels(np.ascontiguousarray(table.T))
+    packed, dequantized = int4_pack(np.ascontiguousarray(table.T), int_scales)
     ids = helper.make_tensor_value_info("ids", TensorProto.INT64, ["B", "S"])
-    s = _session([helper.make_node("Int4Gather", ["ids", "t"], ["y"], domain=cpu_ops.DOMAIN, K=hidden, N=vocab)],
+    s = _session([helper.make_node("Int4Gather", ["ids", "t"], ["y"], domain=cpu_ops.DOMAIN, K=hidden, N=vocab,
+                                   **({"int_scales": 1} if int_scales else {}))],
                  [numpy_helper.from_array(packed, "t")], [ids])
     tokens = rng.integers(0, vocab, (2, 7))
     tokens[0, :2] = [0, vocab - 1]
-    want = int4.unpack_panels(packed, hidden, vocab).T[tokens]
+    want = dequantized.T[tokens]
     assert np.array_equal(s.run(None, {"ids": tokens})[0], want)
     with pytest.raises(Exception, match="outside the vocabulary"):
         s.run(None, {"ids": np.array([[vocab]], np.int64)})

@@ -95,22 +95,25 @@ def test_int8_matmul_on_tiles_is_the_vector_kernel_bit_for_bit(mode, k, n, rows,
 
 @needs_tile_build
 @pytest.mark.parametrize("mode", TILE_MODES)
+@pytest.mark.parametrize("int_scales", [False, True])
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(k=st.sampled_from([32, 64, 96, 128, 160, 576]), n=st.sampled_from([1, 15, 17, 33, 100]),
        rows=st.sampled_from([15, 16, 31, 32, 33, 47, 64, 129, 160]), threads=st.sampled_from([1, 2]),
        seed=st.integers(0, 2**31))
-def test_int4_matmul_on_tiles_is_the_vector_kernel_bit_for_bit(mode, k, n, rows, threads, seed):
-    """One block (32 k) a tile step with its own scales: K of one to five and eighteen blocks (odd and even counts of
-    the kernel's block pairs), the rest as for int8; weights at both ends of the nibble range (u = 0 and 15) and an
-    all-zero channel."""
+def test_int4_matmul_on_tiles_is_the_vector_kernel_bit_for_bit(mode, int_scales, k, n, rows, threads, seed):
+    """fp16 block scales: one block (32 k) a tile step with its own scales; integer ones: two blocks a step into one
+    accumulator over all of K (an odd last block padded). K of one to five and eighteen blocks (odd and even counts
+    of the kernels' block pairs), the rest as for int8; weights at both ends of the nibble range (u = 0 and 15, and
+    multipliers 16 and 1) and an all-zero channel."""
     rng = np.random.default_rng(seed)
     w = rng.standard_normal((k, n)).astype(np.float32)
     w[:, 0] = 0
     w[0, :] = np.abs(w).max() * 4                      # u = 15 in the first block, the others pushed toward 8
     if n > 1:
         w[1, 1:] = -np.abs(w).max()                    # u = 0
-    packed = int4.pack_panels(w)
-    session = _session(helper.make_node("Int4MatMul", ["x", "w"], ["y"], domain=cpu_ops.DOMAIN, K=k, N=n),
+    packed = int4.pack_panels_int(w) if int_scales else int4.pack_panels(w)
+    session = _session(helper.make_node("Int4MatMul", ["x", "w"], ["y"], domain=cpu_ops.DOMAIN, K=k, N=n,
+                                        int_scales=int(int_scales)),
                        [numpy_helper.from_array(packed, "w")], k, threads)
     x = (rng.standard_normal((rows, k)) * rng.random((rows, 1)) * 10).astype(np.float32)
     _tiles_against_vectors(session, x, mode, min_rows=32)      # int4: two row tiles or none
