@@ -110,7 +110,7 @@ void micro(const Problem& p, int64_t row0, int64_t panel0) {
 // zero point 128); a tile of the weight is a panel's 64 k as packed — [16 (k/4)][16 channels][4 k] is the layout
 // TDPBUSD reads — so the sums are the vector kernel's exact int32 sums, finished by the same vector code.
 struct TileKernel {
-  static constexpr int64_t kCallRows = 32, kCallPanels = 2;
+  static constexpr int64_t kTaskRows = kRowBlock, kCallRows = 32, kCallPanels = 2;
   // C 0–3: rows 0–15 | 16–31 × panel 0 | 1 (16 × 16 int32); A 4, 5: x rows 0–15 | 16–31; B 6, 7: panel 0 | 1
   static QsTileConfig config() {
     QsTileConfig c;

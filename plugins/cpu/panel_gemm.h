@@ -49,14 +49,16 @@ void for_each_row(Ort::KernelContext& ctx, const Problem& problem, int64_t rows)
     ctx.ParallelFor(task, tasks, 0, &job);
 }
 
-// The tasks of a product: (a group of panels, a block of up to kRowBlock rows), group-major. Groups start at
-// group_panels panels and halve until there are tasks enough to keep every thread streaming at batch 1.
+// The tasks of a product: (a group of panels, a block of up to row_block rows: kRowBlock unless a tile kernel asks
+// for more), group-major. Groups start at group_panels panels and halve until there are tasks enough to keep every
+// thread streaming at batch 1.
 struct PanelTasks {
   static constexpr int64_t kPanel = 16;
-  int64_t m, panels, group, row_blocks, groups;
+  int64_t m, panels, group, row_block, row_blocks, groups;
 
-  PanelTasks(int64_t rows, int64_t n, int64_t group_panels)
-      : m(rows), panels((n + kPanel - 1) / kPanel), group(group_panels), row_blocks((rows + kRowBlock - 1) / kRowBlock) {
+  PanelTasks(int64_t rows, int64_t n, int64_t group_panels, int64_t rows_per_block = kRowBlock)
+      : m(rows), panels((n + kPanel - 1) / kPanel), group(group_panels), row_block(rows_per_block),
+        row_blocks((rows + rows_per_block - 1) / rows_per_block) {
     while (group > 1 && row_blocks * ((panels + group - 1) / group) < 8) group /= 2;
     groups = (panels + group - 1) / group;
   }
@@ -64,8 +66,8 @@ struct PanelTasks {
   // task → rows [row_begin, row_end) and panels [panel_begin, panel_end)
   void bounds(size_t index, int64_t* row_begin, int64_t* row_end, int64_t* panel_begin, int64_t* panel_end) const {
     const int64_t g = static_cast<int64_t>(index) / row_blocks, block = static_cast<int64_t>(index) % row_blocks;
-    *row_begin = block * kRowBlock;
-    *row_end = std::min(m, (block + 1) * kRowBlock);
+    *row_begin = block * row_block;
+    *row_end = std::min(m, (block + 1) * row_block);
     *panel_begin = g * group;
     *panel_end = std::min(panels, (g + 1) * group);
   }
@@ -119,16 +121,16 @@ class PanelGemm {
 constexpr int64_t kTileCallRows = 32;
 
 #if defined(__x86_64__)
-// The same tasks on AMX tiles, hardware or emulated (tiles.h): Kernel::config() once per task (the tile registers
-// are per thread), then Kernel::run(problem, first row, rows ≤ Kernel::kCallRows, first panel, panels ≤
-// Kernel::kCallPanels) over the task, then the tiles released.
+// The same tasks on AMX tiles, hardware or emulated (tiles.h), of Kernel::kTaskRows rows: Kernel::config() once per
+// task (the tile registers are per thread), then Kernel::run(problem, first row, rows ≤ Kernel::kCallRows, first
+// panel, panels ≤ Kernel::kCallPanels) over the task, then the tiles released.
 template <class Problem, class Kernel>
 class TileGemm {
  public:
   static void run(Ort::KernelContext& ctx, QsTiles mode, const Problem& problem, int64_t m, int64_t n,
                   int64_t group_panels) {
     qs_count_tile_product();
-    Job job{&problem, PanelTasks(m, n, group_panels)};
+    Job job{&problem, PanelTasks(m, n, group_panels, Kernel::kTaskRows)};
     ctx.ParallelFor(mode == QsTiles::kHardware ? task<HardwareTiles> : task<EmulatedTiles>, job.tasks.count(), 0,
                     &job);
   }
