@@ -81,14 +81,6 @@ class SkipNorm:
         return f"{self.name}/residual"
 
 
-def swiglu_epilogue(ctx: Ctx) -> bool:
-    """Whether the MLP's gate | up product computes silu(gate) · up itself (qs.Int4MatMul's epilogue, integer scales
-    only) rather than the down projection reading both halves back: a 445-token prompt on the Qwen2.5-1.5B shape
-    wrote, then read back, 32 MB a layer for the 2F-wide product (a third of that product's time on tiles)."""
-    return (linears_fold(ctx) and ctx.precision == "int4" and ctx.int4_int_scales
-            and ctx.spec.intermediate_size % 16 == 0)
-
-
 def linears_fold(ctx: Ctx) -> bool:
     """Whether this graph's linears take in the small ops around them (norm, SwiGLU, bias): always with qs.Int4MatMul
     and qs.Int8MatMul; a test turns it off to build the graph they replace."""
@@ -114,22 +106,20 @@ def normed(ctx: Ctx, x: str | SkipNorm) -> str:
     return ctx.shared[x.name]
 
 
-def folded_linear(ctx: Ctx, x: str | SkipNorm, w: np.ndarray, bias: str, name: str, swiglu: bool = False,
-                  swiglu_after: bool = False) -> str:
+def folded_linear(ctx: Ctx, x: str | SkipNorm, w: np.ndarray, bias: str, name: str, swiglu: bool = False) -> str:
     """x @ w ([K, N]) in one qs.Int4MatMul or qs.Int8MatMul with what it folds in (plugins/cpu/prologues.cpp, each
     bitwise the op it replaces): the bias; a pending skip RMS norm (x a SkipNorm: the op also writes its residual)
-    or, with `swiglu`, silu(gate) · up of x [..., 2K] as its prologue; with `swiglu_after` (w: gate | up), silu(gate)
-    · up of its product as its epilogue (`swiglu_epilogue`). At batch 1 every op's dispatch cost more than its
-    arithmetic: qwen2.5-0.5b's int4 graph went from 221 nodes to 126."""
+    or, with `swiglu`, silu(gate) · up of x [..., 2K] as its prologue. At batch 1 every op's dispatch cost more than
+    its arithmetic: qwen2.5-0.5b's int4 graph went from 221 nodes to 126."""
     (k, n), (bits, weights) = w.shape, packed_weights(ctx, w, name)
-    inputs, outputs, attrs = [x, *weights, bias], None, ({"epilogue": 1} if swiglu_after else {})
+    inputs, outputs, attrs = [x, *weights, bias], None, {}
     if isinstance(x, SkipNorm):
         _read_by(ctx, x, name)
         inputs = [x.x, *weights, bias, x.skip, x.gamma]
         outputs = [f"{name}/Int{bits}MatMul/output_0", x.residual]
-        attrs.update(prologue=2, epsilon=float(ctx.spec.rms_norm_eps))
+        attrs = dict(prologue=2, epsilon=float(ctx.spec.rms_norm_eps))
     elif swiglu:
-        attrs.update(prologue=1)
+        attrs = dict(prologue=1)
     while inputs[-1] == "":
         inputs.pop()
     return ctx.b.node(f"Int{bits}MatMul", inputs, f"{name}/Int{bits}MatMul", domain=QS_DOMAIN, outputs=outputs, K=k,
@@ -169,7 +159,7 @@ def panel_matmul(ctx: Ctx, x: str, bits: int, weights: list[str], k: int, n: int
 
 
 def linear(ctx: Ctx, x: str | SkipNorm, weight: np.ndarray, bias: np.ndarray | None, name: str,
-           swiglu: bool = False, swiglu_after: bool = False) -> str:
+           swiglu: bool = False) -> str:
     """x @ weight.T (+ bias).   x: [..., in]   weight: [out, in] (HF layout)   → [..., out]
 
     fp32/fp16: MatMul.  int8: `row_quantized_matmul` (per-channel int8 weight, activations quantized per row,
@@ -182,8 +172,8 @@ def linear(ctx: Ctx, x: str | SkipNorm, weight: np.ndarray, bias: np.ndarray | N
     b, w = ctx.b, np.asarray(weight, np.float32).T          # [K, N]
     bias_name = ctx.float_weight(f"{name}.bias", bias) if bias is not None else ""
     if linears_fold(ctx):
-        return folded_linear(ctx, x, w, bias_name, name, swiglu, swiglu_after)
-    assert not (swiglu or swiglu_after), "only our ops compute SwiGLU as a linear's prologue or epilogue"
+        return folded_linear(ctx, x, w, bias_name, name, swiglu)
+    assert not swiglu, "only our ops compute SwiGLU as a linear's prologue"
     x = normed(ctx, x)
     if ctx.precision == "int8" and ctx.target == "tensorrt":      # weight-only Q/DQ: TensorRT fuses it into the GEMM
         q, scale = int8.quantize(w)
@@ -380,10 +370,6 @@ def mlp(ctx: Ctx, x: str, w: dict[str, np.ndarray], layer: int) -> str:
     the middle is one qs.SwiGLU (plugins/cpu/swiglu.cpp) instead of four ops, or none where the down projection
     computes it (`folded_linear`)."""
     name, ffn = f"/model/layers.{layer}/mlp", ctx.spec.intermediate_size
-    if swiglu_epilogue(ctx):          # silu(gate) · up computed by the gate | up product as its epilogue
-        act = linear(ctx, x, np.concatenate([w["gate_proj.weight"], w["up_proj.weight"]], axis=0), None,
-                     f"{name}/gate_up_proj", swiglu_after=True)
-        return linear(ctx, act, w["down_proj.weight"], None, f"{name}/down_proj")
     gate_up = linear(ctx, x, np.concatenate([w["gate_proj.weight"], w["up_proj.weight"]], axis=0), None,
                      f"{name}/gate_up_proj")
     if linears_fold(ctx):             # silu(gate) · up computed by the down projection as its prologue

@@ -64,26 +64,7 @@ struct Problem {
   int64_t m, k, n, blocks, panels;
   bool int_scales;         // multipliers of a channel scale (pack_panels_int), not fp16 block scales
   int64_t block_bytes, panel_bytes;
-  // SwiGLU epilogue (integer scales): the weight's n = 2F channels are gate | up, y [M, F] = silu(gate) · up; output
-  // panel j takes weight panels j and j + up_panel. Otherwise n_out = n and up_panel = 0.
-  bool swiglu;
-  int64_t n_out, up_panel;
 };
-
-// y's row `row`, output panel `panel`: 16 finished products, or silu(gate) · up of two (the epilogue), stored.
-inline void store_panel(const Problem& p, int64_t row, int64_t panel, const float* gate, const float* up) {
-  const int64_t col0 = panel * 16, valid = std::min<int64_t>(16, p.n_out - col0);
-  float* out = p.y + row * p.n_out + col0;
-  if (up == nullptr) {
-    std::memcpy(out, gate, sizeof(float) * valid);
-    return;
-  }
-  alignas(64) float gu[32], act[16];
-  std::memcpy(gu, gate, sizeof(float) * 16);
-  std::memcpy(gu + 16, up, sizeof(float) * 16);
-  qs_swiglu_row(gu, 16, act);                 // qs.SwiGLU's arithmetic, element for element
-  std::memcpy(out, act, sizeof(float) * valid);
-}
 
 #if defined(__F16C__)
 inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
@@ -167,10 +148,9 @@ void micro(const Problem& p, int64_t row0, int64_t panel0) {
 }
 
 // Integer scales: a block's sums less 8·Σx_q times its multipliers, added in int32 (the sum fits int16: 32·127·8,
-// so vpmaddwd against m in the low half of each lane is the product in one instruction); the float work once a row:
-// R rows × the P weight panels listed, finished (float(sum) · S · a) into `out`.
+// so vpmaddwd against m in the low half of each lane is the product in one instruction); the float work once a row.
 template <int R, int P>
-void int_sums(const Problem& p, int64_t row0, const int64_t (&panel)[P], __m512 (&out)[R][P]) {
+void micro_int(const Problem& p, int64_t row0, int64_t panel0) {
   const __m512i low = _mm512_set1_epi8(0x0F);
   __m512i acc[R][P];
   for (int r = 0; r < R; ++r)
@@ -182,7 +162,7 @@ void int_sums(const Problem& p, int64_t row0, const int64_t (&panel)[P], __m512 
       for (int q = 0; q < P; ++q) t[r][q] = _mm512_setzero_si512();
     const uint8_t* block[P];
     for (int q = 0; q < P; ++q) {
-      block[q] = p.w + panel[q] * p.panel_bytes + b * kIntBlockBytes;
+      block[q] = p.w + (panel0 + q) * p.panel_bytes + b * kIntBlockBytes;
       if (ahead) qs_stream_ahead(block[q], kIntBlockBytes);
     }
     for (int c = 0; c < 4; ++c) {
@@ -211,47 +191,21 @@ void int_sums(const Problem& p, int64_t row0, const int64_t (&panel)[P], __m512 
     }
   }
   for (int q = 0; q < P; ++q) {
-    const __m512 scale =
-        _mm512_loadu_ps(reinterpret_cast<const float*>(p.w + panel[q] * p.panel_bytes + p.blocks * kIntBlockBytes));
+    const int64_t col0 = (panel0 + q) * kPanel, valid = std::min<int64_t>(kPanel, p.n - col0);
+    const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
+    const __m512 scale = _mm512_loadu_ps(reinterpret_cast<const float*>(p.w + (panel0 + q) * p.panel_bytes +
+                                                                        p.blocks * kIntBlockBytes));
     for (int r = 0; r < R; ++r)
-      out[r][q] = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(acc[r][q]), scale), _mm512_set1_ps(p.x_scale[row0 + r]));
+      _mm512_mask_storeu_ps(p.y + (row0 + r) * p.n + col0, mask,
+                            _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(acc[r][q]), scale),
+                                          _mm512_set1_ps(p.x_scale[row0 + r])));
   }
 }
 
-// R rows × P output panels from panel0: the products, or with the SwiGLU epilogue each output panel's gate and up
-// weight panels together.
-template <int R, int P>
-void micro_int(const Problem& p, int64_t row0, int64_t panel0) {
-  alignas(64) float gate[16], up[16];
-  if (!p.swiglu) {
-    int64_t panels[P];
-    for (int q = 0; q < P; ++q) panels[q] = panel0 + q;
-    __m512 out[R][P];
-    int_sums<R, P>(p, row0, panels, out);
-    for (int q = 0; q < P; ++q)
-      for (int r = 0; r < R; ++r) {
-        _mm512_store_ps(gate, out[r][q]);
-        store_panel(p, row0 + r, panel0 + q, gate, nullptr);
-      }
-    return;
-  }
-  for (int q = 0; q < P; ++q) {
-    const int64_t panels[2] = {panel0 + q, panel0 + q + p.up_panel};
-    __m512 out[R][2];
-    int_sums<R, 2>(p, row0, panels, out);
-    for (int r = 0; r < R; ++r) {
-      _mm512_store_ps(gate, out[r][0]);
-      _mm512_store_ps(up, out[r][1]);
-      store_panel(p, row0 + r, panel0 + q, gate, up);
-    }
-  }
-}
-
-// Integer scales on AMX tiles: two weight panels at a time unpacked once into a thread-local copy of int8 weights
-// (u − 8)·m in the [k/4][channel][4] rows TDPBSSD reads (two blocks a 64-byte step; an odd last block padded with
-// zero weights), then 32 rows at a time: two row tiles × two panels in four C tiles over all of K, one store, and
-// the vector kernel's float finish. The integer sum is the vector kernel's exactly. The two panels are two output
-// panels, or with the SwiGLU epilogue one output panel's gate and up.
+// Integer scales on AMX tiles: a task's two panels at a time unpacked once into a thread-local copy of int8
+// weights (u − 8)·m in the [k/4][channel][4] rows TDPBSSD reads (two blocks a 64-byte step; an odd last block
+// padded with zero weights), then 32 rows at a time: two row tiles × two panels in four C tiles over all of K,
+// one store, and the vector kernel's float finish. The integer sum is the vector kernel's exactly.
 struct TileKernelInt {
   // A task's rows are all of a prompt's up to 512, so its panels are unpacked once for them (with 128-row tasks
   // every panel was unpacked four times for a 445-token prompt: 0.85x the time of the 1.5B's products).
@@ -287,29 +241,13 @@ struct TileKernelInt {
 
   template <class Tiles>
   static void run(const Problem& p, int64_t row_begin, int nr, int64_t panel0, int np) {
-    if (!p.swiglu) {
-      const int64_t panels[2] = {panel0, panel0 + 1};
-      return product<Tiles>(p, row_begin, nr, panels, np, panel0);
-    }
-    for (int q = 0; q < np; ++q) {
-      const int64_t panels[2] = {panel0 + q, panel0 + q + p.up_panel};
-      product<Tiles>(p, row_begin, nr, panels, 2, panel0 + q);
-    }
-  }
-
- private:
-  // rows [row_begin, row_begin + nr) × weight panels panel[0 .. nw): the two products, or (SwiGLU) output panel
-  // `out_panel` from gate and up
-  template <class Tiles>
-  static void product(const Problem& p, int64_t row_begin, int nr, const int64_t (&panel)[2], int nw,
-                      int64_t out_panel) {
     const int64_t steps = (p.blocks + 1) / 2, panel_stride = steps * 16 * 64;
     thread_local std::vector<int8_t> unpacked_storage;
     unpacked_storage.resize(static_cast<size_t>(2 * panel_stride));
     int8_t* unpacked = unpacked_storage.data();
-    for (int q = 0; q < nw; ++q) {
+    for (int q = 0; q < np; ++q) {
       for (int64_t b = 0; b < p.blocks; ++b)
-        unpack_block(p.w + panel[q] * p.panel_bytes + b * kIntBlockBytes, unpacked + q * panel_stride + b * 8 * 64);
+        unpack_block(p.w + (panel0 + q) * p.panel_bytes + b * kIntBlockBytes, unpacked + q * panel_stride + b * 8 * 64);
       if (p.blocks % 2) std::memset(unpacked + q * panel_stride + p.blocks * 8 * 64, 0, 8 * 64);   // the pad block
     }
     for (int64_t row0 = row_begin; row0 < row_begin + nr; row0 += 32) {
@@ -323,14 +261,14 @@ struct TileKernelInt {
         Tiles::template load<4>(a + s * 64, p.k);
         Tiles::template load<6>(unpacked + s * 16 * 64, 64);
         Tiles::template dot_ss<0, 4, 6>();
-        if (nw > 1) {
+        if (np > 1) {
           Tiles::template load<7>(unpacked + panel_stride + s * 16 * 64, 64);
           Tiles::template dot_ss<1, 4, 7>();
         }
         if (two_rows) {
           Tiles::template load<5>(a + 16 * p.k + s * 64, p.k);
           Tiles::template dot_ss<2, 5, 6>();
-          if (nw > 1) Tiles::template dot_ss<3, 5, 7>();
+          if (np > 1) Tiles::template dot_ss<3, 5, 7>();
         }
       }
       alignas(64) int32_t acc[32][32];
@@ -339,21 +277,16 @@ struct TileKernelInt {
       Tiles::template store<2>(&acc[16][0], sizeof(acc[0]));
       Tiles::template store<3>(&acc[16][16], sizeof(acc[0]));
       const int rows_here = static_cast<int>(std::min<int64_t>(32, row_begin + nr - row0));
-      __m512 scale[2];
-      for (int q = 0; q < nw; ++q)   // the vector kernel's finish, operation for operation
-        scale[q] = _mm512_loadu_ps(reinterpret_cast<const float*>(p.w + panel[q] * p.panel_bytes +
-                                                                   p.blocks * kIntBlockBytes));
-      alignas(64) float out[2][16];
-      for (int r = 0; r < rows_here; ++r) {
-        const __m512 a_scale = _mm512_set1_ps(p.x_scale[row0 + r]);
-        for (int q = 0; q < nw; ++q)
-          _mm512_store_ps(out[q], _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(&acc[r][16 * q])),
-                                                              scale[q]), a_scale));
-        if (p.swiglu) {
-          store_panel(p, row0 + r, out_panel, out[0], out[1]);
-        } else {
-          for (int q = 0; q < nw; ++q) store_panel(p, row0 + r, out_panel + q, out[q], nullptr);
-        }
+      for (int q = 0; q < np; ++q) {          // the vector kernel's finish, operation for operation
+        const int64_t col0 = (panel0 + q) * kPanel, valid = std::min<int64_t>(kPanel, p.n - col0);
+        const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
+        const __m512 scale = _mm512_loadu_ps(reinterpret_cast<const float*>(p.w + (panel0 + q) * p.panel_bytes +
+                                                                            p.blocks * kIntBlockBytes));
+        for (int r = 0; r < rows_here; ++r)
+          _mm512_mask_storeu_ps(p.y + (row0 + r) * p.n + col0, mask,
+                                _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(&acc[r][16 * q])),
+                                                            scale),
+                                              _mm512_set1_ps(p.x_scale[row0 + r])));
       }
     }
   }
@@ -463,8 +396,8 @@ struct TileKernel {
 #else
 constexpr int kRows = 1, kPanels = 1;
 
-// Integer scales, one row and weight panel: the AVX-512 kernel's integers and float finish, into out[16].
-inline void int_sums_row(const Problem& p, int64_t row, int64_t panel, float* out) {
+// Integer scales, one row and panel: the AVX-512 kernel's integers and float finish.
+inline void micro_int_row(const Problem& p, int64_t row, int64_t panel) {
   const uint8_t* w = p.w + panel * p.panel_bytes;
   const int8_t* x = p.xq + row * p.k;
   int32_t acc[kPanel] = {};
@@ -479,19 +412,12 @@ inline void int_sums_row(const Problem& p, int64_t row, int64_t panel, float* ou
         }
     for (int ch = 0; ch < kPanel; ++ch) acc[ch] += (t[ch] - p.xsum8[row * p.blocks + b]) * int32_t{w[256 + ch]};
   }
-  for (int64_t ch = 0; ch < kPanel; ++ch) {
+  const int64_t col0 = panel * kPanel, valid = std::min<int64_t>(kPanel, p.n - col0);
+  for (int64_t ch = 0; ch < valid; ++ch) {
     float scale;
     std::memcpy(&scale, p.w + panel * p.panel_bytes + p.blocks * kIntBlockBytes + 4 * ch, 4);
-    out[ch] = static_cast<float>(acc[ch]) * scale * p.x_scale[row];
+    p.y[row * p.n + col0 + ch] = static_cast<float>(acc[ch]) * scale * p.x_scale[row];
   }
-}
-
-// One row and output panel: its products, or its SwiGLU of the gate and up panels.
-inline void micro_int_row(const Problem& p, int64_t row, int64_t panel) {
-  float gate[kPanel], up[kPanel];
-  int_sums_row(p, row, panel, gate);
-  if (p.swiglu) int_sums_row(p, row, panel + p.up_panel, up);
-  store_panel(p, row, panel, gate, p.swiglu ? up : nullptr);
 }
 
 // Portable (and AVX2 through the compiler's vectoriser): the same integer sums and the same float operations in
@@ -571,7 +497,7 @@ inline bool int_scales_of(const OrtKernelInfo* info, const char* op) {
 
 struct Int4MatMulKernel {
   int64_t k, n;
-  bool int_scales, swiglu;
+  bool int_scales;
   QsPrologue prologue;
 
   Int4MatMulKernel(const OrtApi&, const OrtKernelInfo* info)
@@ -581,18 +507,6 @@ struct Int4MatMulKernel {
         prologue(Ort::ConstKernelInfo(info), k, "qs.Int4MatMul") {
     if (k <= 0 || n <= 0 || k % kBlock)
       throw std::invalid_argument("qs.Int4MatMul: K must be a positive multiple of 32 and N positive");
-    int64_t epilogue = 0;
-    try {                                       // optional: absent in engines built before it
-      epilogue = Ort::ConstKernelInfo(info).GetAttribute<int64_t>("epilogue");
-    } catch (const Ort::Exception&) {
-      epilogue = 0;
-    }
-    if (epilogue != 0 && epilogue != 1)
-      throw std::invalid_argument("qs.Int4MatMul: epilogue must be 0 (none) or 1 (SwiGLU)");
-    swiglu = epilogue == 1;
-    if (swiglu && (!int_scales || n % (2 * kPanel)))
-      throw std::invalid_argument("qs.Int4MatMul: the SwiGLU epilogue needs int_scales = 1 and N a multiple of 32 "
-                                  "(gate | up, each a whole number of 16-channel panels)");
   }
 
   void Compute(OrtKernelContext* context) {
@@ -607,9 +521,6 @@ struct Int4MatMulKernel {
     p.int_scales = int_scales;
     p.block_bytes = int_scales ? kIntBlockBytes : kBlockBytes;
     p.panel_bytes = panel_bytes_of(p.blocks, int_scales);
-    p.swiglu = swiglu;
-    p.n_out = swiglu ? n / 2 : n;
-    p.up_panel = swiglu ? n / 2 / kPanel : 0;
     auto w = ctx.GetInput(1);
     if (w.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(p.panels * p.panel_bytes))
       throw std::invalid_argument(int_scales ? "qs.Int4MatMul: the packed weight must hold ceil(N/16) panels of K/32 "
@@ -617,8 +528,7 @@ struct Int4MatMulKernel {
                                              : "qs.Int4MatMul: the packed weight must hold ceil(N/16) panels of K/32 "
                                                "blocks of 288 bytes");
     const float* bias = qs_bias_input(ctx, 2, n, "qs.Int4MatMul");
-    if (swiglu && bias != nullptr) throw std::invalid_argument("qs.Int4MatMul: the SwiGLU epilogue takes no bias");
-    p.y = output_rows(ctx, shape, p.n_out, &p.m);
+    p.y = output_rows(ctx, shape, n, &p.m);
     if (p.m == 0) return;
     p.w = w.GetTensorData<uint8_t>();
 
@@ -636,10 +546,10 @@ struct Int4MatMulKernel {
     p.x_scale = x_scale.data();
     for_each_row<Problem, quantize>(ctx, p, p.m);
     if (tiles == QsTiles::kOff)
-      PanelGemm<Problem, Micro, kRows, kPanels>::run(ctx, p, p.m, p.n_out, 2 * kPanels);
+      PanelGemm<Problem, Micro, kRows, kPanels>::run(ctx, p, p.m, p.n, 2 * kPanels);
 #if defined(__AVX512BW__)           // (elsewhere the mode is always off: tiles.cpp)
     else if (p.int_scales)
-      TileGemm<Problem, TileKernelInt>::run(ctx, tiles, p, p.m, p.n_out, 2 * kPanels);
+      TileGemm<Problem, TileKernelInt>::run(ctx, tiles, p, p.m, p.n, 2 * kPanels);
     else
       TileGemm<Problem, TileKernel>::run(ctx, tiles, p, p.m, p.n, 2 * kPanels);
 #endif

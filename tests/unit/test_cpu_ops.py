@@ -529,44 +529,6 @@ def test_int4_pack_panels_round_trip_and_error_bound():
         int4.pack_panels(np.ones((40, 4), np.float32))
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(k=st.sampled_from([32, 96, 576]), f=st.sampled_from([16, 32, 48, 160]),
-       rows=st.sampled_from([1, 2, 3, 5, 9, 31, 32, 33, 129]), threads=st.sampled_from([1, 2]),
-       seed=st.integers(0, 2**31))
-def test_int4_swiglu_epilogue_is_the_product_then_qs_swiglu_bit_for_bit(k, f, rows, threads, seed):
-    """With integer scales the gate | up product may apply silu(gate) · up as its epilogue (each output panel takes
-    its gate and up panels together, so the 2F-wide product is never written): bitwise the product followed by
-    qs.SwiGLU, for any rows (across the micro-kernel's 4 and the tile threshold of 32) and threads."""
-    rng = np.random.default_rng(seed)
-    w = rng.standard_normal((k, 2 * f)).astype(np.float32)
-    packed = int4.pack_panels_int(w)
-    x_info = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", k])
-    fused = _session([helper.make_node("Int4MatMul", ["x", "w"], ["y"], domain=cpu_ops.DOMAIN, K=k, N=2 * f,
-                                       int_scales=1, epilogue=1)], [numpy_helper.from_array(packed, "w")], [x_info],
-                     threads)
-    apart = _session([helper.make_node("Int4MatMul", ["x", "w"], ["gu"], domain=cpu_ops.DOMAIN, K=k, N=2 * f,
-                                       int_scales=1),
-                      helper.make_node("SwiGLU", ["gu"], ["y"], domain=cpu_ops.DOMAIN)],
-                     [numpy_helper.from_array(packed, "w")], [x_info], threads)
-    x = (rng.standard_normal((rows, k)) * rng.random((rows, 1)) * 10).astype(np.float32)
-    got, want = fused.run(None, {"x": x})[0], apart.run(None, {"x": x})[0]
-    assert got.shape == (rows, f)
-    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
-
-
-@pytest.mark.parametrize("attrs,n,message", [
-    (dict(epilogue=1), 64, "needs int_scales = 1"),
-    (dict(int_scales=1, epilogue=1), 48, "multiple of 32"),
-    (dict(int_scales=1, epilogue=2), 64, "epilogue must be 0"),
-    (dict(int_scales=2), 64, "int_scales must be 0 or 1")])
-def test_int4_matmul_refuses_an_epilogue_it_cannot_compute(attrs, n, message):
-    packed = int4.pack_panels_int(np.ones((32, n), np.float32))
-    x_info = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", 32])
-    with pytest.raises(Exception, match=message):
-        _session([helper.make_node("Int4MatMul", ["x", "w"], ["y"], domain=cpu_ops.DOMAIN, K=32, N=n, **attrs)],
-                 [numpy_helper.from_array(packed, "w")], [x_info]).run(None, {"x": np.ones((1, 32), np.float32)})
-
-
 def test_int4_pack_panels_int_round_trip_and_error_bound():
     """Integer scales: each block's step is m · S with m the smallest multiplier in 1..16 that holds the block
     (S = the channel's max / (7 · 16)), values within half a step; unpack inverts pack."""

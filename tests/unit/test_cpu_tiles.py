@@ -121,22 +121,6 @@ def test_int4_matmul_on_tiles_is_the_vector_kernel_bit_for_bit(mode, int_scales,
 
 @needs_tile_build
 @pytest.mark.parametrize("mode", TILE_MODES)
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(k=st.sampled_from([32, 64, 96, 576]), f=st.sampled_from([16, 32, 48]),
-       rows=st.sampled_from([31, 32, 33, 47, 129]), threads=st.sampled_from([1, 2]), seed=st.integers(0, 2**31))
-def test_int4_swiglu_epilogue_on_tiles_is_the_vector_kernel_bit_for_bit(mode, k, f, rows, threads, seed):
-    """An output panel's gate and up panels are the call's pair of tile panels; the epilogue is the vector path's."""
-    rng = np.random.default_rng(seed)
-    packed = int4.pack_panels_int(rng.standard_normal((k, 2 * f)).astype(np.float32))
-    session = _session(helper.make_node("Int4MatMul", ["x", "w"], ["y"], domain=cpu_ops.DOMAIN, K=k, N=2 * f,
-                                        int_scales=1, epilogue=1),
-                       [numpy_helper.from_array(packed, "w")], k, threads)
-    x = (rng.standard_normal((rows, k)) * rng.random((rows, 1)) * 10).astype(np.float32)
-    _tiles_against_vectors(session, x, mode, min_rows=32)
-
-
-@needs_tile_build
-@pytest.mark.parametrize("mode", TILE_MODES)
 @pytest.mark.parametrize("checkpoint_name,precision", [("llama", "int8"), ("qwen2", "int4")])
 def test_a_prompt_on_tiles_gives_the_vector_logits(engine, mode, checkpoint_name, precision):
     """A whole engine — its folds (bias, SwiGLU, skip RMS norm) and LM head included — prefilled on tiles: every
