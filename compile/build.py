@@ -195,7 +195,8 @@ def build(cfg: CompileConfig, log=print) -> dict:
     _check_block_size(spec, cfg)
     if cfg.quant.calib is not None:
         calib = Tokenizer.from_file(str(tok_files[0])).encode(cfg.quant.calib.read_text(errors="replace")).ids
-        reader = awq_reader(spec, reader, calib[:CALIB_TOKENS], cfg.quant.block_size, log)
+        reader = awq_reader(spec, reader, calib[:CALIB_TOKENS], cfg.quant.block_size, log,
+                            int_scales=cfg.own_int4 and cfg.quant.int4_scales == "int")
     attention = _attention_op(spec, cfg)
     max_len = cfg.max_seq_len or spec.max_position_embeddings
     if max_len > spec.max_position_embeddings:

@@ -41,8 +41,10 @@ class OverlayReader:
         return self.base.num_parameters()
 
 
-def search_scale(x: np.ndarray, w: np.ndarray, block_size: int) -> tuple[np.ndarray, float]:
-    """Best per-input-channel scale s [K] for x [T, K] @ w [K, N]; returns (s, alpha)."""
+def search_scale(x: np.ndarray, w: np.ndarray, block_size: int, int_scales: bool = False) -> tuple[np.ndarray, float]:
+    """Best per-input-channel scale s [K] for x [T, K] @ w [K, N]; returns (s, alpha). The error is measured on the
+    packing the engine will hold: with `int_scales` (qs.Int4MatMul's integer block scales) a larger input channel
+    coarsens every block of the output channels it reaches, which fp16 block scales would not show."""
     x, w = x.astype(np.float32), w.astype(np.float32)
     mean_abs = np.abs(x).mean(0) + 1e-6
     y = x @ w
@@ -50,7 +52,11 @@ def search_scale(x: np.ndarray, w: np.ndarray, block_size: int) -> tuple[np.ndar
     for alpha in ALPHAS:
         s = mean_abs ** alpha
         s = (s / np.sqrt(s.max() * s.min())).astype(np.float32)
-        wq = int4.dequantize(*int4.quantize(w * s[:, None], block_size), w.shape[0]) / s[:, None]
+        scaled = w * s[:, None]
+        if int_scales:
+            wq = int4.unpack_panels_int(int4.pack_panels_int(scaled), *w.shape) / s[:, None]
+        else:
+            wq = int4.dequantize(*int4.quantize(scaled, block_size), w.shape[0]) / s[:, None]
         err = float(((x @ wq - y) ** 2).mean())
         if err < best[0]:
             best = (err, s, float(alpha))
@@ -58,8 +64,9 @@ def search_scale(x: np.ndarray, w: np.ndarray, block_size: int) -> tuple[np.ndar
 
 
 def awq_reader(spec: ModelSpec, reader: CheckpointReader, calib_ids: list[int], block_size: int,
-               log: Callable[[str], None] = print) -> OverlayReader:
-    """Run the calibration tokens through the reference model, search scales, return the scaled weights."""
+               log: Callable[[str], None] = print, int_scales: bool = False) -> OverlayReader:
+    """Run the calibration tokens through the reference model, search scales (measured on the engine's packing:
+    `int_scales` for qs.Int4MatMul's integer block scales), return the scaled weights."""
     capture: dict = {}
     ReferenceModel(spec, reader, capture).forward(calib_ids)
     out: dict[str, np.ndarray] = {}
@@ -69,13 +76,13 @@ def awq_reader(spec: ModelSpec, reader: CheckpointReader, calib_ids: list[int], 
         p = f"model.layers.{i}."
         # down_proj first: its 1/s folds into up_proj rows, which the gate/up search then sees.
         down, up = get(p + "mlp.down_proj.weight"), get(p + "mlp.up_proj.weight")
-        s, a = search_scale(capture[(i, "down")], down.T, block_size)
+        s, a = search_scale(capture[(i, "down")], down.T, block_size, int_scales)
         out[p + "mlp.down_proj.weight"], out[p + "mlp.up_proj.weight"] = down * s[None, :], up / s[:, None]
         alphas.append(a)
         for group, norm, names in (("qkv", "input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
                                    ("gate_up", "post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"))):
             weights = [get(p + n + ".weight") for n in names]
-            s, a = search_scale(capture[(i, group)], np.concatenate(weights, 0).T, block_size)
+            s, a = search_scale(capture[(i, group)], np.concatenate(weights, 0).T, block_size, int_scales)
             out[p + norm + ".weight"] = get(p + norm + ".weight") / s
             for n, w in zip(names, weights):
                 out[p + n + ".weight"] = w * s[None, :]

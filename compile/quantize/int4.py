@@ -44,6 +44,13 @@ PANEL, BLOCK = 16, 32                       # qs.Int4MatMul: output channels per
 BLOCK_BYTES = 4 * 64 + PANEL * 2            # a block of a panel: 32 k × 16 channels of nibbles, then 16 fp16 scales
 
 
+def _panel_nibbles(u: np.ndarray, nb: int, panels: int) -> np.ndarray:
+    """u [nb, 32, P, 16] (values 0..15) → each panel's blocks of four 64-byte chunks [P, nb, 256]: chunk c holds at
+    byte 4·ch + j the u of k = 8c + j (low nibble) and k = 8c + 4 + j (high nibble)."""
+    u = u.reshape(nb, 4, 2, 4, panels, PANEL).transpose(4, 0, 1, 5, 3, 2)             # [P, nb, c, ch, j, h]
+    return (u[..., 0] | (u[..., 1] << 4)).reshape(panels, nb, 256)
+
+
 def pack_panels(w: np.ndarray) -> np.ndarray:
     """w [K, N] float → qs.Int4MatMul's weight (plugins/cpu/int4_matmul.cpp): uint8 [ceil(N/16), K/32 · 288].
 
@@ -64,8 +71,7 @@ def pack_panels(w: np.ndarray) -> np.ndarray:
     scale = np.where(absmax > 0, np.clip(absmax / 7.0, 2.0 ** -14, 65504.0), 1.0).astype(np.float16)
     u = (np.clip(np.rint(blocks / scale.astype(np.float32)[:, None]), -8, 7) + 8).astype(np.uint8)
     # k within a block = 8c + 4h + j  (c: chunk, h: nibble, j: lane)
-    u = u.reshape(nb, 4, 2, 4, panels, PANEL).transpose(4, 0, 1, 5, 3, 2)             # [P, nb, c, ch, j, h]
-    nibbles = (u[..., 0] | (u[..., 1] << 4)).reshape(panels, nb, 256)
+    nibbles = _panel_nibbles(u, nb, panels)
     scales = scale.transpose(1, 0, 2).reshape(panels, nb, PANEL).view(np.uint8)         # [P, nb, 32] bytes
     return np.ascontiguousarray(np.concatenate([nibbles, scales], axis=2).reshape(panels, nb * BLOCK_BYTES))
 
@@ -107,11 +113,11 @@ def pack_panels_int(w: np.ndarray) -> np.ndarray:
     absmax = np.abs(blocks).max(axis=1)                                                # [nb, P, 16]
     top = absmax.max(axis=0)                                                           # [P, 16]
     scale = np.where(top > 0, top / (7.0 * MAX_MULTIPLIER), 1.0).astype(np.float32)
-    m = np.clip(np.ceil(absmax / (7.0 * scale) - 1e-6), 1, MAX_MULTIPLIER).astype(np.uint8)   # [nb, P, 16]
+    # (a ratio a rounding above an integer j takes j: its largest value then rounds to 7 · (1 + 1e-6) → 7)
+    m = np.clip(np.ceil(absmax / (7.0 * scale) * (1 - 1e-6)), 1, MAX_MULTIPLIER).astype(np.uint8)   # [nb, P, 16]
     step = m.astype(np.float32) * scale
     u = (np.clip(np.rint(blocks / step[:, None]), -8, 7) + 8).astype(np.uint8)
-    u = u.reshape(nb, 4, 2, 4, panels, PANEL).transpose(4, 0, 1, 5, 3, 2)             # [P, nb, c, ch, j, h]
-    nibbles = (u[..., 0] | (u[..., 1] << 4)).reshape(panels, nb, 256)
+    nibbles = _panel_nibbles(u, nb, panels)
     cells = np.concatenate([nibbles, m.transpose(1, 0, 2)], axis=2).reshape(panels, nb * INT_BLOCK_BYTES)
     return np.ascontiguousarray(np.concatenate([cells, scale.view(np.uint8).reshape(panels, 4 * PANEL)], axis=1))
 

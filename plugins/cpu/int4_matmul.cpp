@@ -48,6 +48,10 @@ namespace {
 
 constexpr int64_t kPanel = 16, kBlock = 32, kBlockBytes = 4 * 64 + kPanel * 2;
 constexpr int64_t kIntBlockBytes = 4 * 64 + kPanel;     // integer scales: the nibbles, then 16 multipliers
+// The packing's contract (pack_panels_int): m ∈ 1..16 and u ∈ 0..15, so (u − 8)·m ∈ [−128, 112] is an int8 (the tile
+// kernel's byte products are exact only then) and a block adds at most 16·32·127·8 to a row's int32 sum: K up to
+// 4,096 blocks cannot overflow it.
+constexpr int64_t kMaxIntScalesK = 4096 * kBlock;
 
 // Bytes of a panel of `blocks` blocks: fp16 block scales, or integer ones (and the 16 channel scales at its end).
 inline int64_t panel_bytes_of(int64_t blocks, bool int_scales) {
@@ -63,7 +67,7 @@ struct Problem {
   float* x_scale;          // [M]
   int64_t m, k, n, blocks, panels;
   bool int_scales;         // multipliers of a channel scale (pack_panels_int), not fp16 block scales
-  int64_t block_bytes, panel_bytes;
+  int64_t panel_bytes;
 };
 
 #if defined(__F16C__)
@@ -98,36 +102,46 @@ inline __m512i dot4(__m512i t, __m512i u, __m512i x) {
 #endif
 }
 
+// t[r][q] = Σ over block b of u · x_q for R rows and the P panels' blocks at block[q] (both packings' nibbles are
+// laid out alike), asking for them ahead where `ahead`.
+template <int R, int P>
+inline void block_dots(const Problem& p, int64_t row0, int64_t b, const uint8_t* const (&block)[P], int64_t bytes,
+                       bool ahead, __m512i (&t)[R][P]) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int r = 0; r < R; ++r)
+    for (int q = 0; q < P; ++q) t[r][q] = _mm512_setzero_si512();
+  if (ahead)
+    for (int q = 0; q < P; ++q) qs_stream_ahead(block[q], bytes);
+  for (int c = 0; c < 4; ++c) {
+    __m512i lo[P], hi[P];
+    for (int q = 0; q < P; ++q) {
+      const __m512i v = _mm512_loadu_si512(block[q] + c * 64);
+      lo[q] = _mm512_and_si512(v, low);
+      hi[q] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    }
+    for (int r = 0; r < R; ++r) {
+      const int8_t* xr = p.xq + (row0 + r) * p.k + b * kBlock + 8 * c;
+      int32_t first, second;
+      std::memcpy(&first, xr, 4);
+      std::memcpy(&second, xr + 4, 4);
+      const __m512i x0 = _mm512_set1_epi32(first), x1 = _mm512_set1_epi32(second);
+      for (int q = 0; q < P; ++q) t[r][q] = dot4(dot4(t[r][q], lo[q], x0), hi[q], x1);
+    }
+  }
+}
+
 template <int R, int P>
 void micro(const Problem& p, int64_t row0, int64_t panel0) {
   const int64_t panel_bytes = p.blocks * kBlockBytes;
-  const __m512i low = _mm512_set1_epi8(0x0F);
   __m512 acc[R][P];
   for (int r = 0; r < R; ++r)
     for (int q = 0; q < P; ++q) acc[r][q] = _mm512_setzero_ps();
   const bool ahead = first_rows(row0);
   for (int64_t b = 0; b < p.blocks; ++b) {
+    const uint8_t* block[P];
+    for (int q = 0; q < P; ++q) block[q] = p.w + (panel0 + q) * panel_bytes + b * kBlockBytes;
     __m512i t[R][P];
-    for (int r = 0; r < R; ++r)
-      for (int q = 0; q < P; ++q) t[r][q] = _mm512_setzero_si512();
-    if (ahead)
-      for (int q = 0; q < P; ++q) qs_stream_ahead(p.w + (panel0 + q) * panel_bytes + b * kBlockBytes, kBlockBytes);
-    for (int c = 0; c < 4; ++c) {
-      __m512i lo[P], hi[P];
-      for (int q = 0; q < P; ++q) {
-        const __m512i v = _mm512_loadu_si512(p.w + (panel0 + q) * panel_bytes + b * kBlockBytes + c * 64);
-        lo[q] = _mm512_and_si512(v, low);
-        hi[q] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-      }
-      for (int r = 0; r < R; ++r) {
-        const int8_t* xr = p.xq + (row0 + r) * p.k + b * kBlock + 8 * c;
-        int32_t first, second;
-        std::memcpy(&first, xr, 4);
-        std::memcpy(&second, xr + 4, 4);
-        const __m512i x0 = _mm512_set1_epi32(first), x1 = _mm512_set1_epi32(second);
-        for (int q = 0; q < P; ++q) t[r][q] = dot4(dot4(t[r][q], lo[q], x0), hi[q], x1);
-      }
-    }
+    block_dots<R, P>(p, row0, b, block, kBlockBytes, ahead, t);
     __m512 scale[P];
     for (int q = 0; q < P; ++q)
       scale[q] = _mm512_cvtph_ps(_mm256_loadu_si256(
@@ -151,36 +165,15 @@ void micro(const Problem& p, int64_t row0, int64_t panel0) {
 // so vpmaddwd against m in the low half of each lane is the product in one instruction); the float work once a row.
 template <int R, int P>
 void micro_int(const Problem& p, int64_t row0, int64_t panel0) {
-  const __m512i low = _mm512_set1_epi8(0x0F);
   __m512i acc[R][P];
   for (int r = 0; r < R; ++r)
     for (int q = 0; q < P; ++q) acc[r][q] = _mm512_setzero_si512();
   const bool ahead = first_rows(row0);
   for (int64_t b = 0; b < p.blocks; ++b) {
-    __m512i t[R][P];
-    for (int r = 0; r < R; ++r)
-      for (int q = 0; q < P; ++q) t[r][q] = _mm512_setzero_si512();
     const uint8_t* block[P];
-    for (int q = 0; q < P; ++q) {
-      block[q] = p.w + (panel0 + q) * p.panel_bytes + b * kIntBlockBytes;
-      if (ahead) qs_stream_ahead(block[q], kIntBlockBytes);
-    }
-    for (int c = 0; c < 4; ++c) {
-      __m512i lo[P], hi[P];
-      for (int q = 0; q < P; ++q) {
-        const __m512i v = _mm512_loadu_si512(block[q] + c * 64);
-        lo[q] = _mm512_and_si512(v, low);
-        hi[q] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-      }
-      for (int r = 0; r < R; ++r) {
-        const int8_t* xr = p.xq + (row0 + r) * p.k + b * kBlock + 8 * c;
-        int32_t first, second;
-        std::memcpy(&first, xr, 4);
-        std::memcpy(&second, xr + 4, 4);
-        const __m512i x0 = _mm512_set1_epi32(first), x1 = _mm512_set1_epi32(second);
-        for (int q = 0; q < P; ++q) t[r][q] = dot4(dot4(t[r][q], lo[q], x0), hi[q], x1);
-      }
-    }
+    for (int q = 0; q < P; ++q) block[q] = p.w + (panel0 + q) * p.panel_bytes + b * kIntBlockBytes;
+    __m512i t[R][P];
+    block_dots<R, P>(p, row0, b, block, kIntBlockBytes, ahead, t);
     __m512i mult[P];
     for (int q = 0; q < P; ++q)
       mult[q] = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block[q] + 256)));
@@ -507,6 +500,8 @@ struct Int4MatMulKernel {
         prologue(Ort::ConstKernelInfo(info), k, "qs.Int4MatMul") {
     if (k <= 0 || n <= 0 || k % kBlock)
       throw std::invalid_argument("qs.Int4MatMul: K must be a positive multiple of 32 and N positive");
+    if (int_scales && k > kMaxIntScalesK)
+      throw std::invalid_argument("qs.Int4MatMul: with int_scales K must be at most 131072 (the int32 sums)");
   }
 
   void Compute(OrtKernelContext* context) {
@@ -519,7 +514,6 @@ struct Int4MatMulKernel {
     p.blocks = k / kBlock;
     p.panels = (n + kPanel - 1) / kPanel;
     p.int_scales = int_scales;
-    p.block_bytes = int_scales ? kIntBlockBytes : kBlockBytes;
     p.panel_bytes = panel_bytes_of(p.blocks, int_scales);
     auto w = ctx.GetInput(1);
     if (w.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(p.panels * p.panel_bytes))
@@ -602,7 +596,10 @@ struct Int4GatherKernel {
     const int64_t block_bytes = int_scales ? kIntBlockBytes : kBlockBytes;
     if (packed.GetTensorTypeAndShapeInfo().GetElementCount() !=
         static_cast<size_t>((vocab + kPanel - 1) / kPanel * panel_bytes))
-      throw std::invalid_argument("qs.Int4Gather: the packed table must hold ceil(N/16) panels of K/32 blocks");
+      throw std::invalid_argument(int_scales ? "qs.Int4Gather: the packed table must hold ceil(N/16) panels of K/32 "
+                                               "blocks of 272 bytes and 16 float scales"
+                                             : "qs.Int4Gather: the packed table must hold ceil(N/16) panels of K/32 "
+                                               "blocks of 288 bytes");
     std::vector<int64_t> shape = ids.GetTensorTypeAndShapeInfo().GetShape();
     const size_t count = ids.GetTensorTypeAndShapeInfo().GetElementCount();
     shape.push_back(k);

@@ -529,6 +529,14 @@ def test_int4_pack_panels_round_trip_and_error_bound():
         int4.pack_panels(np.ones((40, 4), np.float32))
 
 
+def test_int4_matmul_with_integer_scales_refuses_a_k_its_sums_could_overflow():
+    k = 4097 * 32
+    x_info = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", k])
+    with pytest.raises(Exception, match="at most 131072"):
+        _session([helper.make_node("Int4MatMul", ["x", "w"], ["y"], domain=cpu_ops.DOMAIN, K=k, N=16, int_scales=1)],
+                 [numpy_helper.from_array(np.zeros(16, np.uint8), "w")], [x_info])
+
+
 def test_int4_pack_panels_int_round_trip_and_error_bound():
     """Integer scales: each block's step is m · S with m the smallest multiplier in 1..16 that holds the block
     (S = the channel's max / (7 · 16)), values within half a step; unpack inverts pack."""

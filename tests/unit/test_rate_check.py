@@ -304,9 +304,6 @@ def test_what_a_speculating_step_costs_beyond_its_price_is_learned_per_guess():
     assert spec.rate_check.pays(1)
 
 
-_SETTLED = []
-
-
 class _Unsettled(Speculator):
     """The speculator without its settled plans: every plan runs every check (the slow truth)."""
 
@@ -321,20 +318,10 @@ def _state(spec: Speculator) -> tuple:
             spec.stats.rounds, spec.stats.recent_counts, spec.stats.history, spec._empty_plan)
 
 
-@settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 3),                      # which decodes
-                          st.integers(1, 700),                    # steps of this phase
-                          st.sampled_from([0.0010, 0.0012, 0.0030]),   # a plain step's seconds
-                          st.sampled_from([0.0011, 0.0016, 0.0040]),   # a speculating step's seconds
-                          st.integers(0, 4)),                     # guesses accepted in a round
-                min_size=1, max_size=8))
-@example([(0, 400, 0.0010, 0.0016, 0), (0, 300, 0.0030, 0.0016, 0)])   # plain slows until speculation pays
-@example([(0, 300, 0.0010, 0.0040, 0), (1, 50, 0.0010, 0.0040, 0), (0, 300, 0.0010, 0.0040, 0)])
-def test_settled_plans_answer_and_count_exactly_as_checking_every_step(phases):
-    """While the rate check keeps plain decoding (or the same decodes' plan was empty), the speculator settles the
-    next plans at once and skips its checks: decisions, rates, counters and budgets stay those of checking every
-    step, whatever the traffic — other decodes, plain decoding slowing until speculation pays, rounds accepted
-    or not."""
+def _side_by_side(phases: list[tuple[int, int, float, float, int]]) -> int:
+    """A settling and an unsettled speculator fed the same traffic — phases of (which decodes, steps, a plain step's
+    seconds, a speculating step's seconds, guesses accepted a round) — compared after every step; returns the plans
+    that were settled."""
     cost = lambda guesses: 0.001 + sum(0.0002 + 0.0001 * g for g in guesses)     # noqa: E731
     reqs = [Request(list(range(40)), SamplingParams(max_tokens=100_000), request_id=f"r{i}") for i in range(3)]
     pools = [[reqs[0]], [reqs[1]], [reqs[0], reqs[1]], [reqs[2], reqs[0]]]
@@ -355,8 +342,30 @@ def test_settled_plans_answer_and_count_exactly_as_checking_every_step(phases):
                 spec.catch_up_s = 0.0
                 spec.observe(len(decodes), bool(plans[0]), tokens, spec_s if plans[0] else plain_s)
             assert _state(fast) == _state(slow)
-    _SETTLED.append(settled)
+    return settled
+
+
+SLOWING = [(0, 400, 0.0010, 0.0016, 0), (0, 300, 0.0030, 0.0016, 0)]    # plain slows until speculation pays
+SWITCHING = [(0, 300, 0.0010, 0.0040, 0), (1, 50, 0.0010, 0.0040, 0), (0, 300, 0.0010, 0.0040, 0)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3),                      # which decodes
+                          st.integers(1, 700),                    # steps of this phase
+                          st.sampled_from([0.0010, 0.0012, 0.0030]),   # a plain step's seconds
+                          st.sampled_from([0.0011, 0.0016, 0.0040]),   # a speculating step's seconds
+                          st.integers(0, 4)),                     # guesses accepted in a round
+                min_size=1, max_size=8))
+@example(SLOWING)
+@example(SWITCHING)
+def test_settled_plans_answer_and_count_exactly_as_checking_every_step(phases):
+    """While the rate check keeps plain decoding (or the same decodes' plan was empty), the speculator settles the
+    next plans at once and skips its checks: decisions, rates, counters and budgets stay those of checking every
+    step, whatever the traffic — other decodes, plain decoding slowing until speculation pays, rounds accepted
+    or not."""
+    _side_by_side(phases)
 
 
 def test_settled_plans_were_exercised():
-    assert sum(1 for n in _SETTLED if n > 100) >= 10, _SETTLED
+    """The comparisons above are not vacuous: on these traffics most plans are settled."""
+    assert _side_by_side(SLOWING) > 400 and _side_by_side(SWITCHING) > 400
