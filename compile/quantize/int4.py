@@ -44,6 +44,19 @@ PANEL, BLOCK = 16, 32                       # qs.Int4MatMul: output channels per
 BLOCK_BYTES = 4 * 64 + PANEL * 2            # a block of a panel: 32 k × 16 channels of nibbles, then 16 fp16 scales
 
 
+def _panel_blocks(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """w [K, N] → its 32-k blocks of 16-channel panels [K/32, 32, ceil(N/16), 16] (N padded with zero channels) and
+    each block's largest magnitude per channel [K/32, P, 16]."""
+    k, n = w.shape
+    if k % BLOCK:
+        raise ValueError(f"qs.Int4MatMul needs K divisible by {BLOCK}, not {k}")
+    panels = -(-n // PANEL)
+    padded = np.zeros((k, panels * PANEL), np.float32)
+    padded[:, :n] = w
+    blocks = padded.reshape(k // BLOCK, BLOCK, panels, PANEL)
+    return blocks, np.abs(blocks).max(axis=1)
+
+
 def _panel_nibbles(u: np.ndarray, nb: int, panels: int) -> np.ndarray:
     """u [nb, 32, P, 16] (values 0..15) → each panel's blocks of four 64-byte chunks [P, nb, 256]: chunk c holds at
     byte 4·ch + j the u of k = 8c + j (low nibble) and k = 8c + 4 + j (high nibble)."""
@@ -59,14 +72,8 @@ def pack_panels(w: np.ndarray) -> np.ndarray:
     Per panel of 16 channels and block: four 64-byte chunks, chunk c holding at byte 4·ch + j the u of k = 8c + j
     (low nibble) and k = 8c + 4 + j (high nibble), then the 16 scales as fp16. N is padded with zero channels.
     """
-    k, n = w.shape
-    if k % BLOCK:
-        raise ValueError(f"qs.Int4MatMul needs K divisible by {BLOCK}, not {k}")
-    panels, nb = -(-n // PANEL), k // BLOCK
-    padded = np.zeros((k, panels * PANEL), np.float32)
-    padded[:, :n] = w
-    blocks = padded.reshape(nb, BLOCK, panels, PANEL)                                   # [nb, 32, P, 16]
-    absmax = np.abs(blocks).max(axis=1)                                                # [nb, P, 16]
+    blocks, absmax = _panel_blocks(w)                                                  # [nb, 32, P, 16], [nb, P, 16]
+    nb, panels = blocks.shape[0], blocks.shape[2]
     # fp16 range: a block too large for it would scale by inf, one too small by 0
     scale = np.where(absmax > 0, np.clip(absmax / 7.0, 2.0 ** -14, 65504.0), 1.0).astype(np.float16)
     u = (np.clip(np.rint(blocks / scale.astype(np.float32)[:, None]), -8, 7) + 8).astype(np.uint8)
@@ -103,14 +110,8 @@ def pack_panels_int(w: np.ndarray) -> np.ndarray:
     Per panel: its blocks (four 64-byte chunks of nibbles as in pack_panels, then the 16 multipliers as bytes), then
     the 16 channel scales as float32. N is padded with zero channels.
     """
-    k, n = w.shape
-    if k % BLOCK:
-        raise ValueError(f"qs.Int4MatMul needs K divisible by {BLOCK}, not {k}")
-    panels, nb = -(-n // PANEL), k // BLOCK
-    padded = np.zeros((k, panels * PANEL), np.float32)
-    padded[:, :n] = w
-    blocks = padded.reshape(nb, BLOCK, panels, PANEL)                                   # [nb, 32, P, 16]
-    absmax = np.abs(blocks).max(axis=1)                                                # [nb, P, 16]
+    blocks, absmax = _panel_blocks(w)                                                  # [nb, 32, P, 16], [nb, P, 16]
+    nb, panels = blocks.shape[0], blocks.shape[2]
     top = absmax.max(axis=0)                                                           # [P, 16]
     scale = np.where(top > 0, top / (7.0 * MAX_MULTIPLIER), 1.0).astype(np.float32)
     # (a ratio a rounding above an integer j takes j: its largest value then rounds to 7 · (1 + 1e-6) → 7)

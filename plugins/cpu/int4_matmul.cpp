@@ -389,20 +389,26 @@ struct TileKernel {
 #else
 constexpr int kRows = 1, kPanels = 1;
 
+// t[ch] = Σ over a block of u · x_q for a panel's 16 channels (the block's nibbles at `w`, its 32 activations at x).
+inline void block_sums(const uint8_t* w, const int8_t* x, int32_t* t) {
+  for (int ch = 0; ch < kPanel; ++ch) t[ch] = 0;
+  for (int c = 0; c < 4; ++c)
+    for (int ch = 0; ch < kPanel; ++ch)
+      for (int j = 0; j < 4; ++j) {
+        const uint8_t byte = w[c * 64 + ch * 4 + j];
+        t[ch] += int32_t{static_cast<uint8_t>(byte & 0x0F)} * x[8 * c + j] +
+                 int32_t{static_cast<uint8_t>(byte >> 4)} * x[8 * c + 4 + j];
+      }
+}
+
 // Integer scales, one row and panel: the AVX-512 kernel's integers and float finish.
 inline void micro_int_row(const Problem& p, int64_t row, int64_t panel) {
   const uint8_t* w = p.w + panel * p.panel_bytes;
   const int8_t* x = p.xq + row * p.k;
   int32_t acc[kPanel] = {};
   for (int64_t b = 0; b < p.blocks; ++b, w += kIntBlockBytes) {
-    int32_t t[kPanel] = {};
-    for (int c = 0; c < 4; ++c)
-      for (int ch = 0; ch < kPanel; ++ch)
-        for (int j = 0; j < 4; ++j) {
-          const uint8_t byte = w[c * 64 + ch * 4 + j];
-          t[ch] += int32_t{static_cast<uint8_t>(byte & 0x0F)} * x[b * kBlock + 8 * c + j] +
-                   int32_t{static_cast<uint8_t>(byte >> 4)} * x[b * kBlock + 8 * c + 4 + j];
-        }
+    int32_t t[kPanel];
+    block_sums(w, x + b * kBlock, t);
     for (int ch = 0; ch < kPanel; ++ch) acc[ch] += (t[ch] - p.xsum8[row * p.blocks + b]) * int32_t{w[256 + ch]};
   }
   const int64_t col0 = panel * kPanel, valid = std::min<int64_t>(kPanel, p.n - col0);
@@ -428,14 +434,8 @@ void micro(const Problem& p, int64_t row0, int64_t panel0) {
         continue;
       }
       for (int64_t b = 0; b < p.blocks; ++b, w += kBlockBytes) {
-        int32_t t[kPanel] = {};
-        for (int c = 0; c < 4; ++c)
-          for (int ch = 0; ch < kPanel; ++ch)
-            for (int j = 0; j < 4; ++j) {
-              const uint8_t byte = w[c * 64 + ch * 4 + j];
-              t[ch] += int32_t{static_cast<uint8_t>(byte & 0x0F)} * x[b * kBlock + 8 * c + j] +
-                       int32_t{static_cast<uint8_t>(byte >> 4)} * x[b * kBlock + 8 * c + 4 + j];
-            }
+        int32_t t[kPanel];
+        block_sums(w, x + b * kBlock, t);
         for (int ch = 0; ch < kPanel; ++ch) {
           uint16_t h;
           std::memcpy(&h, w + 256 + 2 * ch, 2);
