@@ -23,6 +23,11 @@ from .errors import ArtifactError
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 FORMAT = "quicksilver-engine"
 FORMAT_VERSION = 1
+# Version 2: the same layout, written only for engines a version-1 reader would misread rather than refuse — int4
+# linears packed with integer block scales (qs.Int4MatMul int_scales = 1), an attribute older kernels ignore. This
+# reader reads both.
+INT_SCALES_FORMAT_VERSION = 2
+READABLE_FORMAT_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 # What the stages read from a manifest, by section: field → accepted types (dimensions must also be ≥ 1).
 FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
@@ -78,7 +83,7 @@ def _check_replaceable(out: Path) -> None:
     if not isinstance(manifest, dict):
         manifest = {}
     fmt, version = manifest.get("format"), manifest.get("format_version")
-    if fmt != FORMAT or version != FORMAT_VERSION or not isinstance(manifest.get("files"), dict):
+    if fmt != FORMAT or version not in READABLE_FORMAT_VERSIONS or not isinstance(manifest.get("files"), dict):
         raise ArtifactError(f"--out {out} is not a Quicksilver engine (its {MANIFEST} has format {fmt!r}, format "
                             f"version {version!r}; ours is {FORMAT!r} version {FORMAT_VERSION}); {choose}")
     unknown = _unlisted(out, manifest["files"])
@@ -165,9 +170,10 @@ def read_manifest(engine_dir: Path) -> dict:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise ArtifactError(f"{engine_dir} is not a Quicksilver engine (manifest format is "
                             f"{manifest.get('format') if isinstance(manifest, dict) else None!r})")
-    if manifest.get("format_version") != FORMAT_VERSION:
+    if manifest.get("format_version") not in READABLE_FORMAT_VERSIONS:
         raise ArtifactError(f"{engine_dir} has engine format version {manifest.get('format_version')!r}, this "
-                            f"Quicksilver reads version {FORMAT_VERSION}; rebuild it with `compile build`")
+                            f"Quicksilver reads versions {', '.join(map(str, READABLE_FORMAT_VERSIONS))}; rebuild it "
+                            "with this install's `compile build`, or upgrade Quicksilver")
     if not isinstance(manifest.get("files"), dict) or not manifest["files"]:
         raise ArtifactError(f"{manifest_file} lists no files")
     _check_fields(manifest, manifest_file)

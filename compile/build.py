@@ -13,7 +13,7 @@ from tokenizers import Tokenizer
 
 from tqdm import tqdm
 
-from artifact import check_destination, staging_dir, write_manifest
+from artifact import INT_SCALES_FORMAT_VERSION, check_destination, staging_dir, write_manifest
 
 from . import __version__
 from .archs import REGISTRY
@@ -242,8 +242,12 @@ def build(cfg: CompileConfig, log=print) -> dict:
 
 def _manifest(cfg: CompileConfig, spec, reader: CheckpointReader, builder: GraphBuilder, tok_files: list[Path],
               attention: str, max_len: int, plan: dict | None) -> dict:
-    """The manifest's records of a built graph (write_manifest adds the format and every file's sha256)."""
+    """The manifest's records of a built graph (write_manifest adds the format and every file's sha256). An engine
+    with int4 integer block scales says format version 2, which readers from before them refuse (their kernels would
+    ignore the packing's attribute and, where its size matched the old one, compute garbage)."""
+    int_scales = cfg.precision == "int4" and cfg.own_int4 and cfg.quant.int4_scales == "int"
     return {
+        **({"format_version": INT_SCALES_FORMAT_VERSION} if int_scales else {}),
         "compiler_version": __version__,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "target": cfg.target,

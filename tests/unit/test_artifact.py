@@ -130,3 +130,28 @@ def test_manifest_layers_checked_against_the_graph(damaged):
     result = CliRunner().invoke(runtime_main, ["generate", str(path), "x"])
     assert result.exit_code == 2, result.output
     assert result.output.strip().splitlines() == [result.output.strip()] and "past_key_values.1.key" in result.output
+
+
+def test_int4_integer_scales_engines_say_format_version_2_which_older_readers_refuse(checkpoint, tmp_path, monkeypatch):
+    """An engine whose int4 linears carry integer block scales records format version 2: a reader from before them
+    (version 1 only) refuses it with what to do, where its kernels, ignoring the packing's attribute, would otherwise
+    compute garbage at the one K whose packed size matches the old packing's (128). Every other engine stays version 1,
+    and this reader reads both."""
+    import artifact
+    from compile.build import build
+    from compile.config import CompileConfig, QuantConfig
+
+    built = {}
+    for scales in ("int", "fp16"):
+        cfg = CompileConfig(checkpoint("llama"), tmp_path / scales, "int4", report=False,
+                            quant=QuantConfig(int4_scales=scales))
+        built[scales] = (cfg, build(cfg, log=lambda _: None))
+    cfg, manifest = built["int"]
+    assert manifest["format_version"] == (2 if cfg.own_int4 else 1)
+    assert built["fp16"][1]["format_version"] == 1
+    for scales in built:
+        assert load(tmp_path / scales)["format_version"] == built[scales][1]["format_version"]
+    if cfg.own_int4:
+        monkeypatch.setattr(artifact, "READABLE_FORMAT_VERSIONS", (1,))
+        with pytest.raises(ArtifactError, match="format version 2.*upgrade Quicksilver"):
+            load(tmp_path / "int")
