@@ -196,7 +196,7 @@ def build(cfg: CompileConfig, log=print) -> dict:
     if cfg.quant.calib is not None:
         calib = Tokenizer.from_file(str(tok_files[0])).encode(cfg.quant.calib.read_text(errors="replace")).ids
         reader = awq_reader(spec, reader, calib[:CALIB_TOKENS], cfg.quant.block_size, log,
-                            int_scales=cfg.own_int4 and cfg.quant.int4_scales == "int")
+                            int_scales=cfg.int4_int_scales)
     attention = _attention_op(spec, cfg)
     max_len = cfg.max_seq_len or spec.max_position_embeddings
     if max_len > spec.max_position_embeddings:
@@ -211,7 +211,7 @@ def build(cfg: CompileConfig, log=print) -> dict:
             ctx = Ctx(builder, spec, cfg.precision, cfg.quant.block_size, cfg.quant.embeddings, cfg.target, max_len,
                       _kv_scales(spec, reader, cfg, tok_files[0], log), cfg.batch_invariant, attention=attention,
                       own_kernels=cfg.own_kernels, own_int4=cfg.own_int4, kv_cache=cfg.kv_cache,
-                      int4_int_scales=cfg.quant.int4_scales == "int",
+                      int4_int_scales=cfg.int4_int_scales,
                       attention_products=cfg.attention_products)
             with tqdm(total=spec.num_layers, desc="export", unit="layer", leave=False) as bar:
                 arch.emit(ctx, max_len, progress=bar.update)
@@ -245,9 +245,8 @@ def _manifest(cfg: CompileConfig, spec, reader: CheckpointReader, builder: Graph
     """The manifest's records of a built graph (write_manifest adds the format and every file's sha256). An engine
     with int4 integer block scales says format version 2, which readers from before them refuse (their kernels would
     ignore the packing's attribute and, where its size matched the old one, compute garbage)."""
-    int_scales = cfg.precision == "int4" and cfg.own_int4 and cfg.quant.int4_scales == "int"
     return {
-        **({"format_version": INT_SCALES_FORMAT_VERSION} if int_scales else {}),
+        **({"format_version": INT_SCALES_FORMAT_VERSION} if cfg.int4_int_scales else {}),
         "compiler_version": __version__,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "target": cfg.target,

@@ -87,6 +87,11 @@ class CompileConfig:
         return (installed_cpu_ops() or "").startswith("avx512")
 
     @property
+    def int4_int_scales(self) -> bool:
+        """Whether the int4 linears are packed with integer block scales (qs.Int4MatMul int_scales = 1)."""
+        return self.own_int4 and self.quant.int4_scales == "int"
+
+    @property
     def kernels_used(self) -> str:
         """What the manifest records as precision.kernels (cpu): "qs" or "ort"."""
         return "qs" if self.own_kernels else "ort"

@@ -64,6 +64,14 @@ def _panel_nibbles(u: np.ndarray, nb: int, panels: int) -> np.ndarray:
     return (u[..., 0] | (u[..., 1] << 4)).reshape(panels, nb, 256)
 
 
+def _panel_u(cells: np.ndarray, k: int) -> np.ndarray:
+    """Inverse of _panel_nibbles: the u of every weight [K, P · 16] from cells [P, nb, ≥ 256] (a block's nibbles first)."""
+    panels, nb = cells.shape[:2]
+    nibbles = cells[..., :256].reshape(panels, nb, 4, PANEL, 4)                          # [P, nb, c, ch, j]
+    u = np.stack([nibbles & 0x0F, nibbles >> 4], axis=-1)                                # [P, nb, c, ch, j, h]
+    return u.transpose(1, 2, 5, 4, 0, 3).reshape(k, panels * PANEL)                     # k = 8c + 4h + j
+
+
 def pack_panels(w: np.ndarray) -> np.ndarray:
     """w [K, N] float → qs.Int4MatMul's weight (plugins/cpu/int4_matmul.cpp): uint8 [ceil(N/16), K/32 · 288].
 
@@ -87,9 +95,7 @@ def unpack_panels(packed: np.ndarray, k: int, n: int) -> np.ndarray:
     """Inverse of pack_panels: the dequantized weight float32 [K, N] (for tests and the reference)."""
     panels, nb = packed.shape[0], k // BLOCK
     cells = packed.reshape(panels, nb, BLOCK_BYTES)
-    nibbles = cells[..., :256].reshape(panels, nb, 4, PANEL, 4)                          # [P, nb, c, ch, j]
-    u = np.stack([nibbles & 0x0F, nibbles >> 4], axis=-1)                                # [P, nb, c, ch, j, h]
-    u = u.transpose(1, 2, 5, 4, 0, 3).reshape(k, panels * PANEL).astype(np.float32)     # k = 8c + 4h + j
+    u = _panel_u(cells, k).astype(np.float32)
     scale = np.ascontiguousarray(cells[..., 256:]).view(np.float16).astype(np.float32)  # [P, nb, 16]
     scale = np.repeat(scale.transpose(1, 0, 2).reshape(nb, panels * PANEL), BLOCK, axis=0)
     return ((u - 8) * scale)[:, :n]
@@ -127,9 +133,7 @@ def unpack_panels_int(packed: np.ndarray, k: int, n: int) -> np.ndarray:
     """Inverse of pack_panels_int: the dequantized weight float32 [K, N], (u − 8) · m · S."""
     panels, nb = packed.shape[0], k // BLOCK
     cells = packed[:, :nb * INT_BLOCK_BYTES].reshape(panels, nb, INT_BLOCK_BYTES)
-    nibbles = cells[..., :256].reshape(panels, nb, 4, PANEL, 4)                          # [P, nb, c, ch, j]
-    u = np.stack([nibbles & 0x0F, nibbles >> 4], axis=-1)                                # [P, nb, c, ch, j, h]
-    u = u.transpose(1, 2, 5, 4, 0, 3).reshape(k, panels * PANEL).astype(np.int32)       # k = 8c + 4h + j
+    u = _panel_u(cells, k).astype(np.int32)
     m = np.repeat(cells[..., 256:].transpose(1, 0, 2).reshape(nb, panels * PANEL), BLOCK, axis=0).astype(np.int32)
     scale = np.ascontiguousarray(packed[:, nb * INT_BLOCK_BYTES:]).view(np.float32).reshape(panels * PANEL)
     return ((u - 8) * m).astype(np.float32)[:, :n] * scale[:n]

@@ -70,6 +70,11 @@ struct Problem {
   int64_t panel_bytes;
 };
 
+// Integer scales: the 16 float32 channel scales S at the end of a panel.
+inline const uint8_t* channel_scales(const Problem& p, int64_t panel) {
+  return p.w + panel * p.panel_bytes + p.blocks * kIntBlockBytes;
+}
+
 #if defined(__F16C__)
 inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
 #else
@@ -132,20 +137,19 @@ inline void block_dots(const Problem& p, int64_t row0, int64_t b, const uint8_t*
 
 template <int R, int P>
 void micro(const Problem& p, int64_t row0, int64_t panel0) {
-  const int64_t panel_bytes = p.blocks * kBlockBytes;
   __m512 acc[R][P];
   for (int r = 0; r < R; ++r)
     for (int q = 0; q < P; ++q) acc[r][q] = _mm512_setzero_ps();
   const bool ahead = first_rows(row0);
   for (int64_t b = 0; b < p.blocks; ++b) {
     const uint8_t* block[P];
-    for (int q = 0; q < P; ++q) block[q] = p.w + (panel0 + q) * panel_bytes + b * kBlockBytes;
+    for (int q = 0; q < P; ++q) block[q] = p.w + (panel0 + q) * p.panel_bytes + b * kBlockBytes;
     __m512i t[R][P];
     block_dots<R, P>(p, row0, b, block, kBlockBytes, ahead, t);
     __m512 scale[P];
     for (int q = 0; q < P; ++q)
       scale[q] = _mm512_cvtph_ps(_mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(p.w + (panel0 + q) * panel_bytes + b * kBlockBytes + 256)));
+          reinterpret_cast<const __m256i*>(block[q] + 256)));
     for (int r = 0; r < R; ++r) {
       const __m512i corr = _mm512_set1_epi32(p.xsum8[(row0 + r) * p.blocks + b]);
       for (int q = 0; q < P; ++q)
@@ -159,6 +163,14 @@ void micro(const Problem& p, int64_t row0, int64_t panel0) {
       _mm512_mask_storeu_ps(p.y + (row0 + r) * p.n + col0, mask,
                             _mm512_mul_ps(acc[r][q], _mm512_set1_ps(p.x_scale[row0 + r])));
   }
+}
+
+// Integer scales, every path's finish: y[row, the panel's channels] = (float(sum) · S) · a.
+inline void store_int_sums(const Problem& p, int64_t row, int64_t panel, __m512i sum) {
+  const int64_t col0 = panel * kPanel, valid = std::min<int64_t>(kPanel, p.n - col0);
+  const __m512 scale = _mm512_loadu_ps(reinterpret_cast<const float*>(channel_scales(p, panel)));
+  _mm512_mask_storeu_ps(p.y + row * p.n + col0, static_cast<__mmask16>((1u << valid) - 1),
+                        _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sum), scale), _mm512_set1_ps(p.x_scale[row])));
 }
 
 // Integer scales: a block's sums less 8·Σx_q times its multipliers, added in int32 (the sum fits int16: 32·127·8,
@@ -183,16 +195,8 @@ void micro_int(const Problem& p, int64_t row0, int64_t panel0) {
         acc[r][q] = _mm512_add_epi32(acc[r][q], _mm512_madd_epi16(_mm512_sub_epi32(t[r][q], corr), mult[q]));
     }
   }
-  for (int q = 0; q < P; ++q) {
-    const int64_t col0 = (panel0 + q) * kPanel, valid = std::min<int64_t>(kPanel, p.n - col0);
-    const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
-    const __m512 scale = _mm512_loadu_ps(reinterpret_cast<const float*>(p.w + (panel0 + q) * p.panel_bytes +
-                                                                        p.blocks * kIntBlockBytes));
-    for (int r = 0; r < R; ++r)
-      _mm512_mask_storeu_ps(p.y + (row0 + r) * p.n + col0, mask,
-                            _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(acc[r][q]), scale),
-                                          _mm512_set1_ps(p.x_scale[row0 + r])));
-  }
+  for (int q = 0; q < P; ++q)
+    for (int r = 0; r < R; ++r) store_int_sums(p, row0 + r, panel0 + q, acc[r][q]);
 }
 
 // Integer scales on AMX tiles: a task's two panels at a time unpacked once into a thread-local copy of int8
@@ -270,17 +274,8 @@ struct TileKernelInt {
       Tiles::template store<2>(&acc[16][0], sizeof(acc[0]));
       Tiles::template store<3>(&acc[16][16], sizeof(acc[0]));
       const int rows_here = static_cast<int>(std::min<int64_t>(32, row_begin + nr - row0));
-      for (int q = 0; q < np; ++q) {          // the vector kernel's finish, operation for operation
-        const int64_t col0 = (panel0 + q) * kPanel, valid = std::min<int64_t>(kPanel, p.n - col0);
-        const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
-        const __m512 scale = _mm512_loadu_ps(reinterpret_cast<const float*>(p.w + (panel0 + q) * p.panel_bytes +
-                                                                            p.blocks * kIntBlockBytes));
-        for (int r = 0; r < rows_here; ++r)
-          _mm512_mask_storeu_ps(p.y + (row0 + r) * p.n + col0, mask,
-                                _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(&acc[r][16 * q])),
-                                                            scale),
-                                              _mm512_set1_ps(p.x_scale[row0 + r])));
-      }
+      for (int q = 0; q < np; ++q)            // the vector kernel's finish
+        for (int r = 0; r < rows_here; ++r) store_int_sums(p, row0 + r, panel0 + q, _mm512_load_si512(&acc[r][16 * q]));
     }
   }
 };
@@ -312,7 +307,7 @@ struct TileKernel {
 
   template <class Tiles>
   static void run(const Problem& p, int64_t row_begin, int nr, int64_t panel, int) {
-    const uint8_t* w = p.w + panel * p.blocks * kBlockBytes;
+    const uint8_t* w = p.w + panel * p.panel_bytes;
     thread_local std::vector<int8_t> unpacked_storage;
     unpacked_storage.resize(static_cast<size_t>(p.blocks * kUnpackedBlock));
     int8_t* unpacked = unpacked_storage.data();
@@ -414,7 +409,7 @@ inline void micro_int_row(const Problem& p, int64_t row, int64_t panel) {
   const int64_t col0 = panel * kPanel, valid = std::min<int64_t>(kPanel, p.n - col0);
   for (int64_t ch = 0; ch < valid; ++ch) {
     float scale;
-    std::memcpy(&scale, p.w + panel * p.panel_bytes + p.blocks * kIntBlockBytes + 4 * ch, 4);
+    std::memcpy(&scale, channel_scales(p, panel) + 4 * ch, 4);
     p.y[row * p.n + col0 + ch] = static_cast<float>(acc[ch]) * scale * p.x_scale[row];
   }
 }
@@ -423,10 +418,9 @@ inline void micro_int_row(const Problem& p, int64_t row, int64_t panel) {
 // the same order as the AVX-512 kernel (one fused multiply-add per block), so results agree across machines too.
 template <int R, int P>
 void micro(const Problem& p, int64_t row0, int64_t panel0) {
-  const int64_t panel_bytes = p.blocks * kBlockBytes;
   for (int r = 0; r < R; ++r)
     for (int q = 0; q < P; ++q) {
-      const uint8_t* w = p.w + (panel0 + q) * panel_bytes;
+      const uint8_t* w = p.w + (panel0 + q) * p.panel_bytes;
       const int8_t* x = p.xq + (row0 + r) * p.k;
       float acc[kPanel] = {};
       if (p.int_scales) {

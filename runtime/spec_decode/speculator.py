@@ -205,10 +205,9 @@ class Speculator:
         self.unseen_per_guess = 0.0    # seconds a guess costs that the cost model does not price (see observe)
         self._planned: tuple[float, int] | None = None   # the last plan's priced seconds and guesses, if it chose
         self._looked = False           # this step's plan ran a lookup (see observe)
-        # Plans known to choose no one (see _settle): how many are left, for which decodes (and rounds), whether
-        # each counts a step of the rate check (else an idle plan), and speculation's measured rate there.
-        self._quiet, self._quiet_decodes, self._quiet_counts_steps, self._quiet_spec_rate = 0, [], False, 0.0
-        self._quiet_rounds = 0
+        # Plans known to choose no one (see _settle): how many are left, for which decodes (and rounds), and whether
+        # each counts a step of the rate check (else an idle plan).
+        self._quiet, self._quiet_decodes, self._quiet_rounds, self._quiet_counts_steps = 0, [], 0, False
 
     def observe(self, num_decodes: int, speculated: bool, tokens: int, seconds: float) -> None:
         """A decode-only step's outcome (adaptive speculation checks its decisions against these). A speculating
@@ -228,8 +227,8 @@ class Speculator:
         if self._quiet:                # a plain step of a settled plan: only the reference moves
             self.rate_check.observe(num_decodes, False, tokens, seconds)
             if (self._quiet_counts_steps and num_decodes == len(self._quiet_decodes)
-                    and self._quiet_spec_rate >= RateCheck.MARGIN * self.rate_check.rate(False, num_decodes)):
-                self._quiet = 0        # plain decoding slowed down until speculation pays (RateCheck.pays)
+                    and self.rate_check.pays(num_decodes)):
+                self._quiet = 0        # plain decoding slowed down until speculation pays
             return
         planned, self._planned = self._planned, None
         speculated, self._looked = speculated or self._looked, False
@@ -344,9 +343,8 @@ class Speculator:
         round verified (plan), or plain decoding slowing until speculation's measured rate pays (observe; a step
         of the rate check consults that) — and tries' budget only grows meanwhile."""
         if plans > 0:
-            self._quiet, self._quiet_decodes, self._quiet_counts_steps = plans, list(decodes), counts_steps
-            self._quiet_rounds = self.stats.rounds
-            self._quiet_spec_rate = self.rate_check.rate(True, len(decodes)) if counts_steps else 0.0
+            self._quiet, self._quiet_decodes, self._quiet_rounds = plans, list(decodes), self.stats.rounds
+            self._quiet_counts_steps = counts_steps
 
     def _every_guess(self, decodes: list[Request], capacity: int, budget: int) -> dict[str, int]:
         """Not adaptive: everyone guesses as far as they may, within the budget."""
