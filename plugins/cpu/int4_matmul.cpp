@@ -18,8 +18,8 @@
 //
 //                     ─▶ y[n] = float(Σ_b m_b[n] · t_b[n]) · S[n] · a                            exact int32 sum
 //
-// (u − 8)·m fits int8, so on AMX tiles a row's product is one accumulator over all of K with one store at the end,
-// as the int8 kernel's is, where fp16 block scales take every block out of the tiles (below). A block's bytes are
+// (u − 8)·m fits int8, so on AMX tiles a row's product is one int32 sum over all of K, as the int8 kernel's is,
+// where fp16 block scales take every block out of the tiles (below). A block's bytes are
 // then its nibbles and its 16 multipliers (272), and a panel ends in its 16 channel scales as float32. The integer
 // sum is the same whatever the order, so every path gives the same bits by construction.
 //
@@ -63,6 +63,7 @@ struct Problem {
   const uint8_t* w;
   float* y;
   int8_t* xq;              // [M, K] (tiles: rows to a multiple of 32, zero)
+  int8_t* xt;              // tiles with integer scales: [rows/16][K/64][16 rows][64 k] (quantize_tiles)
   int32_t* xsum8;          // [M, K/32]: 8 · Σ_{k∈b} x_q
   float* x_scale;          // [M]
   int64_t m, k, n, blocks, panels;
@@ -199,14 +200,22 @@ void micro_int(const Problem& p, int64_t row0, int64_t panel0) {
     for (int r = 0; r < R; ++r) store_int_sums(p, row0 + r, panel0 + q, acc[r][q]);
 }
 
-// Integer scales on AMX tiles: a task's two panels at a time unpacked once into a thread-local copy of int8
-// weights (u − 8)·m in the [k/4][channel][4] rows TDPBSSD reads (two blocks a 64-byte step; an odd last block
-// padded with zero weights), then 32 rows at a time: two row tiles × two panels in four C tiles over all of K,
-// one store, and the vector kernel's float finish. The integer sum is the vector kernel's exactly.
+// Integer scales on AMX tiles, blocked as a GEMM is for its caches. A task is a group of up to kGroupPanels panels
+// and up to 512 rows; its activations come packed for the tiles (`xt`, quantize_tiles: per 16 rows and 64-k step
+// one contiguous 1 KB tile). K is taken a chunk of kChunkSteps steps at a time:
+//   - the group's blocks in the chunk unpacked into int8 weights (u − 8)·m in the [k/4][channel][4] rows TDPBSSD
+//     reads (two blocks a step; an odd last block padded with zero weights): each block unpacked once per task;
+//   - then per pair of panels (their chunk stays in L1) every 32 rows (the chunk of the task's rows stays in L2,
+//     shared by the group's panels): two row tiles × two panels in four C tiles, taken from and put back to the
+//     task's int32 sums between chunks.
+// The rows read the activations as a stream of whole tiles: strided rows from a [M, K] copy spent most of the
+// products' time waiting on their loads (two cache lines a row where unaligned, 16 pages a tile). At the end the
+// vector kernel's float finish; the integer sums are the vector kernel's exactly.
 struct TileKernelInt {
-  // A task's rows are all of a prompt's up to 512, so its panels are unpacked once for them (with 128-row tasks
-  // every panel was unpacked four times for a 445-token prompt: 0.85x the time of the 1.5B's products).
-  static constexpr int64_t kTaskRows = 512, kCallRows = kTaskRows, kCallPanels = 2;
+  static constexpr int64_t kTaskRows = 512, kCallRows = kTaskRows, kGroupPanels = 16, kCallPanels = kGroupPanels;
+  // 512 k: a pair's chunk (16 KB) stays in L1 beside 32 rows' (16 KB); 1,024 k took 1.2x the time in the products,
+  // although the C tiles then go to memory and back half as often (~20 cycles a tile each way)
+  static constexpr int64_t kChunkSteps = 8;
 
   // C 0–3: rows 0–15 | 16–31 × panel 0 | 1; A 4, 5: rows 0–15 | 16–31 of x; B 6, 7: panel 0 | 1
   static QsTileConfig config() {
@@ -238,45 +247,66 @@ struct TileKernelInt {
 
   template <class Tiles>
   static void run(const Problem& p, int64_t row_begin, int nr, int64_t panel0, int np) {
-    const int64_t steps = (p.blocks + 1) / 2, panel_stride = steps * 16 * 64;
-    thread_local std::vector<int8_t> unpacked_storage;
-    unpacked_storage.resize(static_cast<size_t>(2 * panel_stride));
-    int8_t* unpacked = unpacked_storage.data();
-    for (int q = 0; q < np; ++q) {
-      for (int64_t b = 0; b < p.blocks; ++b)
-        unpack_block(p.w + (panel0 + q) * p.panel_bytes + b * kIntBlockBytes, unpacked + q * panel_stride + b * 8 * 64);
-      if (p.blocks % 2) std::memset(unpacked + q * panel_stride + p.blocks * 8 * 64, 0, 8 * 64);   // the pad block
-    }
-    for (int64_t row0 = row_begin; row0 < row_begin + nr; row0 += 32) {
-      const int8_t* a = p.xq + row0 * p.k;
-      const bool two_rows = row0 + 16 < row_begin + nr;
-      Tiles::template zero<0>();
-      Tiles::template zero<1>();
-      Tiles::template zero<2>();
-      Tiles::template zero<3>();
-      for (int64_t s = 0; s < steps; ++s) {
-        Tiles::template load<4>(a + s * 64, p.k);
-        Tiles::template load<6>(unpacked + s * 16 * 64, 64);
-        Tiles::template dot_ss<0, 4, 6>();
-        if (np > 1) {
-          Tiles::template load<7>(unpacked + panel_stride + s * 16 * 64, 64);
-          Tiles::template dot_ss<1, 4, 7>();
-        }
-        if (two_rows) {
-          Tiles::template load<5>(a + 16 * p.k + s * 64, p.k);
-          Tiles::template dot_ss<2, 5, 6>();
-          if (np > 1) Tiles::template dot_ss<3, 5, 7>();
+    const int64_t steps = (p.blocks + 1) / 2, tile_rows = (nr + 31) / 32 * 32, pairs = (np + 1) / 2;
+    thread_local std::vector<int8_t> chunk_storage;       // [panel][step of the chunk][16 × 64]
+    thread_local std::vector<int32_t> sums_storage;       // [pair][row][32 channels]
+    chunk_storage.resize(static_cast<size_t>(np * kChunkSteps * 1024 + 64));
+    sums_storage.resize(static_cast<size_t>(pairs * tile_rows * 32 + 16));
+    int8_t* chunk = aligned64(chunk_storage.data());
+    int32_t* sums = aligned64(sums_storage.data());
+    const int8_t* xt = p.xt + row_begin / 16 * steps * 1024;
+    for (int64_t s0 = 0; s0 < steps; s0 += kChunkSteps) {
+      const int64_t sn = std::min(kChunkSteps, steps - s0), b_end = std::min(p.blocks, 2 * (s0 + sn));
+      for (int q = 0; q < np; ++q) {
+        int8_t* out = chunk + q * kChunkSteps * 1024;
+        const uint8_t* w = p.w + (panel0 + q) * p.panel_bytes;
+        for (int64_t b = 2 * s0; b < b_end; ++b) unpack_block(w + b * kIntBlockBytes, out + (b - 2 * s0) * 512);
+        if (b_end % 2) std::memset(out + (b_end - 2 * s0) * 512, 0, 512);   // the pad block
+      }
+      for (int64_t pair = 0; pair < pairs; ++pair) {
+        const int8_t* b0 = chunk + 2 * pair * kChunkSteps * 1024;
+        const int8_t* b1 = b0 + kChunkSteps * 1024;
+        const bool two_panels = 2 * pair + 1 < np;
+        for (int64_t r0 = 0; r0 < nr; r0 += 32) {
+          int32_t* c = sums + (pair * tile_rows + r0) * 32;
+          const int8_t* a0 = xt + (r0 / 16 * steps + s0) * 1024;
+          const int8_t* a1 = a0 + steps * 1024;
+          const bool two_rows = r0 + 16 < nr;
+          if (s0 == 0) {
+            Tiles::template zero<0>();
+            Tiles::template zero<1>();
+            Tiles::template zero<2>();
+            Tiles::template zero<3>();
+          } else {
+            Tiles::template load<0>(c, 128);
+            Tiles::template load<1>(c + 16, 128);
+            Tiles::template load<2>(c + 16 * 32, 128);
+            Tiles::template load<3>(c + 16 * 32 + 16, 128);
+          }
+          for (int64_t s = 0; s < sn; ++s) {
+            Tiles::template load<4>(a0 + s * 1024, 64);
+            Tiles::template load<6>(b0 + s * 1024, 64);
+            Tiles::template dot_ss<0, 4, 6>();
+            if (two_panels) {
+              Tiles::template load<7>(b1 + s * 1024, 64);
+              Tiles::template dot_ss<1, 4, 7>();
+            }
+            if (two_rows) {
+              Tiles::template load<5>(a1 + s * 1024, 64);
+              Tiles::template dot_ss<2, 5, 6>();
+              if (two_panels) Tiles::template dot_ss<3, 5, 7>();
+            }
+          }
+          Tiles::template store<0>(c, 128);
+          Tiles::template store<1>(c + 16, 128);
+          Tiles::template store<2>(c + 16 * 32, 128);
+          Tiles::template store<3>(c + 16 * 32 + 16, 128);
         }
       }
-      alignas(64) int32_t acc[32][32];
-      Tiles::template store<0>(&acc[0][0], sizeof(acc[0]));
-      Tiles::template store<1>(&acc[0][16], sizeof(acc[0]));
-      Tiles::template store<2>(&acc[16][0], sizeof(acc[0]));
-      Tiles::template store<3>(&acc[16][16], sizeof(acc[0]));
-      const int rows_here = static_cast<int>(std::min<int64_t>(32, row_begin + nr - row0));
-      for (int q = 0; q < np; ++q)            // the vector kernel's finish
-        for (int r = 0; r < rows_here; ++r) store_int_sums(p, row0 + r, panel0 + q, _mm512_load_si512(&acc[r][16 * q]));
     }
+    for (int r = 0; r < nr; ++r)            // the vector kernel's finish, a row's channels of the group in one run
+      for (int q = 0; q < np; ++q)
+        store_int_sums(p, row_begin + r, panel0 + q, _mm512_load_si512(sums + ((q / 2) * tile_rows + r) * 32 + 16 * (q % 2)));
   }
 };
 
@@ -469,6 +499,25 @@ void quantize(const Problem& p, int64_t row) {
   }
 }
 
+// Row `row`'s first 64 k in `xt`: 16 rows' 64-k steps make a 1 KB tile, one 16-row tile's steps in K order.
+inline int8_t* tile_row(const Problem& p, int64_t row) {
+  return p.xt + row / 16 * ((p.blocks + 1) / 2) * 1024 + row % 16 * 64;
+}
+
+// Integer scales on tiles: the row quantized as `quantize` does, into the tiles' layout (TileKernelInt), its 64-k
+// steps 1 KB apart; an odd last block's half step zero. (No block sums: signed weights need no correction.)
+void quantize_tiles(const Problem& p, int64_t row) {
+  const int64_t k = p.k, steps = (p.blocks + 1) / 2;
+  thread_local std::vector<uint8_t> storage;
+  storage.resize(static_cast<size_t>(steps * 64));
+  uint8_t* __restrict u = storage.data();
+  qs_quantize_row(p.x.row(row), k, u, p.x_scale + row);
+  for (int64_t i = 0; i < k; ++i) u[i] ^= 0x80;                  // u − 128 as a signed byte
+  std::fill(u + k, u + steps * 64, uint8_t{0});
+  int8_t* out = tile_row(p, row);
+  for (int64_t s = 0; s < steps; ++s) std::memcpy(out + s * 1024, u + s * 64, 64);
+}
+
 // The optional attribute int_scales (absent in engines built before it: 0): which of the two packings the weight has.
 inline bool int_scales_of(const OrtKernelInfo* info, const char* op) {
   Ort::ConstKernelInfo ki(info);
@@ -522,22 +571,34 @@ struct Int4MatMulKernel {
 
     const QsTiles tiles = p.m >= kInt4TileMinRows ? qs_tiles_mode() : QsTiles::kOff;
     const int64_t rows = tiles == QsTiles::kOff ? p.m : (p.m + kTileCallRows - 1) / kTileCallRows * kTileCallRows;
+    thread_local std::vector<float> x_scale;
+    x_scale.resize(static_cast<size_t>(p.m));
+    p.x_scale = x_scale.data();
+#if defined(__AVX512BW__)           // (elsewhere the mode is always off: tiles.cpp)
+    if (tiles != QsTiles::kOff && p.int_scales) {
+      thread_local std::vector<int8_t> xt;
+      const int64_t step_bytes = (p.blocks + 1) / 2 * 64;
+      xt.resize(static_cast<size_t>(rows * step_bytes + 64));
+      p.xt = aligned64(xt.data());
+      for_each_row<Problem, quantize_tiles>(ctx, p, p.m);
+      for (int64_t row = p.m; row < rows; ++row)          // the padding rows: zero
+        for (int64_t s = 0; s < step_bytes / 64; ++s) std::memset(tile_row(p, row) + s * 1024, 0, 64);
+      TileGemm<Problem, TileKernelInt>::run(ctx, tiles, p, p.m, p.n, TileKernelInt::kGroupPanels);
+      qs_add_bias(ctx, p.y, p.m, n, bias);
+      return;
+    }
+#endif
     thread_local std::vector<int8_t> xq;
     thread_local std::vector<int32_t> xsum8;
-    thread_local std::vector<float> x_scale;
-    xq.resize(static_cast<size_t>(rows * p.k + 64));    // (a tile step of 64 k past an odd last block: × zero)
-    std::fill(xq.begin() + p.m * p.k, xq.end(), int8_t{0});
+    xq.resize(static_cast<size_t>(rows * p.k + 128));   // (a tile step of 64 k past an odd last block: × zero)
+    p.xq = aligned64(xq.data());
+    std::fill(p.xq + p.m * p.k, xq.data() + xq.size(), int8_t{0});
     xsum8.resize(static_cast<size_t>(p.m * p.blocks));
-    x_scale.resize(static_cast<size_t>(p.m));
-    p.xq = xq.data();
     p.xsum8 = xsum8.data();
-    p.x_scale = x_scale.data();
     for_each_row<Problem, quantize>(ctx, p, p.m);
     if (tiles == QsTiles::kOff)
       PanelGemm<Problem, Micro, kRows, kPanels>::run(ctx, p, p.m, p.n, 2 * kPanels);
-#if defined(__AVX512BW__)           // (elsewhere the mode is always off: tiles.cpp)
-    else if (p.int_scales)
-      TileGemm<Problem, TileKernelInt>::run(ctx, tiles, p, p.m, p.n, 2 * kPanels);
+#if defined(__AVX512BW__)
     else
       TileGemm<Problem, TileKernel>::run(ctx, tiles, p, p.m, p.n, 2 * kPanels);
 #endif

@@ -16,7 +16,7 @@ import sys
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 
@@ -97,13 +97,15 @@ def test_int8_matmul_on_tiles_is_the_vector_kernel_bit_for_bit(mode, k, n, rows,
 @pytest.mark.parametrize("mode", TILE_MODES)
 @pytest.mark.parametrize("int_scales", [False, True])
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(k=st.sampled_from([32, 64, 96, 128, 160, 576]), n=st.sampled_from([1, 15, 17, 33, 100]),
+@given(k=st.sampled_from([32, 64, 96, 128, 160, 544, 576, 1056]), n=st.sampled_from([1, 15, 17, 33, 100, 300]),
        rows=st.sampled_from([15, 16, 31, 32, 33, 47, 64, 129, 160, 530]), threads=st.sampled_from([1, 2]),
        seed=st.integers(0, 2**31))
+@example(k=1056, n=300, rows=530, threads=2, seed=0)       # every boundary at once: chunks, groups, tasks
 def test_int4_matmul_on_tiles_is_the_vector_kernel_bit_for_bit(mode, int_scales, k, n, rows, threads, seed):
-    """fp16 block scales: one block (32 k) a tile step with its own scales; integer ones: two blocks a step into one
-    accumulator over all of K (an odd last block padded), tasks of up to 512 rows (530: a second one). K of one to
-    five and eighteen blocks (odd and even counts of the kernels' block pairs), the rest as for int8; weights at the
+    """fp16 block scales: one block (32 k) a tile step with its own scales; integer ones: two blocks a step into int32
+    sums carried from chunk to chunk of K (8 steps: 544 and 1,056 end in a part chunk with an odd last block), tasks
+    of up to 512 rows (530: a second one) and 16 panels (300 channels: a second group, of 3). K of one to five, 17,
+    18 and 33 blocks (odd and even counts of the kernels' block pairs), the rest as for int8; weights at the
     ends of the nibble range (fp16 scales: u = 0 and 15; integer ones, symmetric: 1 and 15, multipliers 16 and the
     small ones of the pushed-down blocks) and an all-zero channel."""
     rng = np.random.default_rng(seed)
