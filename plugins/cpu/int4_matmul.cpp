@@ -250,10 +250,8 @@ struct TileKernelInt {
     const int64_t steps = (p.blocks + 1) / 2, tile_rows = (nr + 31) / 32 * 32, pairs = (np + 1) / 2;
     thread_local std::vector<int8_t> chunk_storage;       // [panel][step of the chunk][16 × 64]
     thread_local std::vector<int32_t> sums_storage;       // [pair][row][32 channels]
-    chunk_storage.resize(static_cast<size_t>(np * kChunkSteps * 1024 + 64));
-    sums_storage.resize(static_cast<size_t>(pairs * tile_rows * 32 + 16));
-    int8_t* chunk = aligned64(chunk_storage.data());
-    int32_t* sums = aligned64(sums_storage.data());
+    int8_t* chunk = aligned64(qs_scratch(chunk_storage, static_cast<size_t>(np * kChunkSteps * 1024 + 64)));
+    int32_t* sums = aligned64(qs_scratch(sums_storage, static_cast<size_t>(pairs * tile_rows * 32 + 16)));
     const int8_t* xt = p.xt + row_begin / 16 * steps * 1024;
     for (int64_t s0 = 0; s0 < steps; s0 += kChunkSteps) {
       const int64_t sn = std::min(kChunkSteps, steps - s0), b_end = std::min(p.blocks, 2 * (s0 + sn));
@@ -339,8 +337,7 @@ struct TileKernel {
   static void run(const Problem& p, int64_t row_begin, int nr, int64_t panel, int) {
     const uint8_t* w = p.w + panel * p.panel_bytes;
     thread_local std::vector<int8_t> unpacked_storage;
-    unpacked_storage.resize(static_cast<size_t>(p.blocks * kUnpackedBlock));
-    int8_t* unpacked = unpacked_storage.data();
+    int8_t* unpacked = qs_scratch(unpacked_storage, static_cast<size_t>(p.blocks * kUnpackedBlock));
     const __m512i low = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
     for (int64_t b = 0; b < p.blocks; ++b)
       for (int c = 0; c < 4; ++c) {
@@ -509,8 +506,7 @@ inline int8_t* tile_row(const Problem& p, int64_t row) {
 void quantize_tiles(const Problem& p, int64_t row) {
   const int64_t k = p.k, steps = (p.blocks + 1) / 2;
   thread_local std::vector<uint8_t> storage;
-  storage.resize(static_cast<size_t>(steps * 64));
-  uint8_t* __restrict u = storage.data();
+  uint8_t* __restrict u = qs_scratch(storage, static_cast<size_t>(steps * 64));
   qs_quantize_row(p.x.row(row), k, u, p.x_scale + row);
   for (int64_t i = 0; i < k; ++i) u[i] ^= 0x80;                  // u − 128 as a signed byte
   std::fill(u + k, u + steps * 64, uint8_t{0});
@@ -572,14 +568,12 @@ struct Int4MatMulKernel {
     const QsTiles tiles = p.m >= kInt4TileMinRows ? qs_tiles_mode() : QsTiles::kOff;
     const int64_t rows = tiles == QsTiles::kOff ? p.m : (p.m + kTileCallRows - 1) / kTileCallRows * kTileCallRows;
     thread_local std::vector<float> x_scale;
-    x_scale.resize(static_cast<size_t>(p.m));
-    p.x_scale = x_scale.data();
+    p.x_scale = qs_scratch(x_scale, static_cast<size_t>(p.m));
 #if defined(__AVX512BW__)           // (elsewhere the mode is always off: tiles.cpp)
     if (tiles != QsTiles::kOff && p.int_scales) {
       thread_local std::vector<int8_t> xt;
       const int64_t step_bytes = (p.blocks + 1) / 2 * 64;
-      xt.resize(static_cast<size_t>(rows * step_bytes + 64));
-      p.xt = aligned64(xt.data());
+      p.xt = aligned64(qs_scratch(xt, static_cast<size_t>(rows * step_bytes + 64)));
       for_each_row<Problem, quantize_tiles>(ctx, p, p.m);
       for (int64_t row = p.m; row < rows; ++row)          // the padding rows: zero
         for (int64_t s = 0; s < step_bytes / 64; ++s) std::memset(tile_row(p, row) + s * 1024, 0, 64);
@@ -590,11 +584,9 @@ struct Int4MatMulKernel {
 #endif
     thread_local std::vector<int8_t> xq;
     thread_local std::vector<int32_t> xsum8;
-    xq.resize(static_cast<size_t>(rows * p.k + 128));   // (a tile step of 64 k past an odd last block: × zero)
-    p.xq = aligned64(xq.data());
-    std::fill(p.xq + p.m * p.k, xq.data() + xq.size(), int8_t{0});
-    xsum8.resize(static_cast<size_t>(p.m * p.blocks));
-    p.xsum8 = xsum8.data();
+    p.xq = aligned64(qs_scratch(xq, static_cast<size_t>(rows * p.k + 128)));
+    std::fill(p.xq + p.m * p.k, p.xq + rows * p.k + 64, int8_t{0});   // (a tile step of 64 k past an odd last block)
+    p.xsum8 = qs_scratch(xsum8, static_cast<size_t>(p.m * p.blocks));
     for_each_row<Problem, quantize>(ctx, p, p.m);
     if (tiles == QsTiles::kOff)
       PanelGemm<Problem, Micro, kRows, kPanels>::run(ctx, p, p.m, p.n, 2 * kPanels);

@@ -285,11 +285,9 @@ struct Int8MatMulKernel {
     p.lda = tiles == QsTiles::kOff ? p.k4 : (p.k4 + 63) / 64 * 64;
     thread_local std::vector<uint8_t> xq;
     thread_local std::vector<float> x_scale;
-    xq.resize(static_cast<size_t>(rows * p.lda));
-    std::fill(xq.begin() + p.m * p.lda, xq.end(), uint8_t{0});
-    x_scale.resize(static_cast<size_t>(p.m));
-    p.xq = xq.data();
-    p.x_scale = x_scale.data();
+    p.xq = qs_scratch(xq, static_cast<size_t>(rows * p.lda));
+    std::fill(p.xq + p.m * p.lda, p.xq + rows * p.lda, uint8_t{0});
+    p.x_scale = qs_scratch(x_scale, static_cast<size_t>(p.m));
     for_each_row<Problem, quantize>(ctx, p, p.m);
     if (tiles == QsTiles::kOff)
       PanelGemm<Problem, Micro, kRowsPerCall, kPanelsPerCall>::run(ctx, p, p.m, p.n, kPanelsPerCall);

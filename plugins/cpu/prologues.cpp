@@ -87,13 +87,13 @@ const float* QsPrologueRows::row(int64_t r) const {
   const int64_t k = prologue->k;
   if (prologue->kind == QsPrologue::kNone) return x + r * k;
   thread_local std::vector<float> staged;
-  staged.resize(static_cast<size_t>(k));
+  float* out = qs_scratch(staged, static_cast<size_t>(k));
   if (prologue->kind == QsPrologue::kSwiGLU)
-    qs_swiglu_row(x + r * 2 * k, k, staged.data());
+    qs_swiglu_row(x + r * 2 * k, k, out);
   else
     qs_skip_rms_norm_row(x + r * k, skip + r * k, gamma, k, prologue->epsilon,
-                         residual != nullptr ? residual + r * k : nullptr, staged.data());
-  return staged.data();
+                         residual != nullptr ? residual + r * k : nullptr, out);
+  return out;
 }
 
 QsPrologueRows qs_bind_prologue(const QsPrologue& prologue, Ort::KernelContext& ctx, const std::vector<int64_t>& x_shape,
