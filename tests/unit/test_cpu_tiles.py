@@ -104,8 +104,8 @@ def test_int8_matmul_on_tiles_is_the_vector_kernel_bit_for_bit(mode, k, n, rows,
 def test_int4_matmul_on_tiles_is_the_vector_kernel_bit_for_bit(mode, int_scales, k, n, rows, threads, seed):
     """fp16 block scales: one block (32 k) a tile step with its own scales; integer ones: two blocks a step into int32
     sums carried from chunk to chunk of K (8 steps: 544 and 1,056 end in a part chunk with an odd last block), tasks
-    of up to 512 rows (530: a second one) and 8 panels (300 channels: three groups, the last of 3). K of one to five, 17,
-    18 and 33 blocks (odd and even counts of the kernels' block pairs), the rest as for int8; weights at the
+    of up to 512 rows (530: a second one) and 8 panels (300 channels: three groups, the last of 3). K of one to
+    five, 17, 18 and 33 blocks (odd and even counts of the kernels' block pairs), the rest as for int8; weights at the
     ends of the nibble range (fp16 scales: u = 0 and 15; integer ones, symmetric: 1 and 15, multipliers 16 and the
     small ones of the pushed-down blocks) and an all-zero channel."""
     rng = np.random.default_rng(seed)
