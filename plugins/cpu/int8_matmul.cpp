@@ -285,7 +285,7 @@ struct Int8MatMulKernel {
     p.lda = tiles == QsTiles::kOff ? p.k4 : (p.k4 + 63) / 64 * 64;
     thread_local std::vector<uint8_t> xq;
     thread_local std::vector<float> x_scale;
-    p.xq = qs_scratch(xq, static_cast<size_t>(rows * p.lda));
+    p.xq = aligned64(qs_scratch(xq, static_cast<size_t>(rows * p.lda + 64)));   // whole cache lines a tile row
     std::fill(p.xq + p.m * p.lda, p.xq + rows * p.lda, uint8_t{0});
     p.x_scale = qs_scratch(x_scale, static_cast<size_t>(p.m));
     for_each_row<Problem, quantize>(ctx, p, p.m);
