@@ -63,7 +63,7 @@ struct Problem {
   const uint8_t* w;
   float* y;
   int8_t* xq;              // [M, K] (tiles: rows to a multiple of 32, zero)
-  int8_t* xt;              // tiles with integer scales: [rows/16][K/64][16 rows][64 k] (quantize_tiles)
+  TiledRows<int8_t> xt;    // tiles with integer scales: x_q as whole tiles (quantize_tiles)
   int32_t* xsum8;          // [M, K/32]: 8 · Σ_{k∈b} x_q
   float* x_scale;          // [M]
   int64_t m, k, n, blocks, panels;
@@ -200,30 +200,12 @@ void micro_int(const Problem& p, int64_t row0, int64_t panel0) {
     for (int r = 0; r < R; ++r) store_int_sums(p, row0 + r, panel0 + q, acc[r][q]);
 }
 
-// Integer scales on AMX tiles, blocked as a GEMM is for its caches. A task is a group of up to kGroupPanels panels
-// and up to 512 rows; its activations come packed for the tiles (`xt`, quantize_tiles: per 16 rows and 64-k step
-// one contiguous 1 KB tile). K is taken a chunk of kChunkSteps steps at a time:
-//   - the group's blocks in the chunk unpacked into int8 weights (u − 8)·m in the [k/4][channel][4] rows TDPBSSD
-//     reads (two blocks a step; an odd last block padded with zero weights): each block unpacked once per task;
-//   - then per pair of panels (their chunk stays in L1) every 32 rows (the chunk of the task's rows stays in L2,
-//     shared by the group's panels): two row tiles × two panels in four C tiles, taken from and put back to the
-//     task's int32 sums between chunks.
-// The rows read the activations as a stream of whole tiles: strided rows from a [M, K] copy spent most of the
-// products' time waiting on their loads (two cache lines a row where unaligned, 16 pages a tile). At the end the
-// vector kernel's float finish; the integer sums are the vector kernel's exactly.
-struct TileKernelInt {
-  // 8 panels: as fast as 16 in the 1.5B's products and half the L2 (4: the down projection's 1.25x the time)
-  static constexpr int64_t kTaskRows = 512, kCallRows = kTaskRows, kGroupPanels = 8, kCallPanels = kGroupPanels;
-  // 512 k: a pair's chunk (16 KB) stays in L1 beside 32 rows' (16 KB); 1,024 k took 1.2x the time in the products,
-  // although the C tiles then go to memory and back half as often (~20 cycles a tile each way)
-  static constexpr int64_t kChunkSteps = 8;
-
-  // C 0–3: rows 0–15 | 16–31 × panel 0 | 1; A 4, 5: rows 0–15 | 16–31 of x; B 6, 7: panel 0 | 1
-  static QsTileConfig config() {
-    QsTileConfig c;
-    for (int t = 0; t < 8; ++t) c.tile(t, 16, 64);
-    return c;
-  }
+// Integer scales on AMX tiles: ChunkedTiles (panel_gemm.h) over the activations as tiles (quantize_tiles) and, per
+// chunk of K, the group's blocks in it unpacked into int8 weights (u − 8)·m in the [k/4][channel][4] rows TDPBSSD
+// reads (two blocks a step; an odd last block padded with zero weights), each block once per task; then the vector
+// kernel's float finish. The integer sums are the vector kernel's exactly.
+struct TileKernelInt : ChunkedTiles {
+  static constexpr int64_t kCallRows = kTaskRows, kCallPanels = kGroupPanels;
 
   // (u − 8)·m of one block (32 k × 16 channels) into 8 rows of 64 bytes
   static void unpack_block(const uint8_t* block, int8_t* out) {
@@ -248,64 +230,26 @@ struct TileKernelInt {
 
   template <class Tiles>
   static void run(const Problem& p, int64_t row_begin, int nr, int64_t panel0, int np) {
-    const int64_t steps = (p.blocks + 1) / 2, tile_rows = (nr + 31) / 32 * 32, pairs = (np + 1) / 2;
+    const int64_t steps = (p.blocks + 1) / 2, tile_rows = (nr + 31) / 32 * 32;
     thread_local std::vector<int8_t> chunk_storage;       // [panel][step of the chunk][16 × 64]
-    thread_local std::vector<int32_t> sums_storage;       // [pair][row][32 channels]
     int8_t* chunk = aligned64(qs_scratch(chunk_storage, static_cast<size_t>(np * kChunkSteps * 1024 + 64)));
-    int32_t* sums = aligned64(qs_scratch(sums_storage, static_cast<size_t>(pairs * tile_rows * 32 + 16)));
-    const int8_t* xt = p.xt + row_begin / 16 * steps * 1024;
+    int32_t* sums = ChunkedTiles::sums(np, tile_rows);
+    const int8_t* b[kGroupPanels];
+    for (int q = 0; q < np; ++q) b[q] = chunk + q * kChunkSteps * 1024;
     for (int64_t s0 = 0; s0 < steps; s0 += kChunkSteps) {
       const int64_t sn = std::min(kChunkSteps, steps - s0), b_end = std::min(p.blocks, 2 * (s0 + sn));
       for (int q = 0; q < np; ++q) {
         int8_t* out = chunk + q * kChunkSteps * 1024;
         const uint8_t* w = p.w + (panel0 + q) * p.panel_bytes;
-        for (int64_t b = 2 * s0; b < b_end; ++b) unpack_block(w + b * kIntBlockBytes, out + (b - 2 * s0) * 512);
+        for (int64_t blk = 2 * s0; blk < b_end; ++blk) unpack_block(w + blk * kIntBlockBytes, out + (blk - 2 * s0) * 512);
         if (b_end % 2) std::memset(out + (b_end - 2 * s0) * 512, 0, 512);   // the pad block
       }
-      for (int64_t pair = 0; pair < pairs; ++pair) {
-        const int8_t* b0 = chunk + 2 * pair * kChunkSteps * 1024;
-        const int8_t* b1 = b0 + kChunkSteps * 1024;
-        const bool two_panels = 2 * pair + 1 < np;
-        for (int64_t r0 = 0; r0 < nr; r0 += 32) {
-          int32_t* c = sums + (pair * tile_rows + r0) * 32;
-          const int8_t* a0 = xt + (r0 / 16 * steps + s0) * 1024;
-          const int8_t* a1 = a0 + steps * 1024;
-          const bool two_rows = r0 + 16 < nr;
-          if (s0 == 0) {
-            Tiles::template zero<0>();
-            Tiles::template zero<1>();
-            Tiles::template zero<2>();
-            Tiles::template zero<3>();
-          } else {
-            Tiles::template load<0>(c, 128);
-            Tiles::template load<1>(c + 16, 128);
-            Tiles::template load<2>(c + 16 * 32, 128);
-            Tiles::template load<3>(c + 16 * 32 + 16, 128);
-          }
-          for (int64_t s = 0; s < sn; ++s) {
-            Tiles::template load<4>(a0 + s * 1024, 64);
-            Tiles::template load<6>(b0 + s * 1024, 64);
-            Tiles::template dot_ss<0, 4, 6>();
-            if (two_panels) {
-              Tiles::template load<7>(b1 + s * 1024, 64);
-              Tiles::template dot_ss<1, 4, 7>();
-            }
-            if (two_rows) {
-              Tiles::template load<5>(a1 + s * 1024, 64);
-              Tiles::template dot_ss<2, 5, 6>();
-              if (two_panels) Tiles::template dot_ss<3, 5, 7>();
-            }
-          }
-          Tiles::template store<0>(c, 128);
-          Tiles::template store<1>(c + 16, 128);
-          Tiles::template store<2>(c + 16 * 32, 128);
-          Tiles::template store<3>(c + 16 * 32 + 16, 128);
-        }
-      }
+      ChunkedTiles::add<Tiles, false>(nr, np, sn, s0 == 0, tile_rows, sums, p.xt.tile(row_begin / 16) + s0 * 1024,
+                                      steps * 1024, b);
     }
     for (int r = 0; r < nr; ++r)            // the vector kernel's finish, a row's channels of the group in one run
       for (int q = 0; q < np; ++q)
-        store_int_sums(p, row_begin + r, panel0 + q, _mm512_load_si512(sums + ((q / 2) * tile_rows + r) * 32 + 16 * (q % 2)));
+        store_int_sums(p, row_begin + r, panel0 + q, _mm512_load_si512(ChunkedTiles::row_sums(sums, tile_rows, r, q)));
   }
 };
 
@@ -497,22 +441,16 @@ void quantize(const Problem& p, int64_t row) {
   }
 }
 
-// Row `row`'s first 64 k in `xt`: 16 rows' 64-k steps make a 1 KB tile, one 16-row tile's steps in K order.
-inline int8_t* tile_row(const Problem& p, int64_t row) {
-  return p.xt + row / 16 * ((p.blocks + 1) / 2) * 1024 + row % 16 * 64;
-}
-
-// Integer scales on tiles: the row quantized as `quantize` does, into the tiles' layout (TileKernelInt), its 64-k
-// steps 1 KB apart; an odd last block's half step zero. (No block sums: signed weights need no correction.)
+// Integer scales on tiles: the row quantized as `quantize` does, into the tiles' layout (ChunkedTiles), an odd last
+// block's half step zero. (No block sums: signed weights need no correction.)
 void quantize_tiles(const Problem& p, int64_t row) {
-  const int64_t k = p.k, steps = (p.blocks + 1) / 2;
+  const int64_t k = p.k, bytes = p.xt.steps * 64;
   thread_local std::vector<uint8_t> storage;
-  uint8_t* __restrict u = qs_scratch(storage, static_cast<size_t>(steps * 64));
+  uint8_t* __restrict u = qs_scratch(storage, static_cast<size_t>(bytes));
   qs_quantize_row(p.x.row(row), k, u, p.x_scale + row);
   for (int64_t i = 0; i < k; ++i) u[i] ^= 0x80;                  // u − 128 as a signed byte
-  std::fill(u + k, u + steps * 64, uint8_t{0});
-  int8_t* out = tile_row(p, row);
-  for (int64_t s = 0; s < steps; ++s) std::memcpy(out + s * 1024, u + s * 64, 64);
+  std::fill(u + k, u + bytes, uint8_t{0});
+  p.xt.scatter(row, reinterpret_cast<const int8_t*>(u));
 }
 
 // The optional attribute int_scales (absent in engines built before it: 0): which of the two packings the weight has.
@@ -572,12 +510,9 @@ struct Int4MatMulKernel {
     p.x_scale = qs_scratch(x_scale, static_cast<size_t>(p.m));
 #if defined(__AVX512BW__)           // (elsewhere the mode is always off: tiles.cpp)
     if (tiles != QsTiles::kOff && p.int_scales) {
-      thread_local std::vector<int8_t> xt;
-      const int64_t step_bytes = (p.blocks + 1) / 2 * 64;
-      p.xt = aligned64(qs_scratch(xt, static_cast<size_t>(rows * step_bytes + 64)));
+      p.xt = TiledRows<int8_t>::scratch(rows, (p.blocks + 1) / 2);
       for_each_row<Problem, quantize_tiles>(ctx, p, p.m);
-      for (int64_t row = p.m; row < rows; ++row)          // the padding rows: zero
-        for (int64_t s = 0; s < step_bytes / 64; ++s) std::memset(tile_row(p, row) + s * 1024, 0, 64);
+      p.xt.zero_rows(p.m, rows);
       TileGemm<Problem, TileKernelInt>::run(ctx, tiles, p, p.m, p.n, TileKernelInt::kGroupPanels);
       qs_add_bias(ctx, p.y, p.m, n, bias);
       return;

@@ -47,7 +47,8 @@ struct Problem {
   const float* w_scale;     // [N]
   const int32_t* w_zsum;    // [N]
   float* y;                 // [M, N]
-  uint8_t* xq;              // [M, lda]: K4 bytes a row (tiles: K4 rounded up to 64, zero past K4)
+  uint8_t* xq;              // [M, K4] (the vector kernels)
+  TiledRows<uint8_t> xt;    // tiles: x_q as whole tiles, lda bytes a row (quantize_tiles)
   float* x_scale;           // [M]
   int64_t m, k, k4, lda, n, panels;
 };
@@ -106,66 +107,47 @@ void micro(const Problem& p, int64_t row0, int64_t panel0) {
   }
 }
 
-// On AMX tiles (tiles.h): 32 rows × 2 panels a call, 64 k a step. A tile of x is 16 rows × 64 bytes (unsigned,
-// zero point 128); a tile of the weight is a panel's 64 k as packed — [16 (k/4)][16 channels][4 k] is the layout
-// TDPBUSD reads — so the sums are the vector kernel's exact int32 sums, finished by the same vector code.
-struct TileKernel {
-  static constexpr int64_t kTaskRows = kRowBlock, kCallRows = 32, kCallPanels = 2;
-  // C 0–3: rows 0–15 | 16–31 × panel 0 | 1 (16 × 16 int32); A 4, 5: x rows 0–15 | 16–31; B 6, 7: panel 0 | 1
-  static QsTileConfig config() {
-    QsTileConfig c;
-    for (int t = 0; t < 8; ++t) c.tile(t, 16, 64);
-    return c;
-  }
+// On AMX tiles: ChunkedTiles (panel_gemm.h) over the activations as tiles (quantize_tiles, unsigned, zero point
+// 128) and the weight's panels as packed — [16 (k/4)][16 channels][4 k] a 64-k step is the layout TDPBUSD reads, 1 KB
+// a step — so the sums are the vector kernel's exact int32 sums, finished by the same vector code.
+struct TileKernel : ChunkedTiles {
+  static constexpr int64_t kCallRows = kTaskRows, kCallPanels = kGroupPanels;
 
   template <class Tiles>
-  static void run(const Problem& p, int64_t row0, int nr, int64_t panel0, int np) {
-    const int64_t panel_bytes = p.k4 * kPanel;
-    const uint8_t* a = p.xq + row0 * p.lda;
-    const int8_t* w = p.w + panel0 * panel_bytes;
-    alignas(64) int8_t tail[2][16 * 64];      // a K4 that is not a multiple of 64 ends in a part step, zero past K4
-    Tiles::template zero<0>();
-    Tiles::template zero<1>();
-    Tiles::template zero<2>();
-    Tiles::template zero<3>();
-    for (int64_t k0 = 0; k0 < p.lda; k0 += 64) {
-      const int8_t* b0 = w + k0 * kPanel;
-      const int8_t* b1 = b0 + panel_bytes;
-      if (k0 + 64 > p.k4) {
-        const int64_t bytes = (p.k4 - k0) * kPanel;
-        std::memset(tail, 0, sizeof(tail));
-        std::memcpy(tail[0], b0, static_cast<size_t>(bytes));
-        if (np > 1) std::memcpy(tail[1], b1, static_cast<size_t>(bytes));
-        b0 = tail[0];
-        b1 = tail[1];
+  static void run(const Problem& p, int64_t row_begin, int nr, int64_t panel0, int np) {
+    const int64_t steps = p.lda / 64, tile_rows = (nr + 31) / 32 * 32, panel_bytes = p.k4 * kPanel;
+    int32_t* sums = ChunkedTiles::sums(np, tile_rows);
+    thread_local std::vector<int8_t> tail_storage;   // a K4 that is not a multiple of 64 ends in a part step: zero past K4
+    // one block of 32 rows (a verification's or a short prompt's) takes K whole: its rows stay in L1 anyway, and
+    // putting the C tiles back every chunk made 16 rows of the down projection 1.1x the time
+    const int64_t chunk = nr <= 32 ? steps : kChunkSteps;
+    for (int64_t s0 = 0; s0 < steps; s0 += chunk) {
+      const int64_t sn = std::min(chunk, steps - s0);
+      const int8_t* b[kGroupPanels];
+      for (int q = 0; q < np; ++q) b[q] = p.w + (panel0 + q) * panel_bytes + s0 * 1024;
+      if ((s0 + sn) * 64 > p.k4) {
+        int8_t* tail = aligned64(qs_scratch(tail_storage, static_cast<size_t>(np * sn * 1024 + 64)));
+        const int64_t bytes = (p.k4 - s0 * 64) * kPanel;
+        for (int q = 0; q < np; ++q) {
+          int8_t* to = tail + q * sn * 1024;
+          std::memcpy(to, b[q], static_cast<size_t>(bytes));
+          std::memset(to + bytes, 0, static_cast<size_t>(sn * 1024 - bytes));
+          b[q] = to;
+        }
       }
-      Tiles::template load<4>(a + k0, p.lda);
-      Tiles::template load<6>(b0, 64);
-      Tiles::template dot_us<0, 4, 6>();
-      if (np > 1) {
-        Tiles::template load<7>(b1, 64);
-        Tiles::template dot_us<1, 4, 7>();
-      }
-      if (nr > 16) {
-        Tiles::template load<5>(a + 16 * p.lda + k0, p.lda);
-        Tiles::template dot_us<2, 5, 6>();
-        if (np > 1) Tiles::template dot_us<3, 5, 7>();
-      }
+      ChunkedTiles::add<Tiles, true>(nr, np, sn, s0 == 0, tile_rows, sums, p.xt.tile(row_begin / 16) + s0 * 1024,
+                                     steps * 1024, b);
     }
-    alignas(64) int32_t acc[32][32];
-    Tiles::template store<0>(&acc[0][0], sizeof(acc[0]));
-    Tiles::template store<1>(&acc[0][16], sizeof(acc[0]));
-    Tiles::template store<2>(&acc[16][0], sizeof(acc[0]));
-    Tiles::template store<3>(&acc[16][16], sizeof(acc[0]));
-    for (int q = 0; q < np; ++q) {          // the vector kernel's finish, operation for operation
-      const int64_t col0 = (panel0 + q) * kPanel, valid = std::min<int64_t>(kPanel, p.n - col0);
-      const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
-      const __m512i zsum = _mm512_maskz_loadu_epi32(mask, p.w_zsum + col0);
-      const __m512 scale = _mm512_maskz_loadu_ps(mask, p.w_scale + col0);
-      for (int r = 0; r < nr; ++r) {
-        const __m512i sum = _mm512_load_si512(&acc[r][16 * q]);
+    for (int r = 0; r < nr; ++r) {          // the vector kernel's finish, operation for operation
+      const int64_t row = row_begin + r;
+      for (int q = 0; q < np; ++q) {
+        const int64_t col0 = (panel0 + q) * kPanel, valid = std::min<int64_t>(kPanel, p.n - col0);
+        const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
+        const __m512i zsum = _mm512_maskz_loadu_epi32(mask, p.w_zsum + col0);
+        const __m512 scale = _mm512_maskz_loadu_ps(mask, p.w_scale + col0);
+        const __m512i sum = _mm512_load_si512(ChunkedTiles::row_sums(sums, tile_rows, r, q));
         __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sum, zsum)), scale);
-        _mm512_mask_storeu_ps(p.y + (row0 + r) * p.n + col0, mask, _mm512_mul_ps(v, _mm512_set1_ps(p.x_scale[row0 + r])));
+        _mm512_mask_storeu_ps(p.y + row * p.n + col0, mask, _mm512_mul_ps(v, _mm512_set1_ps(p.x_scale[row])));
       }
     }
   }
@@ -242,7 +224,16 @@ void quantize(const Problem& p, int64_t row) {
   uint8_t* q = p.xq + row * p.lda;
   qs_quantize_row(p.x.row(row), p.k, q, p.x_scale + row);
   std::fill(q + p.k, q + p.k4, uint8_t{128});     // meets the packed weight's zero rows
-  std::fill(q + p.k4, q + p.lda, uint8_t{0});     // a tile step past K4: 0 · anything
+}
+
+// The same row into the tiles' layout (ChunkedTiles), lda bytes: a tile step past K4 zero (× zero weights).
+void quantize_tiles(const Problem& p, int64_t row) {
+  thread_local std::vector<uint8_t> storage;
+  uint8_t* q = qs_scratch(storage, static_cast<size_t>(p.lda));
+  qs_quantize_row(p.x.row(row), p.k, q, p.x_scale + row);
+  std::fill(q + p.k, q + p.k4, uint8_t{128});
+  std::fill(q + p.k4, q + p.lda, uint8_t{0});
+  p.xt.scatter(row, q);
 }
 
 struct Int8MatMulKernel {
@@ -279,22 +270,26 @@ struct Int8MatMulKernel {
     p.w_scale = w_scale.GetTensorData<float>();
     p.w_zsum = w_zsum.GetTensorData<int32_t>();
 
-    // tiles read whole tiles: rows to a multiple of 32 (zero), K4 to a multiple of 64
-    const QsTiles tiles = p.m >= kTileMinRows ? qs_tiles_mode() : QsTiles::kOff;
-    const int64_t rows = tiles == QsTiles::kOff ? p.m : (p.m + kTileCallRows - 1) / kTileCallRows * kTileCallRows;
-    p.lda = tiles == QsTiles::kOff ? p.k4 : (p.k4 + 63) / 64 * 64;
-    thread_local std::vector<uint8_t> xq;
     thread_local std::vector<float> x_scale;
-    p.xq = aligned64(qs_scratch(xq, static_cast<size_t>(rows * p.lda + 64)));   // whole cache lines a tile row
-    std::fill(p.xq + p.m * p.lda, p.xq + rows * p.lda, uint8_t{0});
     p.x_scale = qs_scratch(x_scale, static_cast<size_t>(p.m));
-    for_each_row<Problem, quantize>(ctx, p, p.m);
-    if (tiles == QsTiles::kOff)
-      PanelGemm<Problem, Micro, kRowsPerCall, kPanelsPerCall>::run(ctx, p, p.m, p.n, kPanelsPerCall);
+    const QsTiles tiles = p.m >= kTileMinRows ? qs_tiles_mode() : QsTiles::kOff;
 #if defined(__AVX512BW__)           // (elsewhere the mode is always off: tiles.cpp)
-    else
-      TileGemm<Problem, TileKernel>::run(ctx, tiles, p, p.m, p.n, kPanelsPerCall);
+    if (tiles != QsTiles::kOff) {   // whole tiles: rows to a multiple of 32 (zero), K4 to a multiple of 64
+      const int64_t rows = (p.m + kTileCallRows - 1) / kTileCallRows * kTileCallRows;
+      p.lda = (p.k4 + 63) / 64 * 64;
+      p.xt = TiledRows<uint8_t>::scratch(rows, p.lda / 64);
+      for_each_row<Problem, quantize_tiles>(ctx, p, p.m);
+      p.xt.zero_rows(p.m, rows);
+      TileGemm<Problem, TileKernel>::run(ctx, tiles, p, p.m, p.n, TileKernel::kGroupPanels);
+      qs_add_bias(ctx, p.y, p.m, n, bias);
+      return;
+    }
 #endif
+    p.lda = p.k4;
+    thread_local std::vector<uint8_t> xq;
+    p.xq = qs_scratch(xq, static_cast<size_t>(p.m * p.lda));
+    for_each_row<Problem, quantize>(ctx, p, p.m);
+    PanelGemm<Problem, Micro, kRowsPerCall, kPanelsPerCall>::run(ctx, p, p.m, p.n, kPanelsPerCall);
     qs_add_bias(ctx, p.y, p.m, n, bias);
   }
 };

@@ -74,12 +74,14 @@ def _tiles_against_vectors(session, x: np.ndarray, mode: str, min_rows: int) -> 
 @needs_tile_build
 @pytest.mark.parametrize("mode", TILE_MODES)
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(k=st.sampled_from([1, 33, 64, 100, 576, 1000]), n=st.sampled_from([1, 17, 32, 33, 100]),
-       rows=st.sampled_from([15, 16, 17, 31, 32, 33, 63, 129, 200]), threads=st.sampled_from([1, 2]),
+@given(k=st.sampled_from([1, 33, 64, 100, 576, 1000, 1100]), n=st.sampled_from([1, 17, 32, 33, 100, 300]),
+       rows=st.sampled_from([15, 16, 17, 31, 32, 33, 63, 129, 200, 530]), threads=st.sampled_from([1, 2]),
        seed=st.integers(0, 2**31))
+@example(k=1100, n=300, rows=530, threads=2, seed=0)       # every boundary at once: chunks, groups, tasks
 def test_int8_matmul_on_tiles_is_the_vector_kernel_bit_for_bit(mode, k, n, rows, threads, seed):
-    """K off the 64-byte tile step (a part step from a zero-padded copy), N off the 32-channel pair of panels, rows
-    off the 16-row tile and the 32-row call, across the 128-row task blocks; the extreme weights ±63."""
+    """K off the 64-byte tile step (a part step from a zero-padded copy; 1,000 and 1,100 in the second and third
+    chunk of 8 steps), N off the 32-channel pair of panels and the 8-panel group (300), rows off the 16-row tile and
+    the 32-row block, across the 512-row tasks (530); the extreme weights ±63."""
     rng = np.random.default_rng(seed)
     q = rng.integers(-int8.WEIGHT_LEVELS, int8.WEIGHT_LEVELS + 1, (k, n), dtype=np.int8)
     q[0, :] = int8.WEIGHT_LEVELS
