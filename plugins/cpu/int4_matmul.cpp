@@ -504,7 +504,7 @@ struct Int4MatMulKernel {
     if (p.m == 0) return;
     p.w = w.GetTensorData<uint8_t>();
 
-    const QsTiles tiles = p.m >= kInt4TileMinRows ? qs_tiles_mode() : QsTiles::kOff;
+    const QsTiles tiles = p.m >= (int_scales ? kTileMinRows : kInt4TileMinRows) ? qs_tiles_mode() : QsTiles::kOff;
     const int64_t rows = tiles == QsTiles::kOff ? p.m : (p.m + kTileCallRows - 1) / kTileCallRows * kTileCallRows;
     thread_local std::vector<float> x_scale;
     p.x_scale = qs_scratch(x_scale, static_cast<size_t>(p.m));

@@ -28,10 +28,11 @@ void qs_count_tile_product();
 uint64_t qs_tile_products();
 
 // Rows of x from which a product goes to the tiles: fewer rows (decode steps) stream weights, which vectors do.
-// int8 products gain from one 16-row tile (0.48x the vector time at 16 rows on a Sapphire Rapids Xeon); int4 ones,
-// whose per-block epilogue bounds them, only from two (0.99-1.24x at 16 and 24 rows, 0.79-0.92x at 32).
+// int8 products gain from one 16-row tile (0.48x the vector time at 16 rows on a Sapphire Rapids Xeon), and so do
+// int4 ones with integer block scales (0.74-0.82x at 16 rows, 0.55-0.70x at 24, the 1.5B's products); with fp16
+// block scales, whose per-block epilogue bounds them, only from two (0.99-1.24x at 16 and 24 rows, 0.79-0.92x at 32).
 constexpr int64_t kTileMinRows = 16;
-constexpr int64_t kInt4TileMinRows = 32;
+constexpr int64_t kInt4TileMinRows = 32;      // fp16 block scales
 
 // The 64-byte LDTILECFG block: palette 1, then for each of the 8 tiles its bytes per row and its rows.
 struct alignas(64) QsTileConfig {
