@@ -510,10 +510,7 @@ struct Int4MatMulKernel {
     p.x_scale = qs_scratch(x_scale, static_cast<size_t>(p.m));
 #if defined(__AVX512BW__)           // (elsewhere the mode is always off: tiles.cpp)
     if (tiles != QsTiles::kOff && p.int_scales) {
-      p.xt = TiledRows<int8_t>::scratch(rows, (p.blocks + 1) / 2);
-      for_each_row<Problem, quantize_tiles>(ctx, p, p.m);
-      p.xt.zero_rows(p.m, rows);
-      TileGemm<Problem, TileKernelInt>::run(ctx, tiles, p, p.m, p.n, TileKernelInt::kGroupPanels);
+      quantize_and_run_on_tiles<Problem, TileKernelInt, quantize_tiles>(ctx, tiles, p, p.xt, (p.blocks + 1) / 2);
       qs_add_bias(ctx, p.y, p.m, n, bias);
       return;
     }

@@ -274,13 +274,9 @@ struct Int8MatMulKernel {
     p.x_scale = qs_scratch(x_scale, static_cast<size_t>(p.m));
     const QsTiles tiles = p.m >= kTileMinRows ? qs_tiles_mode() : QsTiles::kOff;
 #if defined(__AVX512BW__)           // (elsewhere the mode is always off: tiles.cpp)
-    if (tiles != QsTiles::kOff) {   // whole tiles: rows to a multiple of 32 (zero), K4 to a multiple of 64
-      const int64_t rows = (p.m + kTileCallRows - 1) / kTileCallRows * kTileCallRows;
-      p.lda = (p.k4 + 63) / 64 * 64;
-      p.xt = TiledRows<uint8_t>::scratch(rows, p.lda / 64);
-      for_each_row<Problem, quantize_tiles>(ctx, p, p.m);
-      p.xt.zero_rows(p.m, rows);
-      TileGemm<Problem, TileKernel>::run(ctx, tiles, p, p.m, p.n, TileKernel::kGroupPanels);
+    if (tiles != QsTiles::kOff) {
+      p.lda = (p.k4 + 63) / 64 * 64;                  // whole tile steps
+      quantize_and_run_on_tiles<Problem, TileKernel, quantize_tiles>(ctx, tiles, p, p.xt, p.lda / 64);
       qs_add_bias(ctx, p.y, p.m, n, bias);
       return;
     }

@@ -280,4 +280,15 @@ class TileGemm {
     Tiles::end();
   }
 };
+
+// A prompt product on tiles from the start: Row quantizes each row of x into `xt` (`steps` 64-k steps a row), the
+// padding rows to a multiple of 32 are zeroed, then Kernel (a ChunkedTiles) runs its tasks.
+template <class Problem, class Kernel, void (*Row)(const Problem&, int64_t), class T>
+void quantize_and_run_on_tiles(Ort::KernelContext& ctx, QsTiles mode, Problem& p, TiledRows<T>& xt, int64_t steps) {
+  const int64_t rows = (p.m + kTileCallRows - 1) / kTileCallRows * kTileCallRows;
+  xt = TiledRows<T>::scratch(rows, steps);
+  for_each_row<Problem, Row>(ctx, p, p.m);
+  xt.zero_rows(p.m, rows);
+  TileGemm<Problem, Kernel>::run(ctx, mode, p, p.m, p.n, Kernel::kGroupPanels);
+}
 #endif
