@@ -441,6 +441,7 @@ void quantize(const Problem& p, int64_t row) {
   }
 }
 
+#if defined(__AVX512BW__)
 // Integer scales on tiles: the row quantized as `quantize` does, into the tiles' layout (ChunkedTiles), an odd last
 // block's half step zero. (No block sums: signed weights need no correction.)
 void quantize_tiles(const Problem& p, int64_t row) {
@@ -452,6 +453,7 @@ void quantize_tiles(const Problem& p, int64_t row) {
   std::fill(u + k, u + bytes, uint8_t{0});
   p.xt.scatter(row, reinterpret_cast<const int8_t*>(u));
 }
+#endif
 
 // The optional attribute int_scales (absent in engines built before it: 0): which of the two packings the weight has.
 inline bool int_scales_of(const OrtKernelInfo* info, const char* op) {

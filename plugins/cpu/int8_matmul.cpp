@@ -117,26 +117,28 @@ struct TileKernel : ChunkedTiles {
   static void run(const Problem& p, int64_t row_begin, int nr, int64_t panel0, int np) {
     const int64_t steps = p.lda / 64, tile_rows = (nr + 31) / 32 * 32, panel_bytes = p.k4 * kPanel;
     int32_t* sums = ChunkedTiles::sums(np, tile_rows);
-    thread_local std::vector<int8_t> tail_storage;   // a K4 that is not a multiple of 64 ends in a part step: zero past K4
     // one block of 32 rows (a verification's or a short prompt's) takes K whole: its rows stay in L1 anyway, and
     // putting the C tiles back every chunk made 16 rows of the down projection 1.1x the time
     const int64_t chunk = nr <= 32 ? steps : kChunkSteps;
+    const uint8_t* a = p.xt.tile(row_begin / 16);
+    const int8_t* b[kGroupPanels];
     for (int64_t s0 = 0; s0 < steps; s0 += chunk) {
-      const int64_t sn = std::min(chunk, steps - s0);
-      const int8_t* b[kGroupPanels];
+      int64_t sn = std::min(chunk, steps - s0);
+      const bool part_step = (s0 + sn) * 64 > p.k4;       // K4 not a multiple of 64: the last step is a part one
       for (int q = 0; q < np; ++q) b[q] = p.w + (panel0 + q) * panel_bytes + s0 * 1024;
-      if ((s0 + sn) * 64 > p.k4) {
-        int8_t* tail = aligned64(qs_scratch(tail_storage, static_cast<size_t>(np * sn * 1024 + 64)));
-        const int64_t bytes = (p.k4 - s0 * 64) * kPanel;
+      if (sn > 1 || !part_step)
+        ChunkedTiles::add<Tiles, true>(nr, np, sn - part_step, s0 == 0, tile_rows, sums, a + s0 * 1024, steps * 1024, b);
+      if (part_step) {                                     // from a copy, zero past K4 (the panels end there)
+        thread_local std::vector<int8_t> tail_storage;
+        int8_t* tail = aligned64(qs_scratch(tail_storage, static_cast<size_t>(np * 1024 + 64)));
+        const int64_t last = s0 + sn - 1, bytes = (p.k4 - last * 64) * kPanel;
         for (int q = 0; q < np; ++q) {
-          int8_t* to = tail + q * sn * 1024;
-          std::memcpy(to, b[q], static_cast<size_t>(bytes));
-          std::memset(to + bytes, 0, static_cast<size_t>(sn * 1024 - bytes));
-          b[q] = to;
+          std::memcpy(tail + q * 1024, b[q] + (sn - 1) * 1024, static_cast<size_t>(bytes));
+          std::memset(tail + q * 1024 + bytes, 0, static_cast<size_t>(1024 - bytes));
+          b[q] = tail + q * 1024;
         }
+        ChunkedTiles::add<Tiles, true>(nr, np, 1, last == 0, tile_rows, sums, a + last * 1024, steps * 1024, b);
       }
-      ChunkedTiles::add<Tiles, true>(nr, np, sn, s0 == 0, tile_rows, sums, p.xt.tile(row_begin / 16) + s0 * 1024,
-                                     steps * 1024, b);
     }
     for (int r = 0; r < nr; ++r) {          // the vector kernel's finish, operation for operation
       const int64_t row = row_begin + r;
@@ -226,6 +228,7 @@ void quantize(const Problem& p, int64_t row) {
   std::fill(q + p.k, q + p.k4, uint8_t{128});     // meets the packed weight's zero rows
 }
 
+#if defined(__AVX512BW__)
 // The same row into the tiles' layout (ChunkedTiles), lda bytes: a tile step past K4 zero (× zero weights).
 void quantize_tiles(const Problem& p, int64_t row) {
   thread_local std::vector<uint8_t> storage;
@@ -235,6 +238,7 @@ void quantize_tiles(const Problem& p, int64_t row) {
   std::fill(q + p.k4, q + p.lda, uint8_t{0});
   p.xt.scatter(row, q);
 }
+#endif
 
 struct Int8MatMulKernel {
   int64_t k, n;
@@ -272,7 +276,7 @@ struct Int8MatMulKernel {
 
     thread_local std::vector<float> x_scale;
     p.x_scale = qs_scratch(x_scale, static_cast<size_t>(p.m));
-    const QsTiles tiles = p.m >= kTileMinRows ? qs_tiles_mode() : QsTiles::kOff;
+    [[maybe_unused]] const QsTiles tiles = p.m >= kTileMinRows ? qs_tiles_mode() : QsTiles::kOff;
 #if defined(__AVX512BW__)           // (elsewhere the mode is always off: tiles.cpp)
     if (tiles != QsTiles::kOff) {
       p.lda = (p.k4 + 63) / 64 * 64;                  // whole tile steps

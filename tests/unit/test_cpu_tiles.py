@@ -74,14 +74,15 @@ def _tiles_against_vectors(session, x: np.ndarray, mode: str, min_rows: int) -> 
 @needs_tile_build
 @pytest.mark.parametrize("mode", TILE_MODES)
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(k=st.sampled_from([1, 33, 64, 100, 576, 1000, 1100]), n=st.sampled_from([1, 17, 32, 33, 100, 300]),
+@given(k=st.sampled_from([1, 33, 64, 100, 576, 1000, 1050, 1100]), n=st.sampled_from([1, 17, 32, 33, 100, 300]),
        rows=st.sampled_from([15, 16, 17, 31, 32, 33, 63, 129, 200, 530]), threads=st.sampled_from([1, 2]),
        seed=st.integers(0, 2**31))
-@example(k=1100, n=300, rows=530, threads=2, seed=0)       # every boundary at once: chunks, groups, tasks
+@example(k=1100, n=1000, rows=530, threads=2, seed=0)      # every boundary at once: chunks, groups of 8, tasks
 def test_int8_matmul_on_tiles_is_the_vector_kernel_bit_for_bit(mode, k, n, rows, threads, seed):
     """K off the 64-byte tile step (a part step from a zero-padded copy; 1,000 and 1,100 in the second and third
-    chunk of 8 steps), N off the 32-channel pair of panels and the 8-panel group (300), rows off the 16-row tile and
-    the 32-row block, across the 512-row tasks (530); the extreme weights ±63."""
+    chunk of 8 steps, 1,050 in a third chunk of one part step), N off the 32-channel pair of panels and the groups
+    (1,000: 63 panels, eight groups of up to 8; 300: groups halved to 4 or 2 for tasks enough), rows off the 16-row
+    tile and the 32-row block, across the 512-row tasks (530); the extreme weights ±63."""
     rng = np.random.default_rng(seed)
     q = rng.integers(-int8.WEIGHT_LEVELS, int8.WEIGHT_LEVELS + 1, (k, n), dtype=np.int8)
     q[0, :] = int8.WEIGHT_LEVELS
@@ -102,11 +103,11 @@ def test_int8_matmul_on_tiles_is_the_vector_kernel_bit_for_bit(mode, k, n, rows,
 @given(k=st.sampled_from([32, 64, 96, 128, 160, 544, 576, 1056]), n=st.sampled_from([1, 15, 17, 33, 100, 300]),
        rows=st.sampled_from([15, 16, 31, 32, 33, 47, 64, 129, 160, 530]), threads=st.sampled_from([1, 2]),
        seed=st.integers(0, 2**31))
-@example(k=1056, n=300, rows=530, threads=2, seed=0)       # every boundary at once: chunks, groups, tasks
+@example(k=1056, n=1000, rows=530, threads=2, seed=0)      # every boundary at once: chunks, groups of 8, tasks
 def test_int4_matmul_on_tiles_is_the_vector_kernel_bit_for_bit(mode, int_scales, k, n, rows, threads, seed):
     """fp16 block scales: one block (32 k) a tile step with its own scales; integer ones: two blocks a step into int32
     sums carried from chunk to chunk of K (8 steps: 544 and 1,056 end in a part chunk with an odd last block), tasks
-    of up to 512 rows (530: a second one) and 8 panels (300 channels: three groups, the last of 3). K of one to
+    of up to 512 rows (530: a second one) and 8 panels (1,000 channels: eight groups, the last of 7). K of one to
     five, 17, 18 and 33 blocks (odd and even counts of the kernels' block pairs), the rest as for int8; weights at the
     ends of the nibble range (fp16 scales: u = 0 and 15; integer ones, symmetric: 1 and 15, multipliers 16 and the
     small ones of the pushed-down blocks) and an all-zero channel."""
