@@ -205,8 +205,6 @@ void micro_int(const Problem& p, int64_t row0, int64_t panel0) {
 // reads (two blocks a step; an odd last block padded with zero weights), each block once per task; then the vector
 // kernel's float finish. The integer sums are the vector kernel's exactly.
 struct TileKernelInt : ChunkedTiles {
-  static constexpr int64_t kCallRows = kTaskRows, kCallPanels = kGroupPanels;
-
   // (u − 8)·m of one block (32 k × 16 channels) into 8 rows of 64 bytes
   static void unpack_block(const uint8_t* block, int8_t* out) {
     const __m512i low = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
@@ -386,6 +384,12 @@ inline void micro_int_row(const Problem& p, int64_t row, int64_t panel) {
   }
 }
 
+template <int R, int P>
+void micro_int(const Problem& p, int64_t row0, int64_t panel0) {
+  for (int r = 0; r < R; ++r)
+    for (int q = 0; q < P; ++q) micro_int_row(p, row0 + r, panel0 + q);
+}
+
 // Portable (and AVX2 through the compiler's vectoriser): the same integer sums and the same float operations in
 // the same order as the AVX-512 kernel (one fused multiply-add per block), so results agree across machines too.
 template <int R, int P>
@@ -395,10 +399,6 @@ void micro(const Problem& p, int64_t row0, int64_t panel0) {
       const uint8_t* w = p.w + (panel0 + q) * p.panel_bytes;
       const int8_t* x = p.xq + (row0 + r) * p.k;
       float acc[kPanel] = {};
-      if (p.int_scales) {
-        micro_int_row(p, row0 + r, panel0 + q);
-        continue;
-      }
       for (int64_t b = 0; b < p.blocks; ++b, w += kBlockBytes) {
         int32_t t[kPanel];
         block_sums(w, x + b * kBlock, t);
@@ -417,9 +417,7 @@ void micro(const Problem& p, int64_t row0, int64_t panel0) {
 template <int R, int P>
 struct Micro {
   static void run(const Problem& p, int64_t row0, int64_t panel0) {
-#if defined(__AVX512BW__)
     if (p.int_scales) return micro_int<R, P>(p, row0, panel0);
-#endif
     micro<R, P>(p, row0, panel0);
   }
 };
@@ -507,7 +505,6 @@ struct Int4MatMulKernel {
     p.w = w.GetTensorData<uint8_t>();
 
     const QsTiles tiles = p.m >= (int_scales ? kTileMinRows : kInt4TileMinRows) ? qs_tiles_mode() : QsTiles::kOff;
-    const int64_t rows = tiles == QsTiles::kOff ? p.m : (p.m + kTileCallRows - 1) / kTileCallRows * kTileCallRows;
     thread_local std::vector<float> x_scale;
     p.x_scale = qs_scratch(x_scale, static_cast<size_t>(p.m));
 #if defined(__AVX512BW__)           // (elsewhere the mode is always off: tiles.cpp)
@@ -517,6 +514,7 @@ struct Int4MatMulKernel {
       return;
     }
 #endif
+    const int64_t rows = tiles == QsTiles::kOff ? p.m : (p.m + kTileCallRows - 1) / kTileCallRows * kTileCallRows;
     thread_local std::vector<int8_t> xq;
     thread_local std::vector<int32_t> xsum8;
     p.xq = aligned64(qs_scratch(xq, static_cast<size_t>(rows * p.k + 128)));

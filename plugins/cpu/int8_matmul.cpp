@@ -111,8 +111,6 @@ void micro(const Problem& p, int64_t row0, int64_t panel0) {
 // 128) and the weight's panels as packed — [16 (k/4)][16 channels][4 k] a 64-k step is the layout TDPBUSD reads, 1 KB
 // a step — so the sums are the vector kernel's exact int32 sums, finished by the same vector code.
 struct TileKernel : ChunkedTiles {
-  static constexpr int64_t kCallRows = kTaskRows, kCallPanels = kGroupPanels;
-
   template <class Tiles>
   static void run(const Problem& p, int64_t row_begin, int nr, int64_t panel0, int np) {
     const int64_t steps = p.lda / 64, tile_rows = (nr + 31) / 32 * 32, panel_bytes = p.k4 * kPanel;
@@ -123,7 +121,7 @@ struct TileKernel : ChunkedTiles {
     const uint8_t* a = p.xt.tile(row_begin / 16);
     const int8_t* b[kGroupPanels];
     for (int64_t s0 = 0; s0 < steps; s0 += chunk) {
-      int64_t sn = std::min(chunk, steps - s0);
+      const int64_t sn = std::min(chunk, steps - s0);
       const bool part_step = (s0 + sn) * 64 > p.k4;       // K4 not a multiple of 64: the last step is a part one
       for (int q = 0; q < np; ++q) b[q] = p.w + (panel0 + q) * panel_bytes + s0 * 1024;
       if (sn > 1 || !part_step)

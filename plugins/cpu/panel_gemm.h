@@ -166,6 +166,7 @@ struct TiledRows {
 struct ChunkedTiles {
   // 8 panels: as fast as 16 in the 1.5B's int4 products and half the L2 (4: the down projection's 1.25x the time)
   static constexpr int64_t kTaskRows = 512, kGroupPanels = 8;
+  static constexpr int64_t kCallRows = kTaskRows, kCallPanels = kGroupPanels;   // TileGemm: a call is its whole task
   // 512 k: a pair's chunk (16 KB) stays in L1 beside 32 rows' (16 KB); 1,024 k took 1.2x the time in the int4
   // products, although the C tiles then go to memory and back half as often (~20 cycles a tile each way)
   static constexpr int64_t kChunkSteps = 8;
