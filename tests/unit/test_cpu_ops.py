@@ -212,6 +212,9 @@ CASES = [  # (batch, seq, seqlens_k, heads, kv_heads, head_dim, window)
     (1, 40, [560], 6, 2, 128, -1),         # a prompt chunk after 520 cached tokens: every segment in one task
     (1, 5, [600], 9, 3, 64, -1),           # batch-1 verification over 5 segments: split, the 5 tokens in each task
     (1, 3, [290], 4, 2, 128, -1),          # a warm prompt's last tokens after 287 cached ones: split
+    (1, 1, [601], 14, 2, 64, -1),          # qwen2.5-0.5b's 7 heads a KV head, decode: keys and values together
+    (4, 1, [600, 5, 300, 131], 8, 2, 64, -1),    # batched decode, 4 heads a KV head: every segment in one task
+    (2, 1, [300, 77], 12, 2, 128, 203),    # qwen2.5-1.5b's 6, windowed, a partial block of 8 keys at the end
 ]
 
 
@@ -268,7 +271,7 @@ def test_bf16_products_need_a_half_cache():
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), batch=st.integers(1, 4), seq=st.integers(1, 24),
-       shape=st.sampled_from([(4, 2, 16), (3, 1, 32), (6, 3, 64), (2, 2, 128)]), window=st.sampled_from([-1, 7]),
+       shape=st.sampled_from([(4, 2, 16), (3, 1, 32), (6, 3, 64), (2, 2, 128), (8, 2, 32)]), window=st.sampled_from([-1, 7]),
        threads=st.sampled_from([1, 2]), cache=st.sampled_from([np.float32, np.float16, "bf16"]))
 def test_matches_reference_on_any_shape(data, batch, seq, shape, window, threads, cache):
     """Batches of several tokens per row are prompts with no past (GroupQueryAttention's only multi-row batch);
@@ -289,7 +292,7 @@ def test_matches_reference_on_any_shape(data, batch, seq, shape, window, threads
 @pytest.mark.parametrize("cache", [np.float32, np.float16, "bf16"])
 @pytest.mark.parametrize("position", [50, 517])
 @pytest.mark.parametrize("chunk_len", [10, 48])
-@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (16, 4, 2), (128, 8, 8)])
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (16, 4, 2), (128, 8, 8), (64, 14, 2), (128, 12, 2)])
 def test_a_row_is_bitwise_the_same_alone_batched_or_in_a_chunk(head_dim, heads, kv_heads, chunk_len, position, cache):
     """The token at `position` of a sequence: decoded alone (at 517, its keys split by segment across threads),
     decoded beside four other sequences (whose count changes how the op splits its work), as the last of a
