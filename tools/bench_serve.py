@@ -166,6 +166,10 @@ async def measure(name: str, url: str, args, rnd: int) -> dict:
     text = TEXT.read_text()
     n_chars = int(args.prompt_tokens * CHARS_PER_TOKEN)
     await stream_one(client, model, text[:200], 4)                                       # warm-up
+    if args.fresh_servers:      # a restarted server's first tries (a long-lived one pays them once) go here
+        for w in range(2):
+            at = (rnd * 31 + w) * 1009 % (len(text) - n_chars)
+            await stream_one(client, model, f"# warm-up {rnd} {w}\n" + text[at:at + n_chars], args.max_tokens)
     out = {}
     for c in args.concurrency:
         # distinct prompts per stream, level and round: no server can answer from its prefix cache (the header
@@ -333,6 +337,11 @@ def main() -> None:
     ap.add_argument("--late", type=late_streams, default=(0, 0.0), metavar="N,MS",
                     help="the last N streams of each wave start MS later: prompts that arrive while the others "
                          "decode, prefilled in slices beside them (a stream's TTFT counts from its own start)")
+    ap.add_argument("--fresh-servers", action="store_true",
+                    help="restart every server this run started before each round (after the first): a server "
+                         "instance's own bias (two identical servers read 0.94x of each other at conc 1 over 24 "
+                         "rounds) becomes one more round-to-round difference, which the medians of per-round ratios "
+                         "average out; each round then warms every server with two full-length requests first")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--plot", type=Path, default=None)
     args = ap.parse_args()
@@ -372,8 +381,23 @@ def main() -> None:
             procs["llama"] = (start(cmd, servers["llama"], log), cmd, log)
         if not servers:
             ap.error("give --server NAME=URL, --quicksilver ENGINE or --llama-server BIN GGUF")
+        def restart(name: str, tag: str) -> None:
+            """Stop the server this run started under `name` and start it again (same command, port and URL)."""
+            proc, cmd, log = procs[name]
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=30)
+            fresh = log.with_suffix(f".{tag}.log")
+            procs[name] = (start(cmd, servers[name], fresh), cmd, fresh)
+
         runs: dict[str, list[dict]] = {name: [] for name in servers}
         for rnd in range(args.rounds):
+            if args.fresh_servers and rnd > 0:
+                for name in procs:
+                    restart(name, f"round{rnd + 1}")
             order = list(servers) if rnd % 2 == 0 else list(servers)[::-1]
             for name in order:
                 before = spec_counters(servers[name])
@@ -382,15 +406,11 @@ def main() -> None:
                 except Exception as e:
                     # a server this run started that fails mid-round is restarted and its round measured again,
                     # once (the failures once blamed on llama-server were stale keep-alive connections: see measure)
-                    proc, cmd, log = procs.get(name, (None, None, None))
-                    if proc is None:
+                    if name not in procs:
                         raise
-                    proc.kill()
-                    proc.wait(timeout=30)
                     print(f"round {rnd + 1}: {name} failed ({type(e).__name__}); restarted, round measured again",
                           file=sys.stderr)
-                    restarted = log.with_suffix(f".restart{rnd + 1}.log")
-                    procs[name] = (start(cmd, servers[name], restarted), cmd, restarted)
+                    restart(name, f"restart{rnd + 1}")
                     runs[name].append(asyncio.run(measure(name, servers[name], args, rnd)))
                     before = spec_counters(servers[name])    # a restarted server counts from zero
                 with_acceptance(runs[name][-1], before, spec_counters(servers[name]))
