@@ -395,10 +395,11 @@ def main() -> None:
 
         runs: dict[str, list[dict]] = {name: [] for name in servers}
         for rnd in range(args.rounds):
-            if args.fresh_servers and rnd > 0:
-                for name in procs:
-                    restart(name, f"round{rnd + 1}")
             order = list(servers) if rnd % 2 == 0 else list(servers)[::-1]
+            if args.fresh_servers and rnd > 0:      # in the round's order: none always loads first or last
+                for name in order:
+                    if name in procs:
+                        restart(name, f"round{rnd + 1}")
             for name in order:
                 before = spec_counters(servers[name])
                 try:
