@@ -381,16 +381,17 @@ def main() -> None:
             procs["llama"] = (start(cmd, servers["llama"], log), cmd, log)
         if not servers:
             ap.error("give --server NAME=URL, --quicksilver ENGINE or --llama-server BIN GGUF")
+
         def restart(name: str, tag: str) -> None:
             """Stop the server this run started under `name` and start it again (same command, port and URL)."""
-            proc, cmd, log = procs[name]
+            proc, cmd, _ = procs[name]
             proc.terminate()
             try:
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout=30)
-            fresh = log.with_suffix(f".{tag}.log")
+            fresh = logs / f"bench_serve_{name}.{tag}.log"   # not log's name grown by a suffix every restart
             procs[name] = (start(cmd, servers[name], fresh), cmd, fresh)
 
         runs: dict[str, list[dict]] = {name: [] for name in servers}
