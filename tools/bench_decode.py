@@ -79,14 +79,12 @@ def kv_bytes_per_token(manifest: dict) -> int:
 
 
 def decode_steps_s(runner, pool, first: int, position: int, steps: int) -> tuple[list[float], int]:
-    """Seconds of `steps` batch-1 decode steps from `position` (slot 0), greedy from token `first`; the last token."""
-    from runtime.backends.cpu.slots import SlotRange
-
+    """Seconds of `steps` batch-1 decode steps from `position` (slot 0), greedy from token `first`; the last token.
+    Each step is the serving engine's batch-1 call (ModelRunner.decode_one)."""
     token, times = first, []
     for i in range(steps):
         t = time.perf_counter()
-        logits = runner.execute(np.array([[token]], np.int64), np.array([position + i], np.int32), np.array([0]),
-                                pool, SlotRange(0, 1))
+        logits = runner.decode_one(pool, 0, token, position + i)
         token = int(logits.argmax())
         times.append(time.perf_counter() - t)
     return times, token

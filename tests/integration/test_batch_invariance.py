@@ -399,6 +399,85 @@ def test_packed_step_equals_each_sequence_alone(engines, precision, products):
     check()
 
 
+def test_one_token_path_equals_execute_in_any_interleaving(engines):
+    """ModelRunner.decode_one writes only the token, position and total into the binding of the call before it
+    where that call was one token of the same slot, and takes execute()'s path otherwise: any interleaving of it
+    with prompts, batched decodes, packed steps and other slots or pools gives the logits and KV that execute()
+    gives, bitwise, and a pool that is gone is never run on."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    runner = ModelRunner(engines("target", "int4"))
+    assert runner.packs_steps
+    capacity, num_slots = 96, 3
+    op = st.one_of(st.tuples(st.just("one"), st.integers(0, 1), st.integers(0, num_slots - 1)),
+                   st.tuples(st.just("prompt"), st.integers(0, 1), st.integers(0, num_slots - 1)),
+                   st.tuples(st.just("batch"), st.integers(0, 1), st.just(0)),
+                   st.tuples(st.just("step"), st.integers(0, 1), st.integers(0, num_slots - 1)))
+
+    def play(ops, seed, lean):
+        """Run `ops` on fresh pools; decode_one where `lean`, else execute() with the arrays spelled out."""
+        rng = np.random.default_rng(seed)
+        pools = [runner.new_pool(num_slots, capacity) for _ in range(2)]
+        lengths = [[0] * num_slots for _ in pools]
+        got = []
+        for kind, p, slot in ops:
+            pool, length = pools[p], lengths[p]
+            if kind == "prompt" or length[slot] == 0:
+                tokens = rng.integers(3, 8000, int(rng.integers(1, 12))).tolist()
+                got.append(runner.prefill(pool, slot, tokens, length[slot]))
+                length[slot] += len(tokens)
+            elif kind == "one":
+                token, pos = int(rng.integers(3, 8000)), length[slot]
+                if lean:
+                    got.append(runner.decode_one(pool, slot, token, pos).copy())
+                else:
+                    got.append(runner.execute(np.array([[token]], np.int64), np.array([pos], np.int32),
+                                              np.array([0], np.int64), pool, runner_slots(slot, 1)).copy())
+                length[slot] += 1
+            elif kind == "batch":
+                rows = [(s, int(rng.integers(3, 8000)), length[s]) for s in range(num_slots) if length[s]]
+                got.append(runner.decode(pool, rows, set()))
+                for s, *_ in rows:
+                    length[s] += 1
+            else:                       # a packed step: one token of `slot`, maybe beside one of another slot
+                seqs = [(slot, [int(rng.integers(3, 8000))], length[slot], 1)]
+                other = next((s for s in range(num_slots) if s != slot and length[s]), None)
+                if other is not None and rng.integers(2):
+                    seqs.append((other, [int(rng.integers(3, 8000))], length[other], 1))
+                got.extend(runner.step(pool, seqs))
+                for s, *_ in seqs:
+                    length[s] += 1
+            for s in range(num_slots):  # a full slot starts over with a prompt
+                if length[s] > capacity - 16:
+                    length[s] = 0
+        return got, [a.copy() for pool in pools for a in pool.keys + pool.values]
+
+    @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(st.lists(op, min_size=1, max_size=24), st.integers(0, 2**31))
+    def check(ops, seed):
+        lean, lean_kv = play(ops, seed, lean=True)
+        plain, plain_kv = play(ops, seed, lean=False)
+        assert len(lean) == len(plain)
+        for i, (a, b) in enumerate(zip(lean, plain)):
+            assert np.array_equal(a, b), f"op {i} {ops[i]}: logits differ"
+        for a, b in zip(lean_kv, plain_kv):
+            assert np.array_equal(a, b), "KV differs"
+
+    check()
+    for gone in (False, True):             # another pool's one-token binding, live or gone, is not reused
+        first, second = runner.new_pool(1, 16), runner.new_pool(1, 16)
+        runner.prefill(first, 0, [5, 6, 7], 0)
+        runner.prefill(second, 0, [9, 10, 11], 0)
+        runner.decode_one(first, 0, 8, 3)
+        if gone:
+            del first
+        got = runner.decode_one(second, 0, 8, 3).copy()
+        want = runner.execute(np.array([[8]], np.int64), np.array([3], np.int32), np.array([0], np.int64), second,
+                              runner_slots(0, 1))
+        assert np.array_equal(got, want), "the one-token path ran on another pool's binding"
+
+
 def test_a_step_with_prompt_slices_is_one_call(engines):
     """The engine runs a step whose prompt chunks share it with decodes (or with each other) as one packed call,
     and each request still gets what it gets alone."""
