@@ -953,8 +953,9 @@ void attend_tile_bf16(const Step<half_t>& st, int64_t b, int64_t s0, int64_t cou
 // its cache from memory, and one stream at a time kept too few of its lines in flight — on a 2-core Xeon (4 KiB
 // pages) 7 rows × head size 64 took 27.7 ns a key from memory against 15.5 in L2, 20.5 with only the keys
 // streaming; together 23–25 ns, and a qwen2.5-0.5b int4 decode step at 8,192 tokens 0.956× the time (no change at
-// 512 or 2,048 tokens, nor with head size 128, whose 6 × 128 stays at ~55 ns). Each row's arithmetic is attend_tile's (the same dots, softmax per segment, and sums of values in key
-// order: a sum leaves its registers every 8 keys and comes back exactly), so the bits are the same.
+// 512 or 2,048 tokens, nor with head size 128, whose 6 × 128 stays at ~55 ns). Each row's arithmetic is
+// attend_tile's (the same dots, softmax per segment, and sums of values in key order: a sum leaves its registers
+// every 8 keys and comes back exactly), so the bits are the same.
 template <int D>
 void attend_decode(const Step<half_t>& st, int64_t b, int64_t s0, int64_t h0, int64_t nh, int seg0, int seg1,
                    Partials& p, int64_t row0) {

@@ -125,7 +125,8 @@ struct TileKernel : ChunkedTiles {
       const bool part_step = (s0 + sn) * 64 > p.k4;       // K4 not a multiple of 64: the last step is a part one
       for (int q = 0; q < np; ++q) b[q] = p.w + (panel0 + q) * panel_bytes + s0 * 1024;
       if (sn > 1 || !part_step)
-        ChunkedTiles::add<Tiles, true>(nr, np, sn - part_step, s0 == 0, tile_rows, sums, a + s0 * 1024, steps * 1024, b);
+        ChunkedTiles::add<Tiles, true>(nr, np, sn - part_step, s0 == 0, tile_rows, sums, a + s0 * 1024,
+                                       steps * 1024, b);
       if (part_step) {                                     // from a copy, zero past K4 (the panels end there)
         thread_local std::vector<int8_t> tail_storage;
         int8_t* tail = aligned64(qs_scratch(tail_storage, static_cast<size_t>(np * 1024 + 64)));

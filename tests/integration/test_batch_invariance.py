@@ -404,7 +404,7 @@ def test_one_token_path_equals_execute_in_any_interleaving(engines):
     where that call was one token of the same slot, and takes execute()'s path otherwise: any interleaving of it
     with prompts, batched decodes, packed steps and other slots or pools gives the logits and KV that execute()
     gives, bitwise, and a pool that is gone is never run on."""
-    from hypothesis import HealthCheck, given, settings
+    from hypothesis import HealthCheck, example, given, settings
     from hypothesis import strategies as st
 
     runner = ModelRunner(engines("target", "int4"))
@@ -455,6 +455,8 @@ def test_one_token_path_equals_execute_in_any_interleaving(engines):
 
     @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
     @given(st.lists(op, min_size=1, max_size=24), st.integers(0, 2**31))
+    @example(ops=[("prompt", 0, 0), ("one", 0, 0), ("one", 0, 0), ("one", 1, 0), ("one", 0, 0), ("step", 0, 0),
+                  ("one", 0, 0), ("one", 0, 1), ("batch", 0, 0), ("one", 0, 1), ("one", 0, 1)], seed=0)
     def check(ops, seed):
         lean, lean_kv = play(ops, seed, lean=True)
         plain, plain_kv = play(ops, seed, lean=False)

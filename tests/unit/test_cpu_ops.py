@@ -271,7 +271,8 @@ def test_bf16_products_need_a_half_cache():
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), batch=st.integers(1, 4), seq=st.integers(1, 24),
-       shape=st.sampled_from([(4, 2, 16), (3, 1, 32), (6, 3, 64), (2, 2, 128), (8, 2, 32)]), window=st.sampled_from([-1, 7]),
+       shape=st.sampled_from([(4, 2, 16), (3, 1, 32), (6, 3, 64), (2, 2, 128), (8, 2, 32)]),
+       window=st.sampled_from([-1, 7]),
        threads=st.sampled_from([1, 2]), cache=st.sampled_from([np.float32, np.float16, "bf16"]))
 def test_matches_reference_on_any_shape(data, batch, seq, shape, window, threads, cache):
     """Batches of several tokens per row are prompts with no past (GroupQueryAttention's only multi-row batch);
