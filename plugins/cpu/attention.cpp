@@ -40,6 +40,13 @@ namespace {
 
 constexpr int kLanes = 16;   // softmax reductions in 16 independent lanes
 
+// How far ahead the KV cache is asked for. The cache lies on 4 KiB pages (runtime/kv/memory.py turns huge pages off so
+// that a slot's memory follows its tokens), where the linears' 16 KiB (ops.h, measured on huge-page weights) ran a
+// decode group's keys and values from memory at 27.7 ns a key (qwen2.5-0.5b's 7 heads × 64) and 68.1 (1.5b's
+// 6 × 128); 2.5 KiB took 0.86× and 0.79× the time, the same bits (tools/bench_attention_cycles.py, Intel Xeon SPR).
+constexpr int64_t kKvStreamAhead = 2560;
+inline void qs_kv_ahead(const void* data, size_t bytes = 1) { qs_stream_ahead(data, bytes, kKvStreamAhead); }
+
 using half_t = uint16_t;     // IEEE binary16 bits (--kv-cache fp16)
 
 // float32 <-> half, round to nearest even (what F16C and numpy do), so a cache written here equals numpy's
@@ -141,14 +148,14 @@ inline void dot8(const float* __restrict q, const T* __restrict k, float* __rest
 // q[d]·k[d] over d ≡ l (mod 8) in d order, and the lanes of a key are added by the same pairwise tree, so a
 // score has the same bits on either path.
 //
-// It also asks for the block kStreamAhead bytes on (qs_stream_ahead), a line whenever its steps reach a new one:
+// It also asks for the block kKvStreamAhead bytes on (qs_kv_ahead), a line whenever its steps reach a new one:
 // spread out, the asks no longer stall on a full miss queue as a block's 16 at once did.
 template <int D, typename T>
 inline void pack8(const T* __restrict k, float* __restrict dst) {
   for (int j = 0; j < 4; ++j)
     for (int c = 0; c < D / 8; ++c) {
       const size_t at = static_cast<size_t>(c) * 16 * sizeof(T);     // step c's share of keys 2j, 2j + 1's bytes
-      if (at % 64 == 0) qs_stream_ahead(reinterpret_cast<const char*>(k + 2 * j * D) + at);
+      if (at % 64 == 0) qs_kv_ahead(reinterpret_cast<const char*>(k + 2 * j * D) + at);
       _mm512_store_ps(dst + (j * (D / 8) + c) * 16,
                       _mm512_insertf32x8(_mm512_castps256_ps512(load8(k + (2 * j) * D + 8 * c)),
                                          load8(k + (2 * j + 1) * D + 8 * c), 1));
@@ -257,7 +264,7 @@ constexpr int chunk_vectors(int vectors, int rows) {
 // step): each 16-value vector is widened once in a register and taken by every row, with no float copy of the
 // block, and the rows' accumulators stay in registers across the keys. A row's lanes are independent FMA chains
 // over the keys in key order, as in accumulate, so taking them in chunks (what fits in registers) changes no bit.
-// The values are asked for kStreamAhead bytes on a key at a time (a block's 64 asks at once stalled on the miss
+// The values are asked for kKvStreamAhead bytes on a key at a time (a block's 64 asks at once stalled on the miss
 // queue: 12 % of a decode step's attention at 8k tokens).
 template <int D, int R>
 inline void accumulate_rows(const float* const* p, const half_t* __restrict v, int n, float* const* acc) {
@@ -267,7 +274,7 @@ inline void accumulate_rows(const float* const* p, const half_t* __restrict v, i
     for (int r = 0; r < R; ++r)
       for (int i = 0; i < C; ++i) a[r][i] = _mm512_loadu_ps(acc[r] + (i0 + i) * 16);
     for (int k = 0; k < n; ++k) {
-      if (i0 == 0) qs_stream_ahead(v + k * D, sizeof(half_t) * D);
+      if (i0 == 0) qs_kv_ahead(v + k * D, sizeof(half_t) * D);
       for (int i = 0; i < C; ++i) {
         __m512 vk = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + k * D + (i0 + i) * 16)));
         for (int r = 0; r < R; ++r) a[r][i] = _mm512_fmadd_ps(_mm512_set1_ps(p[r][k]), vk, a[r][i]);
@@ -392,6 +399,7 @@ constexpr int kValueBlock = 32; // keys whose values stay in L1 while every row 
 constexpr int kSegment = 128;   // keys per softmax segment (a multiple of kValueBlock)
 constexpr int kMinSharedRows = 4;    // rows of a task that make copying a block of keys or values as float32 pay
 constexpr int kMinGroupedTasks = 8;  // fewer (b, KV head, tile) tasks than this: one task per head, or split keys
+constexpr int kRunsPerGroup = 2;     // split keys: the runs of consecutive segments a group's keys are taken in
 
 inline int segments_of(int len) { return (len + kSegment - 1) / kSegment; }
 
@@ -596,7 +604,7 @@ void attend_tile(const Step<T>& st, int64_t b, int64_t s0, int64_t count, int64_
       const T* block = keys + static_cast<int64_t>(first + k) * D;
       auto covers = [&](int r) { return k + 8 <= len[r] / 8 * 8; };
       if (!share) {
-        qs_stream_ahead(block, sizeof(T) * 8 * D);  // a task reads its keys once: ask ahead (pack8 asks below)
+        qs_kv_ahead(block, sizeof(T) * 8 * D);  // a task reads its keys once: ask ahead (pack8 asks below)
         for (int r = 0; r < rows; ++r)
           if (covers(r)) dot8<D>(&qbuf[r * D], block, score(r, k));
         continue;
@@ -652,7 +660,7 @@ void attend_tile(const Step<T>& st, int64_t b, int64_t s0, int64_t count, int64_
           continue;
       }
 #endif
-      qs_stream_ahead(block, sizeof(T) * kValueBlock * D);    // and its values
+      qs_kv_ahead(block, sizeof(T) * kValueBlock * D);    // and its values
       if (!share) {
         for (int r = 0; r < rows; ++r)
           if (count(r) > 0) one(block, r);
@@ -743,13 +751,13 @@ inline void probability_pairs(const float* p, int n, uint32_t* pairs) {
 #endif
 }
 
-// 8 keys → 4·D/16 chunks, asking for the block kStreamAhead bytes on a line a chunk
+// 8 keys → 4·D/16 chunks, asking for the block kKvStreamAhead bytes on a line a chunk
 template <int D>
 inline void pack_keys(const half_t* __restrict k, Chunk* __restrict out) {
   for (int j = 0; j < 4; ++j)
     for (int c = 0; c < D / 16; ++c) {
       const int i = j * (D / 16) + c;
-      qs_stream_ahead(reinterpret_cast<const char*>(k) + 64 * i);
+      qs_kv_ahead(reinterpret_cast<const char*>(k) + 64 * i);
       const half_t* a = k + (2 * j) * D + 16 * c;
       const half_t* b = a + D;
 #if defined(__AVX512BF16__)
@@ -800,7 +808,7 @@ inline void pack_values(const half_t* __restrict v, int pairs, bool last_alone, 
   for (int m = 0; m < pairs; ++m)
     for (int c = 0; c < D / 16; ++c) {
       const int i = m * (D / 16) + c;
-      qs_stream_ahead(reinterpret_cast<const char*>(v) + 64 * i);
+      qs_kv_ahead(reinterpret_cast<const char*>(v) + 64 * i);
       const half_t* a = v + (2 * m) * D + 16 * c;
       const bool alone = last_alone && m == pairs - 1;
 #if defined(__AVX512BF16__)
@@ -1075,7 +1083,11 @@ void attend(void* user, size_t task) {
 //
 // Runs, not single segments: ONNX Runtime hands a ParallelFor's tasks out one at a time, so with a task per segment
 // the two threads took alternate segments and each one's reads jumped every 32 KB, past what it had asked ahead
-// for; a run is one stream of keys and one of values.
+// for; a run is one stream of keys and one of values. Two runs a group, not eight: each run's streams start cold
+// (the first kKvStreamAhead bytes were never asked for) and each task is one more hand-out; with two, a
+// qwen2.5-0.5b int4 decode step took 0.974× / 0.977× / 0.983× the time at 530 / 2,048 / 8,192 tokens (12–16 blocks
+// of steps interleaved in one process; smollm2's three groups 0.98–0.99×, qwen2.5-1.5b unchanged), and two runs a
+// group still keep two threads busy whatever the number of groups.
 template <int D, typename T>
 void attend_segment(void* user, size_t task) {
   const Step<T>& st = *static_cast<const Step<T>*>(user);
@@ -1197,8 +1209,8 @@ struct CausalAttentionKernel {
     st.segs = segments_of(static_cast<int>(longest));
     bool few = st.batch * kv_heads * tiles < kMinGroupedTasks;
     st.split = few && tiles == 1 && st.segs > 1;
-    // each group's keys in about kMinGroupedTasks runs of segments (one segment a task below that many)
-    st.run = std::max(1, st.segs / kMinGroupedTasks);
+    // each group's keys in kRunsPerGroup runs of consecutive segments
+    st.run = (st.segs + kRunsPerGroup - 1) / kRunsPerGroup;
     st.heads_per_task = few && !st.split ? 1 : heads / kv_heads;
     thread_local Partials shared;   // (one per element type: a thread runs one step at a time either way)
     if (st.split) shared.reset(static_cast<int>(st.batch * st.seq * heads), st.segs, static_cast<int>(st.head_dim));

@@ -33,15 +33,17 @@ const OrtCustomOp* qs_swiglu_op();             // swiglu.cpp
 // (N = 9,728 and 19,456; 24 and 32 KiB were no better), and its decode step 0.88× the time (batch 4: 0.85×). The
 // 16 KiB were measured on huge pages only; weights on 4 KiB pages (--no-huge-pages, no THP) ask as far.
 // A prefetch never faults; the address is formed as an integer, so asking past the end of an array is harmless.
-// Asks for every cache line of [data, data + bytes) kStreamAhead bytes on (one line by default).
+// Asks for every cache line of [data, data + bytes) `ahead` bytes on (one line by default; attention's KV, on 4 KiB
+// pages, asks less far: kKvStreamAhead in attention.cpp).
 constexpr int64_t kStreamAhead = 16384;
-inline void qs_stream_ahead(const void* data, size_t bytes = 1) {
+inline void qs_stream_ahead(const void* data, size_t bytes = 1, int64_t ahead = kStreamAhead) {
 #if defined(__x86_64__) || defined(__i386__)
   for (size_t at = 0; at < bytes; at += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(data) + at + kStreamAhead), _MM_HINT_T1);
+    _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(data) + at + ahead), _MM_HINT_T1);
 #else
   (void)data;
   (void)bytes;
+  (void)ahead;
 #endif
 }
 
