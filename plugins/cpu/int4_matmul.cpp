@@ -470,16 +470,23 @@ struct Int4MatMulKernel {
   int64_t k, n;
   bool int_scales;
   QsPrologue prologue;
+  const uint8_t* constant_weight = nullptr;   // qs_constant_input: checked once, when the kernel is made
+  const float* constant_bias = nullptr;
 
   Int4MatMulKernel(const OrtApi&, const OrtKernelInfo* info)
       : k(Ort::ConstKernelInfo(info).GetAttribute<int64_t>("K")),
         n(Ort::ConstKernelInfo(info).GetAttribute<int64_t>("N")),
         int_scales(int_scales_of(info, "qs.Int4MatMul")),
-        prologue(Ort::ConstKernelInfo(info), k, "qs.Int4MatMul") {
+        prologue(Ort::ConstKernelInfo(info), k, 3, "qs.Int4MatMul") {
     if (k <= 0 || n <= 0 || k % kBlock)
       throw std::invalid_argument("qs.Int4MatMul: K must be a positive multiple of 32 and N positive");
     if (int_scales && k > kMaxIntScalesK)
       throw std::invalid_argument("qs.Int4MatMul: with int_scales K must be at most 131072 (the int32 sums)");
+    Ort::ConstKernelInfo ki(info);
+    const int64_t panels = (n + kPanel - 1) / kPanel;
+    constant_weight = static_cast<const uint8_t*>(
+        qs_constant_input(ki, 1, static_cast<size_t>(panels * panel_bytes_of(k / kBlock, int_scales))));
+    constant_bias = static_cast<const float*>(qs_constant_input(ki, 2, static_cast<size_t>(n)));
   }
 
   void Compute(OrtKernelContext* context) {
@@ -493,16 +500,19 @@ struct Int4MatMulKernel {
     p.panels = (n + kPanel - 1) / kPanel;
     p.int_scales = int_scales;
     p.panel_bytes = panel_bytes_of(p.blocks, int_scales);
-    auto w = ctx.GetInput(1);
-    if (w.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(p.panels * p.panel_bytes))
-      throw std::invalid_argument(int_scales ? "qs.Int4MatMul: the packed weight must hold ceil(N/16) panels of K/32 "
-                                               "blocks of 272 bytes and 16 float scales"
-                                             : "qs.Int4MatMul: the packed weight must hold ceil(N/16) panels of K/32 "
-                                               "blocks of 288 bytes");
-    const float* bias = qs_bias_input(ctx, 2, n, "qs.Int4MatMul");
+    p.w = constant_weight;
+    if (p.w == nullptr) {
+      auto w = ctx.GetInput(1);
+      if (w.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(p.panels * p.panel_bytes))
+        throw std::invalid_argument(int_scales ? "qs.Int4MatMul: the packed weight must hold ceil(N/16) panels of K/32 "
+                                                 "blocks of 272 bytes and 16 float scales"
+                                               : "qs.Int4MatMul: the packed weight must hold ceil(N/16) panels of K/32 "
+                                                 "blocks of 288 bytes");
+      p.w = w.GetTensorData<uint8_t>();
+    }
+    const float* bias = constant_bias ? constant_bias : qs_bias_input(ctx, 2, n, "qs.Int4MatMul");
     p.y = output_rows(ctx, shape, n, &p.m);
     if (p.m == 0) return;
-    p.w = w.GetTensorData<uint8_t>();
 
     const QsTiles tiles = p.m >= (int_scales ? kTileMinRows : kInt4TileMinRows) ? qs_tiles_mode() : QsTiles::kOff;
     thread_local std::vector<float> x_scale;

@@ -242,12 +242,22 @@ void quantize_tiles(const Problem& p, int64_t row) {
 struct Int8MatMulKernel {
   int64_t k, n;
   QsPrologue prologue;
+  const int8_t* constant_weight = nullptr;    // qs_constant_input: checked once, when the kernel is made
+  const float* constant_w_scale = nullptr;
+  const int32_t* constant_w_zsum = nullptr;
+  const float* constant_bias = nullptr;
 
   Int8MatMulKernel(const OrtApi&, const OrtKernelInfo* info)
       : k(Ort::ConstKernelInfo(info).GetAttribute<int64_t>("K")),
         n(Ort::ConstKernelInfo(info).GetAttribute<int64_t>("N")),
-        prologue(Ort::ConstKernelInfo(info), k, "qs.Int8MatMul") {
+        prologue(Ort::ConstKernelInfo(info), k, 5, "qs.Int8MatMul") {
     if (k <= 0 || n <= 0) throw std::invalid_argument("qs.Int8MatMul: attributes K and N must be positive");
+    Ort::ConstKernelInfo ki(info);
+    const size_t packed = static_cast<size_t>((n + kPanel - 1) / kPanel * kPanel * ((k + 3) / 4 * 4));
+    constant_weight = static_cast<const int8_t*>(qs_constant_input(ki, 1, packed));
+    constant_w_scale = static_cast<const float*>(qs_constant_input(ki, 2, static_cast<size_t>(n)));
+    constant_w_zsum = static_cast<const int32_t*>(qs_constant_input(ki, 3, static_cast<size_t>(n)));
+    constant_bias = static_cast<const float*>(qs_constant_input(ki, 4, static_cast<size_t>(n)));
   }
 
   void Compute(OrtKernelContext* context) {
@@ -259,19 +269,26 @@ struct Int8MatMulKernel {
     p.n = n;
     p.k4 = (k + 3) / 4 * 4;
     p.panels = (n + kPanel - 1) / kPanel;
-    auto w = ctx.GetInput(1);
-    if (w.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(p.panels * p.k4 * kPanel))
-      throw std::invalid_argument("qs.Int8MatMul: the packed weight must hold ceil(N/16)·16 × ceil(K/4)·4 values");
-    const float* bias = qs_bias_input(ctx, 4, n, "qs.Int8MatMul");
+    p.w = constant_weight;
+    if (p.w == nullptr) {
+      auto w = ctx.GetInput(1);
+      if (w.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(p.panels * p.k4 * kPanel))
+        throw std::invalid_argument("qs.Int8MatMul: the packed weight must hold ceil(N/16)·16 × ceil(K/4)·4 values");
+      p.w = w.GetTensorData<int8_t>();
+    }
+    const float* bias = constant_bias ? constant_bias : qs_bias_input(ctx, 4, n, "qs.Int8MatMul");
     p.y = output_rows(ctx, shape, n, &p.m);
     if (p.m == 0) return;
-    p.w = w.GetTensorData<int8_t>();
-    auto w_scale = ctx.GetInput(2), w_zsum = ctx.GetInput(3);
-    if (w_scale.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(n) ||
-        w_zsum.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(n))
-      throw std::invalid_argument("qs.Int8MatMul: w_scale and w_zsum must hold N = " + std::to_string(n) + " values");
-    p.w_scale = w_scale.GetTensorData<float>();
-    p.w_zsum = w_zsum.GetTensorData<int32_t>();
+    p.w_scale = constant_w_scale;
+    p.w_zsum = constant_w_zsum;
+    if (p.w_scale == nullptr || p.w_zsum == nullptr) {
+      auto w_scale = ctx.GetInput(2), w_zsum = ctx.GetInput(3);
+      if (w_scale.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(n) ||
+          w_zsum.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(n))
+        throw std::invalid_argument("qs.Int8MatMul: w_scale and w_zsum must hold N = " + std::to_string(n) + " values");
+      p.w_scale = w_scale.GetTensorData<float>();
+      p.w_zsum = w_zsum.GetTensorData<int32_t>();
+    }
 
     thread_local std::vector<float> x_scale;
     p.x_scale = qs_scratch(x_scale, static_cast<size_t>(p.m));

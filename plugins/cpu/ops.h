@@ -74,8 +74,9 @@ struct QsPrologue {
   enum Kind : int64_t { kNone = 0, kSwiGLU = 1, kSkipRmsNorm = 2 };
   int64_t kind = kNone, k = 0;
   float epsilon = 0.0f;
+  const float* gamma = nullptr;   // a constant gamma (qs_constant_input); else the call's input `skip_input` + 1
 
-  QsPrologue(const Ort::ConstKernelInfo& info, int64_t k, const char* op);
+  QsPrologue(const Ort::ConstKernelInfo& info, int64_t k, size_t skip_input, const char* op);
   int64_t width() const { return kind == kSwiGLU ? 2 * k : k; }
 };
 
@@ -99,6 +100,13 @@ QsPrologueRows qs_bind_prologue(const QsPrologue& prologue, Ort::KernelContext& 
 // The optional bias [n] at input `index` (nullptr where absent), and y[m, n] += bias after the product: the Add it
 // replaces, one rounding after y's.
 const float* qs_bias_input(Ort::KernelContext& ctx, size_t index, int64_t n, const char* op);
+
+// Input `index` where the graph gives it as a constant initializer (a packed weight, a bias, a norm's gamma) of
+// `count` elements: its data, taken when the kernel is made; nullptr where it is absent, not constant or of another
+// size (Compute then reads and checks it on every call, and refuses a wrong size). Why: those checks are ONNX Runtime
+// API calls (a shape object made and freed) that run on caches a decode step's weights have just flushed, ~0.5 µs
+// each, a few per product and ~100 products a step.
+const void* qs_constant_input(const Ort::ConstKernelInfo& info, size_t index, size_t count);
 void qs_add_bias(Ort::KernelContext& ctx, float* y, int64_t m, int64_t n, const float* bias);
 
 // fn(row) for rows [0, rows), in tasks of `per_task` rows on ONNX Runtime's pool (inline when one task suffices:

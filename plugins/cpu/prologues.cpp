@@ -67,7 +67,21 @@ static bool has_attribute(const Ort::ConstKernelInfo& info, const char* name) {
   return read(int64_t{}) || read(float{}) || read(std::string{});
 }
 
-QsPrologue::QsPrologue(const Ort::ConstKernelInfo& info, int64_t k_, const char* op) : k(k_) {
+const void* qs_constant_input(const Ort::ConstKernelInfo& info, size_t index, size_t count) {
+  if (index >= info.GetInputCount()) return nullptr;
+  int is_constant = 0;
+  Ort::ConstValue value{nullptr};
+  try {
+    value = info.GetTensorConstantInput(index, &is_constant);
+  } catch (const Ort::Exception&) {
+    return nullptr;
+  }
+  if (!is_constant || value == nullptr || !value.IsTensor() || value.GetTensorTypeAndShapeInfo().GetElementCount() != count)
+    return nullptr;
+  return value.GetTensorRawData();
+}
+
+QsPrologue::QsPrologue(const Ort::ConstKernelInfo& info, int64_t k_, size_t skip_input, const char* op) : k(k_) {
   const std::string name(op);
   if (has_attribute(info, "prologue")) {    // absent in graphs without a prologue
     try {
@@ -78,7 +92,10 @@ QsPrologue::QsPrologue(const Ort::ConstKernelInfo& info, int64_t k_, const char*
   }
   if (kind < kNone || kind > kSkipRmsNorm)
     throw std::invalid_argument(name + ": prologue must be 0 (none), 1 (SwiGLU) or 2 (skip RMS norm)");
-  if (kind == kSkipRmsNorm) epsilon = info.GetAttribute<float>("epsilon");
+  if (kind == kSkipRmsNorm) {
+    epsilon = info.GetAttribute<float>("epsilon");
+    gamma = static_cast<const float*>(qs_constant_input(info, skip_input + 1, static_cast<size_t>(k)));
+  }
 }
 
 // Row by row into a scratch row of the thread that quantizes it next (a whole step's rows staged at once were M × K
@@ -108,7 +125,7 @@ QsPrologueRows qs_bind_prologue(const QsPrologue& prologue, Ort::KernelContext& 
   rows.x = ctx.GetInput(0).GetTensorData<float>();
   const size_t inputs = ctx.GetInputCount();
   auto input = [&](size_t i) { return inputs > i ? ctx.GetInput(i) : Ort::ConstValue{nullptr}; };
-  auto skip = input(skip_input), gamma = input(skip_input + 1);
+  auto skip = input(skip_input), gamma = prologue.gamma ? Ort::ConstValue{nullptr} : input(skip_input + 1);
   if (prologue.kind != QsPrologue::kSkipRmsNorm) {
     if (skip != nullptr || gamma != nullptr)
       throw std::invalid_argument(name + ": skip and gamma are the skip RMS norm's inputs (prologue 2)");
@@ -116,11 +133,12 @@ QsPrologueRows qs_bind_prologue(const QsPrologue& prologue, Ort::KernelContext& 
       throw std::invalid_argument(name + ": the residual output comes with the skip RMS norm (prologue 2)");
     return rows;
   }
-  if (skip == nullptr || gamma == nullptr || skip.GetTensorTypeAndShapeInfo().GetShape() != x_shape ||
-      gamma.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(prologue.k))
+  const bool gamma_ok = prologue.gamma != nullptr ||
+                        (gamma != nullptr && gamma.GetTensorTypeAndShapeInfo().GetElementCount() == static_cast<size_t>(prologue.k));
+  if (skip == nullptr || !gamma_ok || skip.GetTensorTypeAndShapeInfo().GetShape() != x_shape)
     throw std::invalid_argument(name + ": the skip RMS norm needs skip shaped as x and gamma of K values");
   rows.skip = skip.GetTensorData<float>();
-  rows.gamma = gamma.GetTensorData<float>();
+  rows.gamma = prologue.gamma ? prologue.gamma : gamma.GetTensorData<float>();
   if (ctx.GetOutputCount() > 1) {
     auto residual = ctx.GetOutput(1, x_shape);
     if (residual != nullptr) rows.residual = residual.GetTensorMutableData<float>();

@@ -747,3 +747,39 @@ def test_linear_folds_refuse_what_they_cannot_compute():
     with pytest.raises(Exception, match="prologue attribute must be an integer"):
         _session([helper.make_node("Int4MatMul", ["x", "w"], ["y"], domain=cpu_ops.DOMAIN, K=k, N=n, prologue=2.0)],
                  [w], [x])
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_linear_constants_fed_at_run_time_give_the_same_bits(bits):
+    """A linear's weight, bias and gamma given as initializers are taken once, when the kernel is made
+    (qs_constant_input); the same tensors fed as graph inputs are read and checked on every call. Both give the same
+    bits, and a tensor of the wrong size is refused either way."""
+    k, n, rows = 896, 300, 3
+    rng = np.random.default_rng(7)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    if bits == 4:
+        consts = {"w": int4.pack_panels(w)}
+    else:
+        q, scale = int8.quantize(w, levels=int8.WEIGHT_LEVELS)
+        packed, zsum = int8.pack_panels(q)
+        consts = {"w": packed, "ws": scale, "wz": zsum}
+    weights = list(consts)
+    consts["b"] = rng.standard_normal(n).astype(np.float32)
+    consts["g"] = (1 + rng.standard_normal(k) / 4).astype(np.float32)
+    node = helper.make_node(f"Int{bits}MatMul", ["x", *weights, "b", "skip", "g"], ["y"], domain=cpu_ops.DOMAIN, K=k,
+                            N=n, prologue=2, epsilon=1e-6)
+    acts = [helper.make_tensor_value_info(name, TensorProto.FLOAT, ["M", k]) for name in ("x", "skip")]
+    fed_inputs = [helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(a.dtype), None)
+                  for name, a in consts.items()]
+    constant = _session([node], [numpy_helper.from_array(a, name) for name, a in consts.items()], acts)
+    fed = _session([node], [], acts + fed_inputs)
+    feed = {name: rng.standard_normal((rows, k)).astype(np.float32) for name in ("x", "skip")}
+    want = constant.run(None, feed)[0]
+    assert want.shape == (rows, n) and np.isfinite(want).all()
+    assert np.array_equal(fed.run(None, {**feed, **consts})[0], want)
+    for name, error in (("w", "packed weight"), ("b", "bias must hold"), ("g", "gamma of K values")):
+        wrong = {**consts, name: consts[name][:-1]}
+        with pytest.raises(Exception, match=error):
+            fed.run(None, {**feed, **wrong})
+        with pytest.raises(Exception, match=error):
+            _session([node], [numpy_helper.from_array(a, key) for key, a in wrong.items()], acts).run(None, feed)
