@@ -615,18 +615,23 @@ def test_swiglu_refuses_an_odd_width():
         swiglu_session().run(None, {"x": np.zeros((1, 1, 5), np.float32)})
 
 
+def _packed_linear(bits: int, w: np.ndarray) -> dict[str, np.ndarray]:
+    """qs.Int{bits}MatMul's weight inputs for w [K, N] by input name: the packed int4 panels, or the int8 panels with
+    their channel scales and zero sums."""
+    if bits == 4:
+        return {"w": int4.pack_panels(w)}
+    q, scale = int8.quantize(w, levels=int8.WEIGHT_LEVELS)
+    packed, zsum = int8.pack_panels(q)
+    return {"w": packed, "ws": scale, "wz": zsum}
+
+
 def _fold_sessions(bits: int, w: np.ndarray, bias: np.ndarray | None, gamma: np.ndarray, prologue: int, residual: bool,
                    threads: int) -> tuple[ort.InferenceSession, ort.InferenceSession]:
     """(qs.Int{bits}MatMul with the prologue and bias folded in, the ops it replaces in front of and behind a plain
     one) over the weight w [K, N]. prologue 2: x, skip [M, K] → y (+ r: x + skip); 1: x [M, 2K] → y; 0: x [M, K] → y.
     Without a bias, no Add behind it and no bias input."""
     eps, (k, n) = 1e-6, w.shape
-    if bits == 4:
-        weights = {"w": int4.pack_panels(w)}
-    else:
-        q, scale = int8.quantize(w, levels=int8.WEIGHT_LEVELS)
-        packed, zsum = int8.pack_panels(q)
-        weights = {"w": packed, "ws": scale, "wz": zsum}
+    weights = _packed_linear(bits, w)
     inits = [numpy_helper.from_array(a, name) for name, a in weights.items()]
     if prologue == 2:
         inits.append(numpy_helper.from_array(gamma, "g"))
@@ -756,13 +761,7 @@ def test_linear_constants_fed_at_run_time_give_the_same_bits(bits):
     bits, and a tensor of the wrong size is refused either way."""
     k, n, rows = 896, 300, 3
     rng = np.random.default_rng(7)
-    w = rng.standard_normal((k, n)).astype(np.float32)
-    if bits == 4:
-        consts = {"w": int4.pack_panels(w)}
-    else:
-        q, scale = int8.quantize(w, levels=int8.WEIGHT_LEVELS)
-        packed, zsum = int8.pack_panels(q)
-        consts = {"w": packed, "ws": scale, "wz": zsum}
+    consts = _packed_linear(bits, rng.standard_normal((k, n)).astype(np.float32))
     weights = list(consts)
     consts["b"] = rng.standard_normal(n).astype(np.float32)
     consts["g"] = (1 + rng.standard_normal(k) / 4).astype(np.float32)
