@@ -470,6 +470,7 @@ struct Int4MatMulKernel {
   int64_t k, n;
   bool int_scales;
   QsPrologue prologue;
+  size_t weight_bytes;                         // the packed weight's: ceil(N/16) panels
   const uint8_t* constant_weight = nullptr;   // qs_constant_input: checked once, when the kernel is made
   const float* constant_bias = nullptr;
 
@@ -483,9 +484,8 @@ struct Int4MatMulKernel {
     if (int_scales && k > kMaxIntScalesK)
       throw std::invalid_argument("qs.Int4MatMul: with int_scales K must be at most 131072 (the int32 sums)");
     Ort::ConstKernelInfo ki(info);
-    const int64_t panels = (n + kPanel - 1) / kPanel;
-    constant_weight = static_cast<const uint8_t*>(
-        qs_constant_input(ki, 1, static_cast<size_t>(panels * panel_bytes_of(k / kBlock, int_scales))));
+    weight_bytes = static_cast<size_t>((n + kPanel - 1) / kPanel * panel_bytes_of(k / kBlock, int_scales));
+    constant_weight = static_cast<const uint8_t*>(qs_constant_input(ki, 1, weight_bytes));
     constant_bias = static_cast<const float*>(qs_constant_input(ki, 2, static_cast<size_t>(n)));
   }
 
@@ -493,7 +493,7 @@ struct Int4MatMulKernel {
     Ort::KernelContext ctx(context);
     std::vector<int64_t> shape = ctx.GetInput(0).GetTensorTypeAndShapeInfo().GetShape();
     Problem p{};
-    p.x = qs_bind_prologue(prologue, ctx, shape, 3, "qs.Int4MatMul");
+    p.x = qs_bind_prologue(prologue, ctx, shape, "qs.Int4MatMul");
     p.k = k;
     p.n = n;
     p.blocks = k / kBlock;
@@ -503,7 +503,7 @@ struct Int4MatMulKernel {
     p.w = constant_weight;
     if (p.w == nullptr) {
       auto w = ctx.GetInput(1);
-      if (w.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(p.panels * p.panel_bytes))
+      if (w.GetTensorTypeAndShapeInfo().GetElementCount() != weight_bytes)
         throw std::invalid_argument(int_scales ? "qs.Int4MatMul: the packed weight must hold ceil(N/16) panels of K/32 "
                                                  "blocks of 272 bytes and 16 float scales"
                                                : "qs.Int4MatMul: the packed weight must hold ceil(N/16) panels of K/32 "

@@ -242,6 +242,7 @@ void quantize_tiles(const Problem& p, int64_t row) {
 struct Int8MatMulKernel {
   int64_t k, n;
   QsPrologue prologue;
+  size_t weight_size;                          // the packed weight's: ceil(N/16)·16 × ceil(K/4)·4
   const int8_t* constant_weight = nullptr;    // qs_constant_input: checked once, when the kernel is made
   const float* constant_w_scale = nullptr;
   const int32_t* constant_w_zsum = nullptr;
@@ -253,8 +254,8 @@ struct Int8MatMulKernel {
         prologue(Ort::ConstKernelInfo(info), k, 5, "qs.Int8MatMul") {
     if (k <= 0 || n <= 0) throw std::invalid_argument("qs.Int8MatMul: attributes K and N must be positive");
     Ort::ConstKernelInfo ki(info);
-    const size_t packed = static_cast<size_t>((n + kPanel - 1) / kPanel * kPanel * ((k + 3) / 4 * 4));
-    constant_weight = static_cast<const int8_t*>(qs_constant_input(ki, 1, packed));
+    weight_size = static_cast<size_t>((n + kPanel - 1) / kPanel * kPanel * ((k + 3) / 4 * 4));
+    constant_weight = static_cast<const int8_t*>(qs_constant_input(ki, 1, weight_size));
     constant_w_scale = static_cast<const float*>(qs_constant_input(ki, 2, static_cast<size_t>(n)));
     constant_w_zsum = static_cast<const int32_t*>(qs_constant_input(ki, 3, static_cast<size_t>(n)));
     constant_bias = static_cast<const float*>(qs_constant_input(ki, 4, static_cast<size_t>(n)));
@@ -264,7 +265,7 @@ struct Int8MatMulKernel {
     Ort::KernelContext ctx(context);
     std::vector<int64_t> shape = ctx.GetInput(0).GetTensorTypeAndShapeInfo().GetShape();
     Problem p{};
-    p.x = qs_bind_prologue(prologue, ctx, shape, 5, "qs.Int8MatMul");
+    p.x = qs_bind_prologue(prologue, ctx, shape, "qs.Int8MatMul");
     p.k = k;
     p.n = n;
     p.k4 = (k + 3) / 4 * 4;
@@ -272,7 +273,7 @@ struct Int8MatMulKernel {
     p.w = constant_weight;
     if (p.w == nullptr) {
       auto w = ctx.GetInput(1);
-      if (w.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(p.panels * p.k4 * kPanel))
+      if (w.GetTensorTypeAndShapeInfo().GetElementCount() != weight_size)
         throw std::invalid_argument("qs.Int8MatMul: the packed weight must hold ceil(N/16)·16 × ceil(K/4)·4 values");
       p.w = w.GetTensorData<int8_t>();
     }

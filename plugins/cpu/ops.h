@@ -74,7 +74,8 @@ struct QsPrologue {
   enum Kind : int64_t { kNone = 0, kSwiGLU = 1, kSkipRmsNorm = 2 };
   int64_t kind = kNone, k = 0;
   float epsilon = 0.0f;
-  const float* gamma = nullptr;   // a constant gamma (qs_constant_input); else the call's input `skip_input` + 1
+  size_t skip_input = 0;          // the op's input index of skip; gamma's is the next
+  const float* gamma = nullptr;   // a constant gamma (qs_constant_input); else read from the call
 
   QsPrologue(const Ort::ConstKernelInfo& info, int64_t k, size_t skip_input, const char* op);
   int64_t width() const { return kind == kSwiGLU ? 2 * k : k; }
@@ -95,7 +96,7 @@ struct QsPrologueRows {
 // Checks x's shape against the prologue and binds the call's inputs; skip, gamma or the residual output where the
 // prologue does not take them are refused too. Throws std::invalid_argument naming `op` on a mismatch.
 QsPrologueRows qs_bind_prologue(const QsPrologue& prologue, Ort::KernelContext& ctx, const std::vector<int64_t>& x_shape,
-                                size_t skip_input, const char* op);
+                                const char* op);
 
 // The optional bias [n] at input `index` (nullptr where absent), and y[m, n] += bias after the product: the Add it
 // replaces, one rounding after y's.

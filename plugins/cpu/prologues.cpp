@@ -81,7 +81,8 @@ const void* qs_constant_input(const Ort::ConstKernelInfo& info, size_t index, si
   return value.GetTensorRawData();
 }
 
-QsPrologue::QsPrologue(const Ort::ConstKernelInfo& info, int64_t k_, size_t skip_input, const char* op) : k(k_) {
+QsPrologue::QsPrologue(const Ort::ConstKernelInfo& info, int64_t k_, size_t skip_input_, const char* op)
+    : k(k_), skip_input(skip_input_) {
   const std::string name(op);
   if (has_attribute(info, "prologue")) {    // absent in graphs without a prologue
     try {
@@ -114,7 +115,7 @@ const float* QsPrologueRows::row(int64_t r) const {
 }
 
 QsPrologueRows qs_bind_prologue(const QsPrologue& prologue, Ort::KernelContext& ctx, const std::vector<int64_t>& x_shape,
-                                size_t skip_input, const char* op) {
+                                const char* op) {
   const std::string name(op);
   const int64_t width = prologue.width();
   if (x_shape.empty() || x_shape.back() != width)
@@ -125,7 +126,8 @@ QsPrologueRows qs_bind_prologue(const QsPrologue& prologue, Ort::KernelContext& 
   rows.x = ctx.GetInput(0).GetTensorData<float>();
   const size_t inputs = ctx.GetInputCount();
   auto input = [&](size_t i) { return inputs > i ? ctx.GetInput(i) : Ort::ConstValue{nullptr}; };
-  auto skip = input(skip_input), gamma = prologue.gamma ? Ort::ConstValue{nullptr} : input(skip_input + 1);
+  auto skip = input(prologue.skip_input);
+  auto gamma = prologue.gamma ? Ort::ConstValue{nullptr} : input(prologue.skip_input + 1);
   if (prologue.kind != QsPrologue::kSkipRmsNorm) {
     if (skip != nullptr || gamma != nullptr)
       throw std::invalid_argument(name + ": skip and gamma are the skip RMS norm's inputs (prologue 2)");
