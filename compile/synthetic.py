@@ -24,6 +24,9 @@ from . import corpus
 PRESETS: dict[str, dict] = {
     "tiny-llama": dict(arch="LlamaForCausalLM", hidden=64, layers=2, heads=4, kv_heads=2, ffn=128, vocab=512, tied=False),
     "tiny-qwen2": dict(arch="Qwen2ForCausalLM", hidden=64, layers=2, heads=4, kv_heads=2, ffn=128, vocab=512, tied=True),
+    # 128-wide heads: a cpu engine's KV rows tile a huge page at 4,096 tokens (tests of long-sequence KV)
+    "tiny-llama-hd128": dict(arch="LlamaForCausalLM", hidden=256, layers=2, heads=2, kv_heads=1, ffn=256, vocab=512,
+                             tied=False, max_pos=8192),
     "tiny-mistral": dict(arch="MistralForCausalLM", hidden=64, layers=2, heads=4, kv_heads=1, ffn=160, vocab=512,
                          tied=False, sliding_window=48),
     # the shapes of the bundled pair (tools/train_demo.py), for benchmarks without training

@@ -72,6 +72,9 @@ class CacheConfig:
                                       # max_num_seqs; their memory is given back first whenever it is wanted
     prefix_reserve_bytes: int = 64 << 20   # prefix-cache blocks made resident ahead while the engine is idle
                                       # (cpu: BlockPool.populate_ahead), so a burst's copies find memory faulted in
+    kv_huge_pages: bool = False       # cpu: long sequences' slots grow by transparent huge pages (slots.py): faster
+                                      # decoding at long context, slower admission where the host reclaims free
+                                      # huge pages (a VM with free page reporting), so off unless asked for
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -24,6 +24,7 @@ CHECKPOINTS = {
     "qwen2-bf16-sharded": ("tiny-qwen2", {"dtype": "bf16", "shards": 3, "seed": 4}),
     "mistral": ("tiny-mistral", {"seed": 5}),
     "mistral-fp16": ("tiny-mistral", {"dtype": "fp16", "seed": 6}),
+    "llama-hd128": ("tiny-llama-hd128", {"seed": 7}),
 }
 
 

@@ -28,6 +28,7 @@ DRIVER = r"""
 #include <chrono>
 #include <cstdio>
 #include <random>
+#include <sys/mman.h>
 template <class F> double median_seconds(int reps, F f) {
   std::vector<double> ts;
   for (int r = 0; r < reps; ++r) {
@@ -46,7 +47,7 @@ int main(int argc, char** argv) {
     return 0;
   }
   const int H = atoi(argv[1]), D = atoi(argv[2]), N = atoi(argv[3]), copies = atoi(argv[4]), reps = atoi(argv[5]);
-  const bool bf = atoi(argv[6]);
+  const bool bf = atoi(argv[6]), huge = argc > 7 && atoi(argv[7]);
   std::mt19937 g(1);
   std::normal_distribution<float> nd(0, 1);
   std::vector<float> qkv((H + 2) * D), cos_(static_cast<size_t>(N) * D / 2), sin_(cos_.size());
@@ -56,11 +57,16 @@ int main(int argc, char** argv) {
       double a = p * std::pow(10000.0, -2.0 * i / D);
       cos_[static_cast<size_t>(p) * D / 2 + i] = std::cos(a), sin_[static_cast<size_t>(p) * D / 2 + i] = std::sin(a);
     }
-  std::vector<std::vector<half_t>> ks(copies), vs(copies);
+  // the copies in one arena, 2 MiB-aligned, on 4 KiB pages (as the runtime's KV slots) or on transparent huge pages
+  const size_t per = static_cast<size_t>(N) * D, bytes = 2 * copies * per * sizeof(half_t) + (2 << 20);
+  void* arena = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  madvise(arena, bytes, huge ? MADV_HUGEPAGE : MADV_NOHUGEPAGE);
+  half_t* base = reinterpret_cast<half_t*>((reinterpret_cast<uintptr_t>(arena) + (2 << 20) - 1) & ~uintptr_t((2 << 20) - 1));
+  std::vector<half_t*> ks(copies), vs(copies);
   for (int c = 0; c < copies; ++c) {
-    ks[c].resize(static_cast<size_t>(N) * D), vs[c].resize(static_cast<size_t>(N) * D);
-    for (auto& x : ks[c]) x = to_half(nd(g) * 0.5f);
-    for (auto& x : vs[c]) x = to_half(nd(g));
+    ks[c] = base + 2 * c * per, vs[c] = ks[c] + per;
+    for (size_t i = 0; i < per; ++i) ks[c][i] = to_half(nd(g) * 0.5f);
+    for (size_t i = 0; i < per; ++i) vs[c][i] = to_half(nd(g));
   }
   int32_t seqlen = N - 1;
   Step<half_t> st{};
@@ -72,7 +78,7 @@ int main(int argc, char** argv) {
   p.reset(H, segs, D);
   auto pass = [&] {
     for (int c = 0; c < copies; ++c) {
-      st.keys = ks[c].data(), st.values = vs[c].data();
+      st.keys = ks[c], st.values = vs[c];
       if (D == 64) attend_rows<64>(st, 0, 0, 1, 0, H, 0, segs, p);
       else attend_rows<128>(st, 0, 0, 1, 0, H, 0, segs, p);
     }
@@ -110,6 +116,8 @@ def main() -> None:
                          "[default: qwen2.5-0.5b's, qwen2.5-1.5b's, smollm2's]")
     ap.add_argument("--keys", type=int, default=8192, help="keys (context tokens) a pass attends to")
     ap.add_argument("--stream-mib", type=int, default=256, help="cache copies cycled through when streaming")
+    ap.add_argument("--huge-pages", action="store_true",
+                    help="the cache on transparent huge pages (runtime serve --kv-huge-pages); default 4 KiB pages")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     shapes = [tuple(map(int, shape.split("x"))) for shape in args.shapes.split(",")]
@@ -119,7 +127,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         binary = build(args.source, Path(tmp))
         ghz = float(subprocess.run([str(binary)], capture_output=True, text=True, check=True).stdout)
-        print(f"{platform.processor() or platform.machine()}, clock {ghz:.2f} GHz (dependent multiplies), one thread")
+        print(f"{platform.processor() or platform.machine()}, clock {ghz:.2f} GHz (dependent multiplies), one thread, "
+              f"the cache on {'huge' if args.huge_pages else '4 KiB'} pages")
         print(f"{'rows x D':>9} {'products':>8} {'where':>8} {'ns/key':>7} {'cyc/key':>8} {'floor':>6} {'GB/s':>6}  bits")
         for rows, dim in shapes:
             key_bytes = 2 * dim * 2                       # its fp16 key and value
@@ -128,7 +137,8 @@ def main() -> None:
                 for where, keys, copies, reps in (("L2", in_l2, 1, 2000),
                                                   ("memory", args.keys, max(2, (args.stream_mib << 20) // (args.keys * key_bytes)), 6)):
                     run = subprocess.run([str(binary), str(rows), str(dim), str(keys), str(copies), str(reps),
-                                          str(int(bf16))], capture_output=True, text=True, check=True).stdout.split()
+                                          str(int(bf16)), str(int(args.huge_pages))], capture_output=True, text=True,
+                                         check=True).stdout.split()
                     ns, bits = float(run[0]), run[1]
                     floor = 2 * rows * dim / (32 if bf16 else 16)
                     row = {"rows": rows, "head_dim": dim, "bf16_products": bf16, "where": where, "keys": keys,
@@ -138,7 +148,8 @@ def main() -> None:
                     print(f"{rows:>4} x {dim:<3} {'bf16' if bf16 else 'fp32':>8} {where:>8} {ns:7.2f} "
                           f"{ns * ghz:8.1f} {floor:6.0f} {key_bytes / ns:6.2f}  {bits}")
     if args.json:
-        args.json.write_text(json.dumps({"clock_ghz": ghz, "source": str(args.source), "results": results}, indent=1) + "\n")
+        args.json.write_text(json.dumps({"clock_ghz": ghz, "source": str(args.source), "huge_pages": args.huge_pages,
+                                         "results": results}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

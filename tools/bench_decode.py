@@ -137,7 +137,8 @@ def prefill(runner, pool, ids: np.ndarray) -> int:
 
 
 def measure(engine: Path, prompt_len: int, decode_steps: int, threads: int | None, spin: bool,
-            prompt_file: Path | None = None, contexts: tuple[int, ...] = (), rounds: int = 5) -> dict:
+            prompt_file: Path | None = None, contexts: tuple[int, ...] = (), rounds: int = 5,
+            kv_huge_pages: bool = False) -> dict:
     from runtime.backends.cpu.slots import SlotRange
     from runtime.backends.cpu.runner import ModelRunner
 
@@ -149,7 +150,11 @@ def measure(engine: Path, prompt_len: int, decode_steps: int, threads: int | Non
     else:
         ids = np.random.default_rng(0).integers(0, runner.vocab_size, prompt_len).tolist()
     prompt = np.asarray([ids], np.int64)
-    pool = runner.new_pool(8, capacity=prompt_len + rounds * decode_steps + 8)
+    # slots as the server's: the model's whole context each, rows made resident ahead of the writes (long
+    # sequences' on huge pages with --kv-huge-pages, slots.py)
+    pool = runner.new_pool(8, huge_pages=kv_huge_pages)
+    for slot in range(8):
+        pool.ensure(slot, prompt_len + rounds * decode_steps + 8)
 
     ttft = []
     for _ in range(5):
@@ -186,7 +191,8 @@ def measure(engine: Path, prompt_len: int, decode_steps: int, threads: int | Non
     result["roofline_pct"], result["roofline_pct_range"] = b1["pct_of_bound"], b1["pct_of_bound_range"]
     result["roofline_steady_rounds"], result["roofline_rounds_pct"] = b1["steady_rounds"], b1["rounds_pct_of_bound"]
     for context in contexts:
-        long_pool = runner.new_pool(1, capacity=context + rounds * decode_steps + 8)
+        long_pool = runner.new_pool(1, huge_pages=kv_huge_pages)
+        long_pool.ensure(0, context + rounds * decode_steps + 8)
         ids = np.random.default_rng(1).integers(0, runner.vocab_size, context)
         at = roofline_rounds(runner, long_pool, prefill(runner, long_pool, ids), context, decode_steps, rounds,
                              weights + (context + rounds * decode_steps // 2) * per_token, bandwidth_data)
@@ -194,6 +200,7 @@ def measure(engine: Path, prompt_len: int, decode_steps: int, threads: int | Non
         result[f"decode_b1_ctx{context}_pct_of_bound"] = at["pct_of_bound"]
         result[f"decode_b1_ctx{context}_pct_range"] = at["pct_of_bound_range"]
         result[f"decode_b1_ctx{context}_steady_rounds"] = at["steady_rounds"]
+        result[f"decode_b1_ctx{context}_kv_huge_mib"] = round(long_pool.huge_bytes / 2**20)
         del long_pool
     return result
 
@@ -209,20 +216,22 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5, help="batch-1 rounds, each after a bandwidth reading")
     ap.add_argument("--prompt-file", type=Path, default=None, help='JSON {"ids": [...]} (e.g. the peers\' prompt_512.json)')
     ap.add_argument("--contexts", default="", help="batch-1 decode also at these context lengths (comma-separated)")
+    ap.add_argument("--kv-huge-pages", action="store_true",
+                    help="long sequences' KV on transparent huge pages (runtime serve --kv-huge-pages)")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     ap.add_argument("--single", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.single:
         contexts = tuple(int(c) for c in args.contexts.split(",") if c)
         print(json.dumps(measure(args.engines[0], args.prompt_len, args.decode_steps, args.threads, args.spin,
-                                 args.prompt_file, contexts, args.rounds)))
+                                 args.prompt_file, contexts, args.rounds, args.kv_huge_pages)))
         return
     rows = []
     for engine in args.engines:
         cmd = [sys.executable, __file__, str(engine), "--single", "--prompt-len", str(args.prompt_len),
                "--decode-steps", str(args.decode_steps)] + (["--threads", str(args.threads)] if args.threads else []) \
             + ([] if args.spin else ["--no-spin"]) + ["--rounds", str(args.rounds)] + (["--prompt-file", str(args.prompt_file)] if args.prompt_file else []) \
-            + (["--contexts", args.contexts] if args.contexts else [])
+            + (["--contexts", args.contexts] if args.contexts else []) + (["--kv-huge-pages"] if args.kv_huge_pages else [])
         out = subprocess.run(cmd, capture_output=True, text=True)
         if out.returncode:
             sys.exit(f"{engine}: {out.stderr.strip().splitlines()[-1]}")
@@ -246,7 +255,8 @@ def main() -> None:
             steady = r[key.replace("_tok_s", "_steady_rounds")]
             print(f"  batch 1 at {context} tokens of context: {r[key]:.1f} tok/s, "
                   f"{r[key.replace('_tok_s', '_pct_of_bound')]:.1f} % [{lo:.0f}–{hi:.0f}] of the bound (weights + KV), "
-                  f"{steady}/{args.rounds} rounds steady")
+                  f"{steady}/{args.rounds} rounds steady, KV on huge pages "
+                  f"{r[key.replace('_tok_s', '_kv_huge_mib')]} MiB")
     if args.json:
         args.json.write_text(json.dumps({"prompt_len": args.prompt_len, "rounds": args.rounds, "engines": rows}, indent=2))
 

@@ -13,6 +13,7 @@ import pytest
 
 from artifact.errors import ArtifactError
 from runtime.backends.cpu import weights
+from runtime.kv import memory
 from runtime.backends.cpu.runner import ModelRunner
 from runtime.backends.cpu.slots import SlotRange
 
@@ -105,7 +106,7 @@ def test_weights_onnx_runtime_repacks_stay_on_its_mapping(engine):
 def test_no_arena_where_the_kernel_offers_no_huge_pages(engine, tmp_path, monkeypatch):
     setting = tmp_path / "enabled"
     setting.write_text("always madvise [never]\n")
-    monkeypatch.setattr(weights, "THP_ENABLED", setting)
+    monkeypatch.setattr(memory, "THP_ENABLED", setting)
     assert not weights.huge_pages_offered()
     path = engine("llama")
     runner = ModelRunner(path)

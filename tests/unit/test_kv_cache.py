@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from runtime.kv.block_pool import BlockPool
+from runtime.kv.memory import huge_pages_offered
 from runtime.backends.cpu.kv import KVCacheManager
 from runtime.kv.layout import KVLayout
 from runtime.request import Request, SamplingParams
@@ -268,3 +269,35 @@ def test_requests_take_empty_slots_that_keep_the_running_ones_together():
     assert reqs[5].slot == 5                              # the run 5-7, not the lone empty slot 0
     kv.allocate(reqs[6])
     assert reqs[6].slot == 6                              # beside the running one
+
+
+@pytest.mark.skipif(not huge_pages_offered(), reason="this kernel offers no transparent huge pages")
+def test_target_and_draft_slots_hold_the_same_tokens_when_they_round_to_different_huge_pages():
+    """The target's 256-byte rows fill a huge page with 8,192 tokens (huge pages from 1,024), the draft's 128-byte
+    rows with 16,384 (from 2,048): the manager grows a slot to the least count both pools keep as it is, and what
+    it counts against the budget is what they hold."""
+    target, draft = KVLayout(num_layers=1, kv_heads=1, head_dim=64), KVLayout(num_layers=1, kv_heads=1, head_dim=32)
+    kv = KVCacheManager([target, draft], num_slots=2, slot_capacity=32768, num_blocks=0, block_size=4, huge_pages=True)
+    assert [(p.huge_rows, p.huge_from) for p in kv.pools] == [(8192, 1024), (16384, 2048)]
+
+    def held(req):
+        counts = {pool.resident_tokens(req.slot) for pool in kv.pools}
+        assert len(counts) == 1 and sum(p.resident_bytes for p in kv.pools) == kv.resident_tokens * sum(
+            m.token_bytes for m in (target, draft))
+        return counts.pop()
+
+    long = Request(list(range(1500)), SamplingParams(max_tokens=1), request_id="long")
+    assert kv.allocate(long) == 0 and held(long) == 16384          # 8,192 for the target, then 16,384 for the draft
+    short = Request(list(range(100)), SamplingParams(max_tokens=4000), request_id="short")
+    assert kv.allocate(short) == 0 and held(short) == 128
+    grown = []
+    for n in (1100, 2100, 8200, 16400):
+        assert kv.reserve(short, n)
+        grown.append(held(short))
+    # page 0 begun in granules stays in them (both pools); then whole pages: the target's page 1 (to 16,384), the
+    # draft's page 1 (to 32,768, the target following it)
+    assert grown == [1152, 2112, 16384, 32768]
+    assert kv.resident_tokens == 16384 + 32768
+    kv.free(long, cache=False)
+    kv.free(short, cache=False)
+    assert kv.resident_tokens == 0 and all(p.resident_bytes == 0 for p in kv.pools)

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from runtime.kv import memory
 from runtime.kv.block_pool import BlockPool
-from runtime.kv.memory import PAGE, ReservedArray
+from runtime.kv.memory import HUGE_PAGE, PAGE, ReservedArray, huge_pages_offered
 from runtime.backends.cpu.slots import SlotPool, SlotRange
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -41,12 +41,12 @@ def mincore_count(address: int, length: int) -> int:
 
 
 def resident_count(m: ReservedArray, lo: int = 0, hi: int | None = None) -> int:
-    return int(resident_pages(m.address, lo, len(m.map) if hi is None else hi).sum())
+    return int(resident_pages(m.address, lo, m.size if hi is None else hi).sum())
 
 
 def head_ranges(pool: SlotPool, slot: int) -> list[tuple[int, int]]:
-    """Byte range [start, end) of every kv head's rows of `slot` (BNSH: [capacity, head_dim] contiguous)."""
-    size = pool.capacity * pool.row_bytes
+    """Byte range [start, end) of every kv head's rows of `slot` (BNSH: [rows, head_dim] contiguous)."""
+    size = pool.rows * pool.row_bytes
     return [((slot * pool.kv_heads + h) * size, (slot * pool.kv_heads + h + 1) * size) for h in range(pool.kv_heads)]
 
 
@@ -64,7 +64,7 @@ def check_residency(pool: SlotPool, tokens: dict[int, int]) -> None:
     """Exactly the pages of the resident rows hold memory — or, where slots do not end on a page boundary, those
     and at most the pages a released slot shares with a resident neighbour (bounded: one per slot boundary)."""
     for m in pool._maps:
-        got, want = resident_pages(m.address, 0, len(m.map)), expected_pages(pool, tokens, len(m.map))
+        got, want = resident_pages(m.address, 0, m.size), expected_pages(pool, tokens, m.size)
         if pool.slot_bytes % PAGE == 0:
             assert np.array_equal(got, want)
         else:
@@ -297,6 +297,104 @@ def test_ensure_release_sequences_match_a_model(ops, geometry):
             assert np.array_equal(m.array[s, :, :w], pattern[i][s][:, :w]) and not m.array[s, :, w:].any()
 
 
+# -- huge pages for long sequences ---------------------------------------------------------------------
+
+huge_only = pytest.mark.skipif(not huge_pages_offered(), reason="this kernel offers no transparent huge pages")
+
+
+def long_pool(**kw) -> SlotPool:
+    """256-byte rows: 8,192 of a head to a huge page, huge pages from 1,024 tokens; capacity 20,000 (the last
+    huge page of a head only partly usable: its rows stay on 4 KiB pages)."""
+    args = dict(num_layers=1, num_slots=3, kv_heads=2, capacity=20000, head_dim=64, dtype="float32",
+                huge_pages=True) | kw
+    return SlotPool(**args)
+
+
+@huge_only
+def test_long_sequences_grow_by_whole_huge_pages_and_short_ones_by_granules():
+    pool = long_pool()
+    H = pool.huge_rows
+    assert (H, pool.huge_from, pool.rows, pool.slot_shape) == (8192, 1024, 24576, (2, 24576, 64))
+    assert all(m.address % HUGE_PAGE == 0 and pool.slot_bytes % HUGE_PAGE == 0 for m in pool._maps)
+    assert [pool.rounded(n) for n in (1, 1000, 1023, 1024, 8192, 8193, 16385, 30000)] == \
+        [64, 1024, 1024, H, H, 2 * H, 20000, 20000]
+    assert pool.rounded(1100, have=1024) == 1152         # page 0 begun in granules goes on in them
+    assert pool.rounded(9000, have=1152) == pool.rounded(8300, have=H) == 2 * H      # the next page: whole
+    assert pool.rounded(8300, have=8256) == 8320
+
+    assert pool.ensure(0, 100) == 128                    # short: a granule on 4 KiB pages
+    assert pool.ensure(1, 3000) == H                     # a long prompt: a whole huge page of each head
+    check_residency(pool, {0: 128, 1: H})
+    assert [m.huge_bytes() for m in pool._maps] == [2 * HUGE_PAGE] * 2
+    rng = np.random.default_rng(0)
+    rows = [rng.standard_normal((2, 2, 3000, 64)).astype(np.float32) for _ in pool._maps]
+    for m, r in zip(pool._maps, rows):                   # the runtime writes only rows it ensured
+        m.array[0, :, :128], m.array[1, :, :3000] = r[0, :, :128], r[1]
+    assert pool.ensure(0, 1100) == 1152 and pool.ensure(0, H + 1) == 2 * H   # page 1 whole, page 0 in granules
+    assert pool.ensure(1, 2 * H + 1) == 20000            # page 1 whole; page 2 past the capacity in granules
+    check_residency(pool, {0: 2 * H, 1: 20000})
+    assert [m.huge_bytes() for m in pool._maps] == [6 * HUGE_PAGE] * 2
+    for m, r in zip(pool._maps, rows):                   # growth kept every row
+        assert np.array_equal(m.array[0, :, :128], r[0, :, :128]) and not m.array[0, :, 128:].any()
+        assert np.array_equal(m.array[1, :, :3000], r[1]) and not m.array[1, :, 3000:].any()
+
+    pool.release(1)
+    check_residency(pool, {0: 2 * H})
+    assert [m.huge_bytes() for m in pool._maps] == [2 * HUGE_PAGE] * 2 and not any(m.array[1].any() for m in pool._maps)
+    assert pool.ensure(1, 100) == 128                    # the slot's next short sequence: 4 KiB pages again
+    check_residency(pool, {0: 2 * H, 1: 128})
+    assert [m.huge_bytes() for m in pool._maps] == [2 * HUGE_PAGE] * 2
+
+
+def test_no_huge_pages_where_turned_off_or_rows_do_not_tile_one():
+    assert long_pool(huge_pages=False).huge_rows == 0 and long_pool(huge_pages=False).rows == 20000
+    assert SlotPool(1, 3, 2, 20000, 64).huge_rows == 0           # off unless asked for
+    assert long_pool(head_dim=96).huge_rows == 0                 # 384-byte rows do not tile 2 MiB
+    assert long_pool(capacity=8191).huge_rows == 0               # a head never fills one
+    pool = long_pool(huge_pages=False)
+    assert pool.rounded(3000) == 3008 and pool.ensure(1, 3000) == 3008
+    check_residency(pool, {1: 3008})
+    assert [m.huge_bytes() for m in pool._maps] == [0, 0]
+
+
+@huge_only
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["ensure", "release", "write"]), st.integers(0, 1),
+                          st.integers(0, 20000)), max_size=10))
+def test_huge_page_growth_matches_a_model(ops):
+    """Resident tokens, resident pages, which pages are huge, and the rows written — against a model of the rule:
+    64-token granules below 1,024 tokens or on a page begun in them, else to the end of the last token's huge
+    page (at most the capacity); a page populated whole at once is huge."""
+    pool = long_pool(num_slots=2)
+    H, capacity = 8192, 20000
+    model = {0: 0, 1: 0}
+    huge: dict[int, set[int]] = {0: set(), 1: set()}   # slot → its huge page indices
+    written = {0: 0, 1: 0}
+    for op, slot, n in ops:
+        have = model[slot]
+        if op == "ensure":
+            if n > have:
+                page = (n - 1) // H * H
+                grain = min(capacity, -(-n // 64) * 64)
+                model[slot] = grain if n < 1024 or have > page else min(capacity, page + H)
+                huge[slot] |= {p for p in range(-(-have // H), model[slot] // H)}
+            assert pool.ensure(slot, n) == model[slot]
+        elif op == "release":
+            pool.release(slot)
+            model[slot], written[slot], huge[slot] = 0, 0, set()
+        else:
+            rows = min(n, have)
+            for i, m in enumerate(pool._maps):
+                m.array[slot, :, :rows] = 1 + slot + 10 * i
+            written[slot] = max(written[slot], rows)
+    check_residency(pool, model)
+    assert [m.huge_bytes() for m in pool._maps] == [2 * HUGE_PAGE * sum(map(len, huge.values()))] * 2
+    for i, m in enumerate(pool._maps):
+        for s in range(2):
+            w = written[s]
+            assert (m.array[s, :, :w] == 1 + s + 10 * i).all() and not m.array[s, :, w:].any()
+
+
 # -- BlockPool -----------------------------------------------------------------------------------------
 
 def test_block_pool_populates_blocks_as_they_are_first_handed_out():
@@ -310,7 +408,7 @@ def test_block_pool_populates_blocks_as_they_are_first_handed_out():
         counts = set()
         for m in pool._maps:
             per_block = m.array[0].nbytes
-            pages = resident_pages(m.address, 0, len(m.map))
+            pages = resident_pages(m.address, 0, m.size)
             blocks = [b for b in range(pool.num_blocks) if pages[b * per_block // PAGE:-(-(b + 1) * per_block // PAGE)].all()]
             assert int(pages.sum()) == -(-len(blocks) * per_block // PAGE)  # whole blocks, in index order, nothing else
             counts.add(len(blocks))

@@ -77,7 +77,8 @@ class CpuBackend:
         retained = c.retained_slots if c.enable_prefix_cache else 0
         return KVCacheManager(layouts, config.scheduler.max_num_seqs + retained, self.max_model_len, num_blocks,
                               c.block_size, budget_tokens=slot_tokens, retained_slots=retained,
-                              reserve_bytes=c.prefix_reserve_bytes)
+                              reserve_bytes=c.prefix_reserve_bytes,
+                              huge_pages=c.kv_huge_pages)
 
     def run(self, inp: ModelInput) -> RunnerOutput:
         seqs = inp.seqs

@@ -30,13 +30,16 @@ class KVCacheManager:
     FLUSH_BYTES = 8 << 20
 
     def __init__(self, layouts: list[KVLayout], num_slots: int, slot_capacity: int, num_blocks: int, block_size: int,
-                 budget_tokens: int | None = None, retained_slots: int = 0, reserve_bytes: int = 0):
+                 budget_tokens: int | None = None, retained_slots: int = 0, reserve_bytes: int = 0,
+                 huge_pages: bool = False):
         """layouts[0] is the target; further layouts (the draft) get slots with the same indices. `budget_tokens`:
         tokens that may be resident in slots at once (None: every slot full); num_blocks 0: no prefix cache;
         `retained_slots`: finished sequences whose slots keep their KV for a follow-up; `reserve_bytes`: never-used
         prefix-cache blocks made resident ahead while the engine is idle (`idle`), so that most of a burst's copies
-        (3,560 prompt tokens: 82 MB on a smollm2 shape) land in memory already faulted in."""
-        self.pools = [SlotPool(m.num_layers, num_slots, m.kv_heads, slot_capacity, m.head_dim, m.dtype) for m in layouts]
+        (3,560 prompt tokens: 82 MB on a smollm2 shape) land in memory already faulted in; `huge_pages`: long
+        sequences' slots grow by transparent huge pages (slots.py)."""
+        self.pools = [SlotPool(m.num_layers, num_slots, m.kv_heads, slot_capacity, m.head_dim, m.dtype, huge_pages)
+                      for m in layouts]
         self.slots = self.pools[0]
         self.blocks = BlockPool([(m.kv_heads, m.head_dim, m.dtype) for m in layouts for _ in range(m.num_layers)],
                                 num_blocks, block_size, reserve_bytes)
@@ -44,8 +47,6 @@ class KVCacheManager:
         self._layers = [(pool, layer) for pool in self.pools for layer in range(pool.num_layers)]
         self.block_size, self.num_slots, self.capacity = block_size, num_slots, slot_capacity
         self.budget_tokens = budget_tokens if budget_tokens is not None else num_slots * slot_capacity
-        # granules are powers of two: the coarsest pool's rounding is a whole number of every other pool's
-        self._rounded = max(self.pools, key=lambda pool: pool.granule).rounded
         self._resident = [0] * num_slots                    # tokens resident per slot (a granule multiple)
         self.resident_tokens = 0
         self._free_slots = list(range(num_slots))          # min-heap: lowest slot first keeps batches dense
@@ -65,6 +66,14 @@ class KVCacheManager:
         self.stats = CacheStats()
 
     # -- capacity ---------------------------------------------------------------------------------
+    def _rounded(self, num_tokens: int, have: int = 0) -> int:
+        """The tokens every pool holds when a slot holding `have` grows to `num_tokens`: the least count that each
+        pool's rounding leaves as it is (pools round to different granules and huge pages)."""
+        tokens = num_tokens
+        while (more := max(pool.rounded(tokens, have) for pool in self.pools)) != tokens:
+            tokens = more
+        return tokens
+
     @property
     def num_free_slots(self) -> int:
         return len(self._free_slots)
@@ -126,7 +135,7 @@ class KVCacheManager:
         slot, kept, kept_draft = self._retained_match(ids, max(0, req.num_tokens - 2))   # the last two: computed
         if slot is None or kept < max(cached, 1):
             slot, kept = self._fresh_slot(), 0
-        need = self._rounded(req.num_tokens + 1)
+        need = self._rounded(req.num_tokens + 1, 0 if slot is None else self._resident[slot])
         if slot is None or not self._make_room(max(0, need - self._resident[slot]), keep=slot):
             for block in held:
                 self.blocks.release(block)
@@ -212,7 +221,7 @@ class KVCacheManager:
         if near is None or min(self._busy) - 1 <= slot <= max(self._busy) + 1:   # (near: something runs)
             return slot
         kept, kept_draft = self._retained[near]
-        if self.resident_tokens + self._resident[near] > self.budget_tokens:
+        if self.resident_tokens + self._rounded(self._resident[near]) > self.budget_tokens:
             return slot                                     # no room for the copy: the request goes where it was
         self._finish_deferred(near)
         self._grow(slot, self._resident[near])
@@ -264,14 +273,14 @@ class KVCacheManager:
         slot = req.slot
         if num_tokens <= self._resident[slot]:
             return True
-        target = self._rounded(num_tokens)
+        target = self._rounded(num_tokens, self._resident[slot])
         if not self._make_room(target - self._resident[slot]):
             return False
         self._grow(slot, target)
         return True
 
     def _grow(self, slot: int, tokens: int) -> None:
-        tokens = max(tokens, self._resident[slot])        # a retained slot may already hold more
+        tokens = self._rounded(tokens, self._resident[slot])    # a retained slot may already hold more
         for pool in self.pools:
             pool.ensure(slot, tokens)
         self.resident_tokens += tokens - self._resident[slot]

@@ -218,9 +218,11 @@ class ModelRunner:
             self._bindings.popitem(last=False)
         return io, fed
 
-    def new_pool(self, num_slots: int, capacity: int | None = None) -> SlotPool:
+    def new_pool(self, num_slots: int, capacity: int | None = None, huge_pages: bool = False) -> SlotPool:
+        """Slots of `capacity` tokens (default: the model's context); `huge_pages`: long sequences' grow by
+        transparent huge pages (slots.py)."""
         return SlotPool(self.num_layers, num_slots, self.kv_heads, capacity or self.max_seq_len, self.head_dim,
-                        self.kv_layout.dtype)
+                        self.kv_layout.dtype, huge_pages)
 
     def execute(self, input_ids: np.ndarray, seqlens_k: np.ndarray, logits_indices: np.ndarray,
                 pool: SlotPool, slots: SlotRange, query_starts: np.ndarray | None = None,

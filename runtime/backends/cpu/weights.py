@@ -32,20 +32,9 @@ import artifact
 from artifact.errors import ArtifactError
 
 from ... import cpu_ops
+from ...kv.memory import HUGE_PAGE, huge_pages_offered
 
-HUGE_PAGE = 2 << 20
 ALIGN = 64                  # each tensor starts on a cache line (ONNX Runtime's own alignment)
-THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-
-
-def huge_pages_offered() -> bool:
-    """Whether madvise(MADV_HUGEPAGE) can give anonymous memory transparent huge pages here."""
-    if not hasattr(mmap, "MADV_HUGEPAGE"):
-        return False
-    try:
-        return "[never]" not in THP_ENABLED.read_text()
-    except OSError:
-        return False
 
 
 class External(NamedTuple):
