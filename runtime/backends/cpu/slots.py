@@ -13,11 +13,11 @@ With `huge_pages` (serve --kv-huge-pages), long sequences read their KV through 
 start on a huge-page boundary (the rows per head, `rows`, are `capacity` rounded up to whole huge pages: address
 space only), and once a slot holds `huge_from` tokens (an eighth of a huge page of rows) it grows by whole huge
 pages of every head, each populated at once on transparent huge pages. On 4 KiB pages attention pays a TLB walk
-and a cold prefetch stream every 4 KiB (one KV group from memory: 0.87-0.92x the time on huge pages; batch-1 steps
+and a cold prefetch stream every 4 KiB (one KV group from memory: 0.77-0.91x the time on huge pages; batch-1 steps
 at 2k-8k tokens ~0.96-0.98x, docs/performance.md). A short sequence keeps 64-token granules; a long one holds at
 most one partly filled huge page a head beyond its rows (at most 8x its rows at `huge_from`, under 2x past half a
 page). Off by default: where the host takes freed huge pages back (a VM with free page reporting, as ours),
-populating one costs 5-8 ms, 0.4-1.6 s at a long prompt's admission.
+populating one costs 5-8 ms, 0.4-2.1 s at a long prompt's admission.
 """
 
 from __future__ import annotations
