@@ -40,10 +40,11 @@ namespace {
 
 constexpr int kLanes = 16;   // softmax reductions in 16 independent lanes
 
-// How far ahead the KV cache is asked for. The cache lies on 4 KiB pages (runtime/kv/memory.py turns huge pages off so
-// that a slot's memory follows its tokens), where the linears' 16 KiB (ops.h, measured on huge-page weights) ran a
-// decode group's keys and values from memory at 27.7 ns a key (qwen2.5-0.5b's 7 heads × 64) and 68.1 (1.5b's
-// 6 × 128); 2.5 KiB took 0.86× and 0.79× the time, the same bits (tools/bench_attention_cycles.py, Intel Xeon SPR).
+// How far ahead the KV cache is asked for. The cache lies on 4 KiB pages (unless serve --kv-huge-pages grows a long
+// sequence by huge ones, runtime/backends/cpu/slots.py), where the linears' 16 KiB (ops.h, measured on huge-page
+// weights) ran a decode group's keys and values from memory at 27.7 ns a key (qwen2.5-0.5b's 7 heads × 64) and 68.1
+// (1.5b's 6 × 128); 2.5 KiB took 0.86× and 0.79× the time, the same bits (tools/bench_attention_cycles.py, Intel
+// Xeon SPR). On huge pages 2.5 KiB is still the best (4–16 KiB 1.04–1.19× slower).
 constexpr int64_t kKvStreamAhead = 2560;
 inline void qs_kv_ahead(const void* data, size_t bytes = 1) { qs_stream_ahead(data, bytes, kKvStreamAhead); }
 

@@ -500,17 +500,12 @@ struct Int4MatMulKernel {
     p.panels = (n + kPanel - 1) / kPanel;
     p.int_scales = int_scales;
     p.panel_bytes = panel_bytes_of(p.blocks, int_scales);
-    p.w = constant_weight;
-    if (p.w == nullptr) {
-      auto w = ctx.GetInput(1);
-      if (w.GetTensorTypeAndShapeInfo().GetElementCount() != weight_bytes)
-        throw std::invalid_argument(int_scales ? "qs.Int4MatMul: the packed weight must hold ceil(N/16) panels of K/32 "
-                                                 "blocks of 272 bytes and 16 float scales"
-                                               : "qs.Int4MatMul: the packed weight must hold ceil(N/16) panels of K/32 "
-                                                 "blocks of 288 bytes");
-      p.w = w.GetTensorData<uint8_t>();
-    }
-    const float* bias = constant_bias ? constant_bias : qs_bias_input(ctx, 2, n, "qs.Int4MatMul");
+    p.w = static_cast<const uint8_t*>(qs_sized_input(
+        ctx, 1, weight_bytes, constant_weight,
+        int_scales ? "qs.Int4MatMul: the packed weight must hold ceil(N/16) panels of K/32 blocks of 272 bytes and 16 "
+                     "float scales"
+                   : "qs.Int4MatMul: the packed weight must hold ceil(N/16) panels of K/32 blocks of 288 bytes"));
+    const float* bias = qs_bias_input(ctx, 2, n, "qs.Int4MatMul", constant_bias);
     p.y = output_rows(ctx, shape, n, &p.m);
     if (p.m == 0) return;
 

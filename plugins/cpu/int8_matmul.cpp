@@ -247,6 +247,7 @@ struct Int8MatMulKernel {
   const float* constant_w_scale = nullptr;
   const int32_t* constant_w_zsum = nullptr;
   const float* constant_bias = nullptr;
+  std::string scales_error;                    // made once: Compute builds no string
 
   Int8MatMulKernel(const OrtApi&, const OrtKernelInfo* info)
       : k(Ort::ConstKernelInfo(info).GetAttribute<int64_t>("K")),
@@ -259,6 +260,7 @@ struct Int8MatMulKernel {
     constant_w_scale = static_cast<const float*>(qs_constant_input(ki, 2, static_cast<size_t>(n)));
     constant_w_zsum = static_cast<const int32_t*>(qs_constant_input(ki, 3, static_cast<size_t>(n)));
     constant_bias = static_cast<const float*>(qs_constant_input(ki, 4, static_cast<size_t>(n)));
+    scales_error = "qs.Int8MatMul: w_scale and w_zsum must hold N = " + std::to_string(n) + " values";
   }
 
   void Compute(OrtKernelContext* context) {
@@ -270,26 +272,15 @@ struct Int8MatMulKernel {
     p.n = n;
     p.k4 = (k + 3) / 4 * 4;
     p.panels = (n + kPanel - 1) / kPanel;
-    p.w = constant_weight;
-    if (p.w == nullptr) {
-      auto w = ctx.GetInput(1);
-      if (w.GetTensorTypeAndShapeInfo().GetElementCount() != weight_size)
-        throw std::invalid_argument("qs.Int8MatMul: the packed weight must hold ceil(N/16)·16 × ceil(K/4)·4 values");
-      p.w = w.GetTensorData<int8_t>();
-    }
-    const float* bias = constant_bias ? constant_bias : qs_bias_input(ctx, 4, n, "qs.Int8MatMul");
+    p.w = static_cast<const int8_t*>(qs_sized_input(
+        ctx, 1, weight_size, constant_weight,
+        "qs.Int8MatMul: the packed weight must hold ceil(N/16)·16 × ceil(K/4)·4 values"));
+    const float* bias = qs_bias_input(ctx, 4, n, "qs.Int8MatMul", constant_bias);
     p.y = output_rows(ctx, shape, n, &p.m);
     if (p.m == 0) return;
-    p.w_scale = constant_w_scale;
-    p.w_zsum = constant_w_zsum;
-    if (p.w_scale == nullptr || p.w_zsum == nullptr) {
-      auto w_scale = ctx.GetInput(2), w_zsum = ctx.GetInput(3);
-      if (w_scale.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(n) ||
-          w_zsum.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(n))
-        throw std::invalid_argument("qs.Int8MatMul: w_scale and w_zsum must hold N = " + std::to_string(n) + " values");
-      p.w_scale = w_scale.GetTensorData<float>();
-      p.w_zsum = w_zsum.GetTensorData<int32_t>();
-    }
+    const size_t nn = static_cast<size_t>(n);
+    p.w_scale = static_cast<const float*>(qs_sized_input(ctx, 2, nn, constant_w_scale, scales_error.c_str()));
+    p.w_zsum = static_cast<const int32_t*>(qs_sized_input(ctx, 3, nn, constant_w_zsum, scales_error.c_str()));
 
     thread_local std::vector<float> x_scale;
     p.x_scale = qs_scratch(x_scale, static_cast<size_t>(p.m));

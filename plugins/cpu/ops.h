@@ -33,8 +33,8 @@ const OrtCustomOp* qs_swiglu_op();             // swiglu.cpp
 // (N = 9,728 and 19,456; 24 and 32 KiB were no better), and its decode step 0.88× the time (batch 4: 0.85×). The
 // 16 KiB were measured on huge pages only; weights on 4 KiB pages (--no-huge-pages, no THP) ask as far.
 // A prefetch never faults; the address is formed as an integer, so asking past the end of an array is harmless.
-// Asks for every cache line of [data, data + bytes) `ahead` bytes on (one line by default; attention's KV, on 4 KiB
-// pages, asks less far: kKvStreamAhead in attention.cpp).
+// Asks for every cache line of [data, data + bytes) `ahead` bytes on (one line by default; attention's KV asks less
+// far: kKvStreamAhead in attention.cpp).
 constexpr int64_t kStreamAhead = 16384;
 inline void qs_stream_ahead(const void* data, size_t bytes = 1, int64_t ahead = kStreamAhead) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -98,9 +98,10 @@ struct QsPrologueRows {
 QsPrologueRows qs_bind_prologue(const QsPrologue& prologue, Ort::KernelContext& ctx, const std::vector<int64_t>& x_shape,
                                 const char* op);
 
-// The optional bias [n] at input `index` (nullptr where absent), and y[m, n] += bias after the product: the Add it
-// replaces, one rounding after y's.
-const float* qs_bias_input(Ort::KernelContext& ctx, size_t index, int64_t n, const char* op);
+// The optional bias [n] at input `index` (`constant` where the kernel took it when it was made, else the call's;
+// nullptr where absent), and y[m, n] += bias after the product: the Add it replaces, one rounding after y's.
+const float* qs_bias_input(Ort::KernelContext& ctx, size_t index, int64_t n, const char* op,
+                           const float* constant = nullptr);
 
 // Input `index` where the graph gives it as a constant initializer (a packed weight, a bias, a norm's gamma) of
 // `count` elements: its data, taken when the kernel is made; nullptr where it is absent, not constant or of another
@@ -108,6 +109,10 @@ const float* qs_bias_input(Ort::KernelContext& ctx, size_t index, int64_t n, con
 // API calls (a shape object made and freed) that run on caches a decode step's weights have just flushed, ~0.5 µs
 // each, a few per product and ~100 products a step.
 const void* qs_constant_input(const Ort::ConstKernelInfo& info, size_t index, size_t count);
+
+// A required input of `count` elements: `constant` where qs_constant_input took it, else the call's, checked
+// (std::invalid_argument(error) on another size).
+const void* qs_sized_input(Ort::KernelContext& ctx, size_t index, size_t count, const void* constant, const char* error);
 void qs_add_bias(Ort::KernelContext& ctx, float* y, int64_t m, int64_t n, const float* bias);
 
 // fn(row) for rows [0, rows), in tasks of `per_task` rows on ONNX Runtime's pool (inline when one task suffices:

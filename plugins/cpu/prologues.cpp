@@ -81,6 +81,13 @@ const void* qs_constant_input(const Ort::ConstKernelInfo& info, size_t index, si
   return value.GetTensorRawData();
 }
 
+const void* qs_sized_input(Ort::KernelContext& ctx, size_t index, size_t count, const void* constant, const char* error) {
+  if (constant != nullptr) return constant;
+  auto value = ctx.GetInput(index);
+  if (value == nullptr || value.GetTensorTypeAndShapeInfo().GetElementCount() != count) throw std::invalid_argument(error);
+  return value.GetTensorRawData();
+}
+
 QsPrologue::QsPrologue(const Ort::ConstKernelInfo& info, int64_t k_, size_t skip_input_, const char* op)
     : k(k_), skip_input(skip_input_) {
   const std::string name(op);
@@ -148,7 +155,8 @@ QsPrologueRows qs_bind_prologue(const QsPrologue& prologue, Ort::KernelContext& 
   return rows;
 }
 
-const float* qs_bias_input(Ort::KernelContext& ctx, size_t index, int64_t n, const char* op) {
+const float* qs_bias_input(Ort::KernelContext& ctx, size_t index, int64_t n, const char* op, const float* constant) {
+  if (constant != nullptr) return constant;
   if (ctx.GetInputCount() <= index) return nullptr;
   auto bias = ctx.GetInput(index);
   if (bias == nullptr) return nullptr;
