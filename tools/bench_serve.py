@@ -4,7 +4,9 @@ machine's drift hits all alike. Every figure is also given as a ratio to `--base
 
 Per concurrency level (distinct prompts of ~`--prompt-tokens` tokens, `--max-tokens` new, greedy, ignore_eos):
 TTFT (request sent → first streamed text), per-stream decode tok/s ((tokens − 1) / (last − first text)),
-aggregate tok/s (all tokens / wall time of the level), ITL p50/p99/max (gaps between streamed chunks). Repeated
+aggregate tok/s (all tokens / wall time of the level), ITL p50/p99/max (gaps between streamed chunks); a stream
+whose tokens all decode to no text (a random-weight model's special tokens: no chunk to time) counts towards the
+aggregate only, and the level says how many there were (`textless_streams`). Repeated
 prefix: a long prompt, then the same prompt with a new last line — cold vs warm TTFT and the `cached_tokens` the
 server reports.
 
@@ -48,10 +50,17 @@ class Stream:
     chunks: list[float] = field(default_factory=list)   # arrival time of each chunk that carried text
     tokens: int = 0
     cached: int | None = None
+    done: float = 0.0                                    # when the stream ended
 
     @property
     def ttft(self) -> float:
-        return self.chunks[0] - self.sent
+        """nan for a stream whose tokens all decoded to no text (a random-weight model's special tokens): a server
+        streams no chunk for those, so there is no first text to time."""
+        return self.chunks[0] - self.sent if self.chunks else float("nan")
+
+    @property
+    def last(self) -> float:
+        return self.chunks[-1] if self.chunks else self.done
 
     @property
     def decode_tps(self) -> float:
@@ -106,10 +115,9 @@ async def stream_one(client, model: str, prompt: str, max_tokens: int) -> Stream
             s.tokens = chunk.usage.completion_tokens
             details = getattr(chunk.usage, "prompt_tokens_details", None)
             s.cached = getattr(details, "cached_tokens", None) if details is not None else None
+    s.done = time.perf_counter()
     if not s.tokens:
         s.tokens = len(s.chunks)
-    if not s.chunks:
-        raise RuntimeError("the server streamed no text")
     return s
 
 
@@ -129,21 +137,28 @@ async def level(client, model: str, waves: list[list[str]], max_tokens: int,
         n_late = min(late[0], len(prompts) - 1)
         wave = await asyncio.gather(*[after(late[1] / 1e3 if i >= len(prompts) - n_late else 0.0, p)
                                       for i, p in enumerate(prompts)])
-        wall += max(s.chunks[-1] for s in wave) - t0
+        wall += max(s.last for s in wave) - t0
         streams += wave
-    gaps = np.concatenate([np.diff(s.chunks) for s in streams if len(s.chunks) > 1]) * 1e3
-    return {"ttft_ms": float(np.median([s.ttft for s in streams]) * 1e3),
-            "decode_tps_per_stream": float(np.nanmedian([s.decode_tps for s in streams])),
+    # Streams with no text count towards the aggregate (their tokens were generated) but have no times to give.
+    timed = [s for s in streams if s.chunks]
+    if not timed:
+        raise RuntimeError("the server streamed no text in any stream of this level")
+    gaps = np.concatenate([np.diff(s.chunks) for s in timed if len(s.chunks) > 1] or [np.zeros(0)]) * 1e3
+    return {"ttft_ms": float(np.median([s.ttft for s in timed]) * 1e3),
+            "decode_tps_per_stream": float(np.nanmedian([s.decode_tps for s in timed])),
             "aggregate_tps": sum(s.tokens for s in streams) / wall,
-            "itl_p50_ms": float(np.percentile(gaps, 50)), "itl_p99_ms": float(np.percentile(gaps, 99)),
+            "itl_p50_ms": float(np.percentile(gaps, 50)) if gaps.size else None,
+            "itl_p99_ms": float(np.percentile(gaps, 99)) if gaps.size else None,
             # the longest stall: p99 counts how many stalls there were (under 1 % of the gaps, it misses them all)
-            "itl_max_ms": float(gaps.max())}
+            "itl_max_ms": float(gaps.max()) if gaps.size else None,
+            "tokens": sum(s.tokens for s in streams), "textless_streams": len(streams) - len(timed)}
 
 
 async def prefix_case(client, model: str, prompt: str, max_tokens: int, tag: str) -> dict:
     cold = await stream_one(client, model, f"# {tag}\n{prompt}\n# first\n", max_tokens)
     warm = await stream_one(client, model, f"# {tag}\n{prompt}\n# second one\n", max_tokens)
-    return {"cold_ttft_ms": cold.ttft * 1e3, "warm_ttft_ms": warm.ttft * 1e3, "warm_cached_tokens": warm.cached}
+    ms = lambda stream: stream.ttft * 1e3 if stream.chunks else None   # noqa: E731  (None: no text to time)
+    return {"cold_ttft_ms": ms(cold), "warm_ttft_ms": ms(warm), "warm_cached_tokens": warm.cached}
 
 
 def openai_client(url: str):
