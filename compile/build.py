@@ -22,7 +22,8 @@ from .quantize import report
 from .quantize.awq import awq_reader
 from .graph.builder import OPSET, GraphBuilder
 from .graph.layers import MIN_ROWS, Ctx
-from .hf_source import CheckpointReader, ModelSpec, fingerprint, read_spec, tokenizer_files
+from .hf_source import (CheckpointReader, ModelSpec, fingerprint, json_object, read_spec, token_ids,
+                        tokenizer_files)
 from .errors import CheckpointError
 
 GRAPH_FILE, DATA_FILE = "model.onnx", "model.onnx.data"
@@ -54,13 +55,15 @@ def _kv_record(spec: ModelSpec, cfg: CompileConfig, max_len: int) -> dict:
 
 
 def _eos_ids(spec: ModelSpec, model_dir: Path) -> list[int]:
+    """config.json's end-of-sequence ids, then generation_config.json's (build() reads them before the export too:
+    a malformed file failed after all the work, with a traceback)."""
     ids = list(spec.eos_token_ids)
     gen = model_dir / "generation_config.json"
     if gen.is_file():
-        eos = json.loads(gen.read_text()).get("eos_token_id")
-        for e in eos if isinstance(eos, list) else [eos] if eos is not None else []:
-            if int(e) not in ids:
-                ids.append(int(e))
+        config = json_object(gen)
+        for e in token_ids(config.get("eos_token_id"), "eos_token_id", gen):
+            if e not in ids:
+                ids.append(e)
     return ids
 
 
@@ -190,6 +193,7 @@ def build(cfg: CompileConfig, log=print) -> dict:
     _check_head_dim(spec, cfg)
     cfg = replace(cfg, kv_cache=_resolve_kv_cache(spec, cfg))
     tok_files = tokenizer_files(cfg.model_dir)
+    _eos_ids(spec, cfg.model_dir)                   # generation_config.json checked before the export
     reader = CheckpointReader(cfg.model_dir)
     reader.check(REGISTRY[spec.architecture](spec, reader).tensor_shapes())
     _check_block_size(spec, cfg)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import struct
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -24,6 +25,7 @@ SUPPORTED_ROPE_SCALING = ("llama3", "linear")
 _DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64,
            "I64": np.int64, "I32": np.int32, "I8": np.int8, "U8": np.uint8}
 FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")   # what a weight may be stored as (widened to fp32 when read)
+MAX_HEADER_BYTES = 100_000_000                   # the safetensors library's own limit on a header
 
 
 @dataclass(frozen=True)
@@ -52,10 +54,46 @@ class ModelSpec:
         return asdict(self)
 
 
-def _need(cfg: dict, key: str, path: Path):
-    if key not in cfg or cfg[key] is None:
-        raise CheckpointError(f"{path}: config.json has no '{key}'")
-    return cfg[key]
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _count(cfg: dict, key: str, path: Path, default: int | None = None) -> int:
+    """A size or count field: an integer ≥ 1 (`default` where it is absent or null; required without one). A zero
+    head count or a negative size would build an engine that divides by zero or cannot load, so none gets that far."""
+    value = cfg.get(key)
+    if value is None:
+        if default is None:
+            raise CheckpointError(f"{path}: config.json has no '{key}'")
+        return default
+    if not _is_int(value) or value < 1:
+        raise CheckpointError(f"{path}: '{key}' must be an integer of at least 1, not {value!r}")
+    return value
+
+
+def _real(cfg: dict, key: str, path: Path, default: float, positive: bool) -> float:
+    """A finite number, > 0 (`positive`) or ≥ 0: rope_theta ≤ 0 gave NaN rotary tables, a negative epsilon a graph
+    ONNX Runtime refuses to load."""
+    value = cfg.get(key)
+    value = default if value is None else value
+    if (not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value)
+            or (value <= 0 if positive else value < 0)):
+        raise CheckpointError(f"{path}: '{key}' must be a finite number {'above' if positive else 'of at least'} 0, "
+                              f"not {value!r}")
+    return float(value)
+
+
+def token_ids(value, key: str, path: Path) -> list[int]:
+    """An id or a list of ids (eos_token_id): non-negative integers."""
+    ids = value if isinstance(value, list) else [] if value is None else [value]
+    if not all(_is_int(i) and i >= 0 for i in ids):
+        raise CheckpointError(f"{path}: '{key}' must be a token id or a list of them, not {value!r}")
+    return ids
+
+
+# The fields each rope scaling needs (read by compile/rope.py).
+ROPE_SCALING_FIELDS = {"linear": ("factor",),
+                       "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
 
 
 def read_spec(model_dir: Path) -> ModelSpec:
@@ -67,41 +105,56 @@ def read_spec(model_dir: Path) -> ModelSpec:
         raise CheckpointError(f"{model_dir} has no config.json: is it a Hugging Face checkpoint folder?")
     try:
         cfg = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{path} must hold a JSON object (a model config), not {type(cfg).__name__}")
     archs = cfg.get("architectures") or []
-    arch = archs[0] if archs else None
-    if arch not in SUPPORTED_ARCHITECTURES:
+    arch = archs[0] if isinstance(archs, list) and archs else archs if isinstance(archs, str) else None
+    if not isinstance(arch, str) or arch not in SUPPORTED_ARCHITECTURES:
         raise CheckpointError(f"unsupported architecture {arch!r} in {path}; supported: "
                               + ", ".join(SUPPORTED_ARCHITECTURES))
-    hidden = int(_need(cfg, "hidden_size", path))
-    heads = int(_need(cfg, "num_attention_heads", path))
-    kv_heads = int(cfg.get("num_key_value_heads") or heads)
-    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    hidden = _count(cfg, "hidden_size", path)
+    heads = _count(cfg, "num_attention_heads", path)
+    kv_heads = _count(cfg, "num_key_value_heads", path, default=heads)
+    head_dim = _count(cfg, "head_dim", path, default=max(1, hidden // heads))
     if heads % kv_heads:
         raise CheckpointError(f"{path}: num_attention_heads {heads} is not a multiple of "
                               f"num_key_value_heads {kv_heads}")
     scaling = cfg.get("rope_scaling")
     if scaling is not None:
+        if not isinstance(scaling, dict):
+            raise CheckpointError(f"{path}: 'rope_scaling' must be an object, not {scaling!r}")
         kind = scaling.get("rope_type", scaling.get("type"))
         if kind not in SUPPORTED_ROPE_SCALING:
             raise CheckpointError(f"unsupported rope_scaling type {kind!r} in {path}; supported: "
                                   + ", ".join(SUPPORTED_ROPE_SCALING) + " (or none)")
+        for key in ROPE_SCALING_FIELDS[kind]:
+            value = scaling.get(key)
+            if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+                    and value > 0):
+                raise CheckpointError(f"{path}: rope_scaling ({kind}) needs '{key}' above 0, not {value!r}")
+        if kind == "llama3" and scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
+            raise CheckpointError(f"{path}: rope_scaling (llama3) needs high_freq_factor above low_freq_factor")
         scaling = {**scaling, "rope_type": kind}
-    eos = cfg.get("eos_token_id")
-    eos_ids = [int(e) for e in (eos if isinstance(eos, list) else [eos] if eos is not None else [])]
+    eos_ids = token_ids(cfg.get("eos_token_id"), "eos_token_id", path)
+    bos = cfg.get("bos_token_id")
+    if bos is not None and not (_is_int(bos) and bos >= 0):
+        raise CheckpointError(f"{path}: 'bos_token_id' must be a token id, not {bos!r}")
     window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
-    max_pos = int(cfg.get("max_position_embeddings") or 2048)
+    window = _count(cfg, "sliding_window", path) if window else None
+    max_pos = _count(cfg, "max_position_embeddings", path, default=2048)
     return ModelSpec(
-        architecture=arch, hidden_size=hidden, num_layers=int(_need(cfg, "num_hidden_layers", path)),
+        architecture=arch, hidden_size=hidden, num_layers=_count(cfg, "num_hidden_layers", path),
         num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-        intermediate_size=int(_need(cfg, "intermediate_size", path)),
-        vocab_size=int(_need(cfg, "vocab_size", path)), max_position_embeddings=max_pos,
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=float(cfg.get("rope_theta", 10000.0)),
+        intermediate_size=_count(cfg, "intermediate_size", path),
+        vocab_size=_count(cfg, "vocab_size", path), max_position_embeddings=max_pos,
+        rms_norm_eps=_real(cfg, "rms_norm_eps", path, 1e-6, positive=False),
+        rope_theta=_real(cfg, "rope_theta", path, 10000.0, positive=True),
         rope_scaling=scaling, tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
-        sliding_window=int(window) if window and int(window) < max_pos else None,
-        bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids,
+        sliding_window=window if window and window < max_pos else None,
+        bos_token_id=bos, eos_token_ids=eos_ids,
     )
 
 
@@ -114,10 +167,14 @@ class SafetensorsFile:
             size = path.stat().st_size
             with open(path, "rb") as f:
                 (n,) = struct.unpack("<Q", f.read(8))
-                # A header length past the file's end is not a safetensors file (reading it: MemoryError).
+                # A header length past the file's end is not a safetensors file (reading it: MemoryError); one
+                # past safetensors' own limit is a corrupt one (a sparse 1 GiB file took 2.1 GB to refuse).
                 if n > size - 8:
                     raise CheckpointError(f"{path} is not a safetensors file (header length {n} exceeds the "
                                           f"file's {size} bytes)")
+                if n > MAX_HEADER_BYTES:
+                    raise CheckpointError(f"{path} is not a safetensors file (header length {n} exceeds "
+                                          f"safetensors' limit of {MAX_HEADER_BYTES} bytes)")
                 header = json.loads(f.read(n))
         except (OSError, struct.error, json.JSONDecodeError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{path} is not a readable safetensors file: {e}") from None
@@ -160,17 +217,24 @@ class SafetensorsFile:
 
 
 class CheckpointReader:
-    """All tensors of a checkpoint folder (single file or sharded with model.safetensors.index.json)."""
+    """All tensors of a checkpoint folder (single file or sharded with model.safetensors.index.json).
+
+    Each tensor comes from exactly one file: the shard the index names for it, or (without an index) the one file
+    that holds it. A name in two files is refused rather than taken from either — a stale copy beside the weights
+    (model_old.safetensors, a second shard's leftover) silently built an engine from the wrong tensors."""
 
     def __init__(self, model_dir: Path):
         index = model_dir / "model.safetensors.index.json"
+        weight_map = None
         if index.is_file():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
+                if not isinstance(weight_map, dict):
+                    raise ValueError("weight_map must map tensor names to shard files")
                 files = sorted(set(weight_map.values()))
                 if not all(isinstance(f, str) and Path(f).name == f for f in files):
                     raise ValueError("shard names must be file names in the checkpoint folder")
-            except (ValueError, KeyError, TypeError, AttributeError) as e:
+            except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
                 raise CheckpointError(f"{index} is not a valid safetensors index ({type(e).__name__}: {e})") from None
         else:
             files = sorted(p.name for p in model_dir.glob("*.safetensors"))
@@ -180,7 +244,20 @@ class CheckpointReader:
         if missing:
             raise CheckpointError(f"{model_dir}: shard(s) listed in the index are missing: {', '.join(missing)}")
         self.files = [SafetensorsFile(model_dir / f) for f in files]
-        self._where = {name: f for f in self.files for name in f.names()}
+        self._where: dict[str, SafetensorsFile] = {}
+        for f in self.files:
+            for name in f.names():
+                if name in self._where:
+                    raise CheckpointError(f"{model_dir}: tensor {name!r} is in both {self._where[name].path.name} and "
+                                          f"{f.path.name}; remove the stale file (or fix the index)")
+                self._where[name] = f
+        if weight_map is not None:
+            for name, shard in weight_map.items():
+                if name not in self._where:
+                    raise CheckpointError(f"{index} puts tensor {name!r} in {shard}, which does not hold it")
+                if self._where[name].path.name != shard:
+                    raise CheckpointError(f"{index} puts tensor {name!r} in {shard}, but it is in "
+                                          f"{self._where[name].path.name}")
 
     def __contains__(self, name: str) -> bool:
         return name in self._where
@@ -212,13 +289,35 @@ class CheckpointReader:
         return sum(int(np.prod(f.header[n]["shape"])) for f in self.files for n in f.names())
 
 
+def json_object(path: Path) -> dict:
+    """A JSON file that must hold an object (a config), or a CheckpointError naming it."""
+    try:
+        value = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path} must hold a JSON object, not {type(value).__name__}")
+    return value
+
+
 def tokenizer_files(model_dir: Path) -> list[Path]:
-    """tokenizer.json is required; the config files travel with it when present."""
+    """tokenizer.json is required; the config files travel with it when present. Each is checked here, before the
+    build: a file the tokenizers library cannot read, or a config that is not a JSON object, built an engine that
+    crashed at `runtime serve`."""
+    from tokenizers import Tokenizer
+
     tok = model_dir / "tokenizer.json"
     if not tok.is_file():
         raise CheckpointError(f"{model_dir} has no tokenizer.json (a fast-tokenizer file is required)")
-    extra = ["tokenizer_config.json", "generation_config.json", "special_tokens_map.json"]
-    return [tok] + [model_dir / n for n in extra if (model_dir / n).is_file()]
+    try:
+        Tokenizer.from_file(str(tok))
+    except Exception as e:   # tokenizers raises its own bare Exception for a malformed file
+        raise CheckpointError(f"{tok} is not a tokenizer the tokenizers library can read: {e}") from None
+    extra = [model_dir / n for n in ("tokenizer_config.json", "generation_config.json", "special_tokens_map.json")
+             if (model_dir / n).is_file()]
+    for path in extra:
+        json_object(path)
+    return [tok] + extra
 
 
 def fingerprint(model_dir: Path) -> str:

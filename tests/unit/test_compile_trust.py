@@ -137,3 +137,85 @@ def test_make_checkpoint_records_the_dtype(tmp_path, dtype, name, stored):
     raw = (out / "model.safetensors").read_bytes()
     header = json.loads(raw[8:8 + struct.unpack("<Q", raw[:8])[0]])
     assert {v["dtype"] for k, v in header.items() if k != "__metadata__"} == {stored}
+
+
+# A checkpoint's files are read as they claim, or refused in one line before any work.
+
+def copy_checkpoint(checkpoint, tmp_path, name="ckpt"):
+    out = tmp_path / name
+    shutil.copytree(checkpoint("llama"), out)
+    return out
+
+
+def test_a_stale_safetensors_file_beside_the_weights_is_refused(checkpoint, tmp_path):
+    """It was read too, and its tensors won: an engine built from the wrong weights, silently."""
+    ckpt = copy_checkpoint(checkpoint, tmp_path)
+    make_checkpoint.write_checkpoint("tiny-llama", tmp_path / "other", seed=99)
+    shutil.copy(tmp_path / "other" / "model.safetensors", ckpt / "model_old.safetensors")
+    one_error_line(run_build(ckpt, tmp_path / "engine"), "model.safetensors", "model_old.safetensors", "in both")
+    assert not (tmp_path / "engine").exists()
+
+
+def test_each_tensor_comes_from_the_shard_the_index_names(checkpoint, tmp_path):
+    ckpt = copy_checkpoint(checkpoint, tmp_path)
+    from compile.hf_source import SafetensorsFile
+
+    names = SafetensorsFile(ckpt / "model.safetensors").names()
+    # a second shard holding a stale copy of every tensor, the index naming it for one of them
+    index = {"weight_map": {n: "model.safetensors" for n in names}}
+    index["weight_map"]["model.embed_tokens.weight"] = "model-00002.safetensors"
+    make_checkpoint.write_checkpoint("tiny-llama", tmp_path / "other", seed=99)
+    shutil.copy(tmp_path / "other" / "model.safetensors", ckpt / "model-00002.safetensors")
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
+    one_error_line(run_build(ckpt, tmp_path / "engine"), "model.safetensors", "model-00002.safetensors", "in both")
+    # a shard the index names that lacks the tensor
+    (ckpt / "model-00002.safetensors").unlink()
+    index["weight_map"] = {n: "model.safetensors" for n in names}
+    index["weight_map"]["extra.weight"] = "model.safetensors"
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
+    one_error_line(run_build(ckpt, tmp_path / "engine"), "extra.weight", "does not hold it")
+
+
+@pytest.mark.parametrize("edit, needle", [
+    ({"rope_theta": -1.0}, "rope_theta"), ({"rope_theta": 0}, "rope_theta"),
+    ({"rms_norm_eps": -1.0}, "rms_norm_eps"), ({"rms_norm_eps": [1]}, "rms_norm_eps"),
+    ({"max_position_embeddings": -5}, "max_position_embeddings"), ({"hidden_size": [64]}, "hidden_size"),
+    ({"num_attention_heads": 0}, "num_attention_heads"), ({"num_hidden_layers": 0}, "num_hidden_layers"),
+    ({"architectures": {"a": 1}}, "architecture"), ({"rope_scaling": "linear"}, "rope_scaling"),
+    ({"eos_token_id": {}}, "eos_token_id"), ({"vocab_size": True}, "vocab_size"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0,
+                       "original_max_position_embeddings": 64}}, "low_freq_factor"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 4.0,
+                       "original_max_position_embeddings": 64}}, "high_freq_factor above"),
+])
+def test_a_config_value_out_of_range_is_one_line(checkpoint, tmp_path, edit, needle):
+    """Each of these built a broken engine (NaN rotary tables, a graph ORT refuses, a max_seq_len of -5) or ended
+    in a traceback."""
+    ckpt = copy_checkpoint(checkpoint, tmp_path)
+    config = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**config, **edit}))
+    one_error_line(run_build(ckpt, tmp_path / "engine"), "config.json", needle)
+
+
+@pytest.mark.parametrize("name, text, needle", [
+    ("config.json", "[1, 2]", "JSON object"),
+    ("generation_config.json", '{"eos_token_id": {}}', "eos_token_id"),
+    ("generation_config.json", "[1]", "JSON object"),
+    ("generation_config.json", "{", "not valid JSON"),
+    ("tokenizer_config.json", "[1]", "JSON object"),
+    ("tokenizer.json", '{"not": "a tokenizer"}', "tokenizers library"),
+])
+def test_a_malformed_json_file_is_named_before_the_build(checkpoint, tmp_path, name, text, needle):
+    ckpt = copy_checkpoint(checkpoint, tmp_path)
+    (ckpt / name).write_text(text)
+    one_error_line(run_build(ckpt, tmp_path / "engine"), name, needle)
+
+
+def test_a_huge_safetensors_header_length_is_refused_before_it_is_read(checkpoint, tmp_path):
+    """A corrupt length within the file's size was read whole: 2.1 GB resident for a sparse 1 GiB file."""
+    ckpt = copy_checkpoint(checkpoint, tmp_path)
+    size = 1 << 30
+    with open(ckpt / "model.safetensors", "wb") as f:
+        f.write(struct.pack("<Q", size - 8))
+        f.truncate(size)                         # sparse: a few KB on disk
+    one_error_line(run_build(ckpt, tmp_path / "engine"), "header length", "limit")
