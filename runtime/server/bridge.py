@@ -27,7 +27,7 @@ from ..metrics import Metrics
 from ..outputs import RequestOutput
 from ..prefix_tokenizer import PrefixTokenizer
 from ..request import InvalidRequest, SamplingParams, new_id
-from .tenants import DEFAULT, RateLimited, TenantLimits
+from .tenants import DEFAULT, RateLimited, Tenant, TenantLimits
 
 log = logging.getLogger("quicksilver.server")
 # a line per finished, failed, refused or aborted request (runtime serve --disable-log-requests silences it)
@@ -62,12 +62,15 @@ def json_depth(value, stop: int = MAX_JSON_DEPTH) -> int:
 
 
 def load_json(text: str | bytes, what: str = "the body"):
-    """JSON text → value, nested at most MAX_JSON_DEPTH deep, else InvalidRequest; ValueError where it is not JSON.
-    (The parser recurses: nesting past the interpreter's limit ends it with a RecursionError, caught here.)"""
+    """JSON text → value, nested at most MAX_JSON_DEPTH deep; else InvalidRequest, also where it is not JSON at all
+    (malformed, not UTF-8, or an integer past Python's 4,300 digits: a ValueError that was a 500 over HTTP and an
+    UNKNOWN over gRPC). The parser recurses: nesting past the interpreter's limit ends it with a RecursionError."""
     try:
         value = json.loads(text)
     except RecursionError:
         value = None
+    except ValueError as e:                      # JSONDecodeError, UnicodeDecodeError, the digits limit
+        raise InvalidRequest(f"{what} is not valid JSON: {e}") from None
     else:
         if json_depth(value) <= MAX_JSON_DEPTH:
             return value
@@ -151,11 +154,16 @@ class Bridge:
     async def decode(self, ids: list[int]) -> str:
         return (await asyncio.to_thread(self.tokenizer.decode_batch, [ids]))[0]
 
-    def check_choices(self, n: int) -> None:
-        """A request for `n` choices queues n requests at once: more than --max-waiting could never all be taken."""
+    def check_choices(self, n: int, tenant: Tenant | None = None) -> None:
+        """A request for `n` choices queues n requests at once: more than --max-waiting, or than the tenant may run at
+        once, could never all be taken (a 429 there asked the client to retry what can never succeed)."""
         if n > 1 and n > self.max_waiting:
             raise InvalidRequest(f"n={n} is more choices than this server queues at once (--max-waiting "
                                  f"{self.max_waiting}); ask for at most {self.max_waiting}")
+        limit = tenant.max_concurrency if tenant is not None else None
+        if n > 1 and limit is not None and n > limit:
+            raise InvalidRequest(f"n={n} is more choices than tenant {tenant.name} may run at once "
+                                 f"(max_concurrency {limit}); ask for at most {limit}")
 
     def _compile(self, constraint) -> None:
         """Compile a request's constraint (in a worker thread: cached, but a first compile takes milliseconds)."""

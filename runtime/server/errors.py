@@ -14,6 +14,11 @@ from .bridge import Failed, Overloaded, Unavailable
 from .router import UnknownModel
 
 
+class BodyTooLarge(InvalidRequest):
+    """A request body past --max-body-bytes, met while it is read (a chunked body declares no length): 413 from
+    whichever layer meets it, where the handler's own InvalidRequest answer made it a 400."""
+
+
 @dataclass(frozen=True)
 class Answer:
     http: int
@@ -24,6 +29,7 @@ class Answer:
 
 TABLE: tuple[tuple[type, Answer], ...] = (
     (UnknownModel, Answer(404, grpc.StatusCode.NOT_FOUND, "not_found_error", "not_found")),
+    (BodyTooLarge, Answer(413, grpc.StatusCode.RESOURCE_EXHAUSTED, "invalid_request_error", "request_too_large")),
     (InvalidRequest, Answer(400, grpc.StatusCode.INVALID_ARGUMENT, "invalid_request_error", "invalid_argument")),
     (RecursionError, Answer(400, grpc.StatusCode.INVALID_ARGUMENT, "invalid_request_error", "invalid_argument")),
     (Unauthenticated, Answer(401, grpc.StatusCode.UNAUTHENTICATED, "authentication_error", "unauthenticated")),

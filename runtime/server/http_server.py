@@ -69,6 +69,17 @@ def _check_unicode(body) -> None:
         raise InvalidRequest("the body holds a lone UTF-16 surrogate (such as \\ud800), which is not text") from None
 
 
+def _finite(v) -> bool:
+    """A JSON number that is finite as a float: not a bool, NaN or ±Infinity, nor an integer too large for a float
+    (math.isfinite raised OverflowError on one: a 500)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
+
+
 OPENAI_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
 
 
@@ -80,7 +91,7 @@ def sampling_from_json(body: dict, chat: bool) -> tuple[SamplingParams, int]:
         v = body.get(key, default)
         if v is None:
             return default
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        if not _finite(v):
             raise InvalidRequest(f"{key} must be a finite number")
         return v
 
@@ -219,9 +230,9 @@ class HttpApi:
             priority = body.get("priority", 0)         # lower is more urgent, as vLLM's
             caller = request.scope[CALLER]
             floor, tenant = caller.priority_floor, caller.tenant      # checked and counted by the bridge
-            bridge.check_choices(n)
+            bridge.check_choices(n, tenant)
             timeout = body.get("timeout")
-            if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
+            if timeout is not None and (not _finite(timeout) or timeout <= 0):     # NaN passed `<= 0`: a 500
                 raise InvalidRequest("timeout must be a positive number of seconds")
             rid = new_id("chatcmpl-" if chat else "cmpl-", 8)
             query = self._query(bridge, body, chat, asked, n, tenant)
@@ -231,7 +242,10 @@ class HttpApi:
                 return self._cached(shape, hit, len(prompt), stream, include_usage,
                                     {**(route.headers if route else {}), **cache_headers})
             choices = _Choices(streams, bridge, prompt, params, n, rid, priority, timeout, floor, tenant, request)
-            firsts = await choices.open(self.frontend, route, prepare, query)
+            firsts = await _unless_hung_up(request, choices.open(self.frontend, route, prepare, query))
+            if firsts is None:
+                await _close(streams)
+                return Response(status_code=499)
             route, bridge = choices.route, choices.bridge
             echo = echo if choices.echo is None else choices.echo
         except (InvalidRequest, Overloaded, Unavailable, Failed, asyncio.TimeoutError, StopAsyncIteration,
@@ -449,7 +463,7 @@ class _Choices:
 
     def _stream(self, i: int):
         p = self.params
-        seeded = replace(p, seed=p.seed + i) if p.seed is not None and i else p
+        seeded = replace(p, seed=(p.seed + i) % 2**63) if p.seed is not None and i else p   # a valid seed stays one
         return self.bridge.stream(self.prompt, seeded, self.rid if self.n == 1 else f"{self.rid}-{i}",
                                   self.priority, self.timeout, self.floor, self.request.scope.get(ARRIVAL),
                                   self.request.headers, self.tenant)
@@ -476,12 +490,29 @@ class _Choices:
         return [first] + rest
 
 
+async def _unless_hung_up(request: Request, opening) -> list | None:
+    """The choices' first outputs (`opening`), asking every 0.25 s meanwhile whether the client is still there: None
+    where it hung up, the opening cancelled (each stream's cancellation aborts its request). Until every choice has a
+    token nothing else watches the client — n choices over fewer free slots ran the first ones to their end for a
+    client long gone, and a queued request waited for its first token to find out."""
+    task = asyncio.ensure_future(opening)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                break
+    finally:
+        if not task.done():                 # hung up, or this handler itself cancelled: settle before closing
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    return None
+
+
 async def _json_body(request: Request) -> dict:
     """The request's body: a JSON object, nested at most bridge.MAX_JSON_DEPTH deep, of text; else InvalidRequest."""
-    try:
-        body = load_json(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise InvalidRequest(f"malformed JSON body: {e}") from None
+    body = load_json(await request.body())
     if not isinstance(body, dict):
         raise InvalidRequest("the body must be a JSON object")
     _check_unicode(body)
@@ -621,7 +652,7 @@ class _Guard:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > limit:
-                    raise InvalidRequest(f"request body exceeds the limit of {limit} bytes")
+                    raise errors.BodyTooLarge(f"request body exceeds the limit of {limit} bytes")
             return message
 
         try:

@@ -118,7 +118,7 @@ def test_grpc_invalid_utf8(server):
 
 
 BAD_HTTP = [
-    (b"{not json", "malformed JSON"), (json.dumps({"prompt": ""}), "empty"),
+    (b"{not json", "not valid JSON"), (json.dumps({"prompt": ""}), "empty"),
     (json.dumps({"prompt": PROMPT, "temperature": -1}), "temperature"),
     (json.dumps({"prompt": PROMPT, "top_p": 0}), "top_p"), (json.dumps({"prompt": PROMPT, "max_tokens": 0}), "max_tokens"),
     (json.dumps({"prompt": PROMPT, "model": "gpt-7"}), "unknown model"),
@@ -126,7 +126,7 @@ BAD_HTTP = [
     (json.dumps({"prompt": PROMPT, "n": 0}), "n must be"), (json.dumps({"prompt": PROMPT, "n": 2, "best_of": 3}), "best_of"),
     (json.dumps({"prompt": PROMPT, "max_tokens": 10**6}), "context"),
     (json.dumps({"prompt": PROMPT, "stop": ["x"] * 30}), "stop"),
-    (b'{"prompt": "\xff\xfe"}', "malformed JSON"),
+    (b'{"prompt": "\xff\xfe"}', "not valid JSON"),
     (json.dumps({"prompt": PROMPT, "temperature": "hot"}), "temperature"),
     (json.dumps({"prompt": PROMPT, "best_of": 2}), "best_of"),
     (json.dumps({"prompt": PROMPT, "logit_bias": {"5": 500}}), "logit_bias"),
@@ -148,6 +148,11 @@ BAD_HTTP = [
     (json.dumps({"prompt": PROMPT, "ignore_eos": "false"}), "ignore_eos must be true or false"),
     (json.dumps({"prompt": PROMPT, "stream": True, "stream_options": {"include_usage": "yes"}}),
      "include_usage must be true or false"),
+    # each of these was a 500: an integer past Python's 4,300 digits, one too large for a float, a NaN timeout
+    (b'{"prompt": "x", "max_tokens": 2, "user": ' + b"9" * 4301 + b"}", "not valid JSON"),
+    (json.dumps({"prompt": PROMPT, "temperature": 10**400}), "temperature"),
+    (json.dumps({"prompt": PROMPT, "timeout": float("nan")}), "timeout"),
+    (json.dumps({"prompt": PROMPT, "timeout": True}), "timeout"),
 ]
 
 
@@ -254,6 +259,9 @@ def test_n_choices(server):
     chat = httpx.post(f"{server.http_url}/v1/chat/completions",
                       json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "n": 2}).json()
     assert [c["index"] for c in chat["choices"]] == [0, 1]
+    top = 2**63 - 1                                          # the largest seed: choice 1's wraps to 0, not a 400
+    wrapped = httpx.post(url, json={**body, "n": 2, "seed": top}).json()["choices"]
+    assert wrapped[1]["text"] == httpx.post(url, json={**body, "n": 1, "seed": 0}).json()["choices"][0]["text"]
     with httpx.stream("POST", url, json={**body, "n": 4, "max_tokens": 400, "stream": True}) as r:
         next(r.iter_lines())                                 # one event, then the client hangs up
     assert wait_until(lambda: server.metric("quicksilver_requests_running") == 0
@@ -305,8 +313,12 @@ def test_model_info_names_the_draft_without_its_path(engine):
 
 
 def test_oversized_body(server):
-    r = httpx.post(f"{server.http_url}/v1/completions", content=b'{"prompt": "' + b"x" * (2 << 20) + b'"}')
+    body = b'{"prompt": "' + b"x" * (2 << 20) + b'"}'
+    r = httpx.post(f"{server.http_url}/v1/completions", content=body)
     assert r.status_code == 413
+    # chunked, no length declared: met while it is read, still a 413 (the handler's InvalidRequest made it a 400)
+    chunked = httpx.post(f"{server.http_url}/v1/completions", content=iter([body[:1 << 20], body[1 << 20:]]))
+    assert chunked.status_code == 413 and "exceeds the limit" in chunked.json()["error"]["message"]
 
 
 def wait_until(cond, timeout=5.0):
@@ -316,6 +328,27 @@ def wait_until(cond, timeout=5.0):
             return True
         time.sleep(0.02)
     return False
+
+
+def test_a_client_gone_before_its_choices_open_aborts_them_all(engine):
+    """One slot, eight choices: each waits for the one before it. A client that hangs up while they queue aborts
+    the ones still to come (finished with 'abort'), where the server ran all eight to their length for nobody.
+    (The tiny model runs a choice's 480 tokens in ~0.15 s, so the first few may finish before the hang-up is seen.)"""
+    s = ServerThread(engine("llama"), EngineConfig(SchedulerConfig(max_num_seqs=1, max_waiting=8),
+                                                   CacheConfig(kv_budget_bytes=32 << 20)))
+    finished = "quicksilver_requests_finished_total"
+    try:
+        lengths, aborts = (s.metric(finished, finish_reason=r) for r in ("length", "abort"))
+        body = {"prompt": PROMPT, "max_tokens": 480, "temperature": 0.8, "seed": 3, "n": 8, "ignore_eos": True}
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(f"{s.http_url}/v1/completions", json=body, timeout=0.1)      # then the client is gone
+        assert wait_until(lambda: s.metric("quicksilver_requests_running") == 0
+                          and s.metric("quicksilver_requests_waiting") == 0
+                          and s.metric("quicksilver_kv_cache_usage_percent") == 0, timeout=30)
+        ran, aborted = s.metric(finished, finish_reason="length") - lengths, s.metric(finished, finish_reason="abort") - aborts
+        assert ran + aborted == 8 and aborted >= 2, (ran, aborted)
+    finally:
+        s.stop()
 
 
 def test_cancellation_frees_kv(server):

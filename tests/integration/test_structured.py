@@ -4,6 +4,7 @@ and the OpenAI API's response_format and tools work end to end through the offic
 
 import json
 
+import grpc
 import httpx
 import jsonschema
 import pytest
@@ -226,6 +227,11 @@ def test_grpc_constraint(server):
                                                   constraint={"regex": r"[0-9]\.[0-9]{1,2}\.[0-9]"}))
     import re
     assert re.fullmatch(r"[0-9]\.[0-9]{1,2}\.[0-9]", text)
+    # a schema that is not JSON (or holds an integer past Python's 4,300 digits) is the client's error, not UNKNOWN
+    for schema in ("{", '{"maxLength": ' + "9" * 4301 + "}"):
+        with Client(server.grpc_target) as c, pytest.raises(grpc.RpcError) as err:
+            list(c.generate("x", max_tokens=2, constraint={"json_schema": schema}))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "not valid JSON" in err.value.details()
 
 
 @pytest.mark.parametrize("mode,text,content,calls", [

@@ -73,6 +73,9 @@ def test_concurrency_cap_and_priority_floor(server):
             results["status"] = r.status_code
     refused = results["second"]
     assert refused.status_code == 429 and "max_concurrency" in refused.json()["error"]["message"]
+    # more choices than the tenant may ever run at once: a 400 to fix the request, not a 429 to retry forever
+    too_many = post(server, SOLO.key, n=2)
+    assert too_many.status_code == 400 and "max_concurrency 1" in too_many.json()["error"]["message"]
     assert results["status"] == 200
     assert post(server, SOLO.key).status_code == 200          # the slot came back
     assert post(server, SOLO.key, priority=-5).status_code == 200
