@@ -313,7 +313,8 @@ SERVE_SECTIONS = {
 @click.option("--grace", type=float, default=SERVER.grace_s, show_default=True, help="Seconds in-flight requests get on SIGTERM.")
 @click.option("--priority-floor", type=click.IntRange(-100, 100), default=SERVER.priority_floor, show_default=True,
               help="Most urgent priority a caller may request (lower is more urgent; requests range over -100..100); "
-                   "more urgent requests are refused (400 / INVALID_ARGUMENT).")
+                   "more urgent requests are refused (400 / INVALID_ARGUMENT); a request naming none runs at "
+                   "max(0, floor).")
 @click.option("--priority-key", "priority_keys", multiple=True, metavar="TOKEN:FLOOR",
               help="A bearer token whose callers may request priorities down to FLOOR instead of --priority-floor "
                    "(repeatable; it also authenticates where --api-key is required).")

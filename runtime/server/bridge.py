@@ -184,6 +184,13 @@ class Bridge:
                 raise InvalidRequest(f"prompt has {n} tokens; this server accepts at most {c.max_prompt_tokens}")
 
     @staticmethod
+    def default_priority(priority, floor: int):
+        """`priority` as asked, or where the request asks for none (HTTP: absent; gRPC: 0, which proto3 cannot tell
+        from unset) 0, or the caller's floor above it: a caller held to a floor of 10 that asked for nothing was
+        refused for asking for 0."""
+        return max(0, floor) if priority is None else priority
+
+    @staticmethod
     def check_priority(priority: int, floor: int) -> None:
         """Lower is more urgent; `floor` is the most urgent this caller may ask for (auth.priority_floor)."""
         if isinstance(priority, bool) or not isinstance(priority, int) or not MIN_PRIORITY <= priority <= MAX_PRIORITY:

@@ -15,7 +15,7 @@ from ..constraints import Constraint
 from ..outputs import RequestOutput
 from ..request import SAMPLING_KEYS, InvalidRequest, SamplingParams, new_id
 from .auth import BearerAuthInterceptor, authorization_values, identify
-from .bridge import Overloaded, brief
+from .bridge import Bridge, Overloaded, brief
 from . import errors
 from .frontend import Frontend
 from . import semantic_cache
@@ -59,6 +59,11 @@ def response_to_pb(out: RequestOutput, request_id: str) -> pb.GenerateResponse:
                                     spec_accepted_tokens=u.spec_accepted, queue_wait_ms=ms(u.queue_wait_s),
                                     ttft_ms=ms(u.ttft_s), tpot_ms=ms(u.tpot_s), e2e_ms=ms(u.e2e_s)))
     return msg
+
+
+def _priority(request, caller) -> int:
+    """The request's priority; 0 is proto3's unset, so the caller's default (Bridge.default_priority) stands for it."""
+    return Bridge.default_priority(request.priority or None, caller.priority_floor)
 
 
 class Malformed:
@@ -109,7 +114,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             if self.frontend.cache is not None:
                 if query is not None and ids is None:
                     ids = await b.encode(text)
-                hit, cache_headers = await self.frontend.lookup(b, query, ids, params, request.priority,
+                hit, cache_headers = await self.frontend.lookup(b, query, ids, params, _priority(request, caller),
                                                                 caller.priority_floor, caller.tenant,
                                                                 request.request_id)
                 if hit is not None:
@@ -145,7 +150,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
         def open_stream(bridge):
             p = prompt if bridge is b else request.text        # a fallback model tokenizes the text itself
-            return bridge.stream(p, params, request.request_id, request.priority, context.time_remaining(),
+            return bridge.stream(p, params, request.request_id, _priority(request, caller), context.time_remaining(),
                                  caller.priority_floor, arrival, metadata, caller.tenant)
 
         async def on_fallback(bridge):

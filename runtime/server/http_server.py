@@ -227,9 +227,9 @@ class HttpApi:
                 body.get("model"), chat or isinstance(_prompt(body.get("prompt")), str), prepare,
                 lambda c: len(c[0]), None if chat_default else asked.max_tokens)
             prompt, echo, params = counted if bridge is self.router.primary and counted else await prepare(bridge)
-            priority = body.get("priority", 0)         # lower is more urgent, as vLLM's
             caller = request.scope[CALLER]
             floor, tenant = caller.priority_floor, caller.tenant      # checked and counted by the bridge
+            priority = bridge.default_priority(body.get("priority"), floor)   # lower is more urgent, as vLLM's
             bridge.check_choices(n, tenant)
             timeout = body.get("timeout")
             if timeout is not None and (not _finite(timeout) or timeout <= 0):     # NaN passed `<= 0`: a 500

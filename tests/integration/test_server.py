@@ -345,7 +345,8 @@ def test_a_client_gone_before_its_choices_open_aborts_them_all(engine):
         assert wait_until(lambda: s.metric("quicksilver_requests_running") == 0
                           and s.metric("quicksilver_requests_waiting") == 0
                           and s.metric("quicksilver_kv_cache_usage_percent") == 0, timeout=30)
-        ran, aborted = s.metric(finished, finish_reason="length") - lengths, s.metric(finished, finish_reason="abort") - aborts
+        ran = s.metric(finished, finish_reason="length") - lengths
+        aborted = s.metric(finished, finish_reason="abort") - aborts
         assert ran + aborted == 8 and aborted >= 2, (ran, aborted)
     finally:
         s.stop()

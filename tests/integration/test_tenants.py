@@ -19,11 +19,12 @@ PROMPT = "def main(argv):\n    return"
 SLOW = Tenant("slow", "key-slow-0001", requests_per_minute=2)
 SOLO = Tenant("solo", "key-solo-0001", max_concurrency=1, priority_floor=-5)
 THRIFTY = Tenant("thrifty", "key-thrifty-01", tokens_per_minute=100)
+CALM = Tenant("calm", "key-calm-0001", priority_floor=10)
 
 
 @pytest.fixture(scope="module")
 def server(engine):
-    s = ServerThread(engine("llama"), tenants=(SLOW, SOLO, THRIFTY))
+    s = ServerThread(engine("llama"), tenants=(SLOW, SOLO, THRIFTY, CALM))
     yield s
     s.stop()
 
@@ -147,3 +148,17 @@ def test_limits_roll_back_a_refused_request():
     assert limits.running["both"] == 0 and limits.tokens["both"].level == 40
     limits.admit(t, 40)
     assert limits.running["both"] == 1 and limits.tokens["both"].level == 0
+
+
+def test_a_request_without_a_priority_runs_at_its_callers_floor(server):
+    """A caller held to a floor of 10 that asks for no priority runs at 10 (it was refused for asking for 0); one
+    that asks for more urgent than its floor is still refused, on both transports."""
+    assert post(server, CALM.key).status_code == 200
+    assert post(server, CALM.key, priority=12).status_code == 200
+    refused = post(server, CALM.key, priority=9)
+    assert refused.status_code == 400 and "lowest allowed: 10" in refused.json()["error"]["message"]
+    with Client(server.grpc_target, CALM.key) as c:
+        assert len(list(c.generate(PROMPT, max_tokens=2))) >= 1              # priority unset (0): the floor
+        with pytest.raises(grpc.RpcError) as err:
+            list(c.generate(PROMPT, max_tokens=2, priority=3))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
