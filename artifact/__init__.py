@@ -61,6 +61,7 @@ def check_destination(out: Path, overwrite: bool) -> None:
     """Refuse an `--out` whose replacement could destroy anything but an engine: `--overwrite` replaces only an
     empty folder or one of our engines that holds nothing its manifest does not list."""
     out = Path(out).resolve()
+    _restore_interrupted_swap(out)
     if not out.exists():
         return
     if not out.is_dir():
@@ -110,6 +111,27 @@ def _unlisted(out: Path, files: dict) -> list[str]:
     return sorted(unknown)
 
 
+def _restore_interrupted_swap(out: Path) -> None:
+    """A build killed between staging_dir's two renames left the old engine renamed aside (.NAME.partial-*.old) and
+    no `out`: put it back before anything looks at `out`, so the engine is not lost from sight."""
+    if out.exists() or out.is_symlink():
+        return
+    aside = sorted(out.parent.glob(f".{out.name}.partial-*.old"), key=lambda p: p.stat().st_mtime)
+    if aside and aside[-1].is_dir() and not aside[-1].is_symlink():
+        os.replace(aside[-1], out)
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it (os.umask sets it, which other threads would see)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return 0o022
+
+
 @contextmanager
 def staging_dir(out: Path, overwrite: bool = False):
     """Yield a temporary folder next to `out`; on success it replaces `out`, on failure it vanishes.
@@ -122,6 +144,7 @@ def staging_dir(out: Path, overwrite: bool = False):
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+        tmp.chmod(0o777 & ~_umask())      # a folder as mkdir makes it (mkdtemp's 0700 kept other accounts out)
     except OSError as e:
         raise ArtifactError(f"cannot write the engine to {out}: {e.strerror or e}") from None
     old = tmp.with_name(tmp.name + ".old")

@@ -321,11 +321,14 @@ def tokenizer_files(model_dir: Path) -> list[Path]:
 
 
 def fingerprint(model_dir: Path) -> str:
-    """sha256 over config, tokenizer and weight files (name + content): identifies the source exactly."""
+    """sha256 over config, tokenizer and weight files, each as its name's and its content's lengths and bytes:
+    identifies the source exactly (names and contents run together let a.json "A" + b.json "B" equal a.json
+    "Ab.jsonB")."""
     h = hashlib.sha256()
     for p in sorted(model_dir.iterdir()):
         if p.is_file() and (p.suffix in (".json", ".safetensors")):
-            h.update(p.name.encode())
+            name = p.name.encode()
+            h.update(struct.pack("<Q", len(name)) + name + struct.pack("<Q", p.stat().st_size))
             with open(p, "rb") as f:
                 while chunk := f.read(1 << 22):
                     h.update(chunk)

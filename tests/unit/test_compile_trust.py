@@ -219,3 +219,36 @@ def test_a_huge_safetensors_header_length_is_refused_before_it_is_read(checkpoin
         f.write(struct.pack("<Q", size - 8))
         f.truncate(size)                         # sparse: a few KB on disk
     one_error_line(run_build(ckpt, tmp_path / "engine"), "header length", "limit")
+
+
+def test_fingerprints_keep_file_names_and_contents_apart(tmp_path):
+    from compile.hf_source import fingerprint
+
+    x, y = tmp_path / "x", tmp_path / "y"
+    x.mkdir(), y.mkdir()
+    (x / "a.json").write_text("A"), (x / "b.json").write_text("B")
+    (y / "a.json").write_text("Ab.jsonB")
+    assert fingerprint(x) != fingerprint(y)
+
+
+def test_an_engine_folder_is_made_as_mkdir_makes_folders(checkpoint, tmp_path):
+    """mkdtemp's 0700 survived the swap: a server under another account lost an engine it could read before."""
+    import os
+
+    old = os.umask(0o022)
+    try:
+        assert run_build(checkpoint("llama"), tmp_path / "engine").exit_code == 0
+    finally:
+        os.umask(old)
+    assert (tmp_path / "engine").stat().st_mode & 0o777 == 0o755
+
+
+def test_a_build_killed_between_its_renames_loses_no_engine(engine, checkpoint, tmp_path):
+    """The old engine renamed aside, the new one not yet in place: the next writer puts the old one back first."""
+    out = tmp_path / "engine"
+    shutil.copytree(engine("llama"), out)
+    before = tree(out)
+    out.rename(tmp_path / ".engine.partial-abc123.old")                # as the kill left it
+    one_error_line(run_build(checkpoint("llama"), out), "already exists", "--overwrite")
+    assert tree(out) == before and not list(tmp_path.glob(".engine.partial-*"))
+    assert run_build(checkpoint("llama"), out, "--overwrite").exit_code == 0
