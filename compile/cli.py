@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -207,3 +208,13 @@ def verify(engine_dir: Path, model_dir: Path | None, prompt_len: int, steps: int
         line += f"greedy tokens {'identical' if result.greedy_match else 'DIFFER'}; tolerance {tol:g}"
     click.echo(f"{line}: {'PASS' if ok else 'FAIL'}")
     sys.exit(0 if ok else 1)
+
+
+def entry() -> None:
+    """The `compile` command: main() with SIGTERM ending it as Ctrl-C does, through the finally blocks that remove a
+    build's staging folder and its accuracy baseline (killed, a build left both: tens of MB to GBs, never removed)."""
+    def terminated(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, terminated)
+    main()

@@ -90,3 +90,28 @@ def test_help_shows_defaults_and_one_engine_name():
     for text in (serve, generate):
         assert "[default: (min(2, cores)); x>=1]" in " ".join(text.split()) and "ENGINE_DIR" not in text
     assert "Usage: runtime generate [OPTIONS] [ENGINE] PROMPT" in generate
+
+
+def test_a_terminated_build_leaves_no_staging_or_baseline_behind(checkpoint, tmp_path):
+    """SIGTERM (a CI timeout, `docker stop`) ends `compile build` as Ctrl-C does: its staging folder and the
+    accuracy report's fp32 baseline are removed (killed, both stayed: tens of MB to GBs, never cleaned up)."""
+    import signal
+    import time
+
+    env = {**os.environ, "TMPDIR": str(tmp_path / "tmp")}
+    (tmp_path / "tmp").mkdir()
+    out = tmp_path / "engine"
+    proc = subprocess.Popen([str(BIN / "compile"), "build", "--model", str(checkpoint("qwen2")), "--out", str(out),
+                             "--precision", "int8"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not list((tmp_path / "tmp").glob("qs-baseline-*")) and proc.poll() is None:   # in its report
+            assert time.monotonic() < deadline, "the build never reached its accuracy report"
+            time.sleep(0.01)
+        assert list(tmp_path.glob(".engine.partial-*")), "the build is staging"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    finally:
+        proc.kill()
+    assert not out.exists() and not list(tmp_path.glob(".engine.partial-*"))
+    assert not list((tmp_path / "tmp").glob("qs-baseline-*"))
