@@ -43,6 +43,8 @@ FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "tokenizer": {"files": list, "eos_token_ids": list},
     "source": {"path": str, "fingerprint": str, "dtypes": list},
 }
+# The KV cache element types the runtime allocates (numpy names): cpu caches and the cuda target's paged one.
+KV_DTYPES = ("float32", "float16", "int8")
 # Files the runtime opens by name (tokenizer, chat template, sampling defaults): present, they must be listed.
 NAMED_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 DIMENSIONS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size", "vocab_size",
@@ -312,7 +314,8 @@ def _points_inside(link: Path, root: Path) -> bool:
 
 
 def _check_fields(manifest: dict, path: Path) -> None:
-    """Every field of FIELDS is present with its type, so nothing fails later with a KeyError."""
+    """Every field of FIELDS is present with its type, and what lies inside the lists and records the stages read
+    has its type too, so nothing fails later with a KeyError or a TypeError."""
     for section, fields in FIELDS.items():
         record = manifest[section] if section else manifest
         for name, kind in fields.items():
@@ -322,6 +325,34 @@ def _check_fields(manifest: dict, path: Path) -> None:
             value = record[name]
             if not isinstance(value, kind) or isinstance(value, bool) or (name in DIMENSIONS and value < 1):
                 raise ArtifactError(f"{path} is invalid: field {field} is {value!r}; rebuild the engine")
+    _check_contents(manifest, path)
+
+
+def _is_id(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _check_contents(manifest: dict, path: Path) -> None:
+    """The insides of FIELDS' lists and records (a hand-edited or hostile manifest ended in tracebacks)."""
+    precision, graph = manifest["precision"], manifest["graph"]
+    checks = [
+        ("tokenizer.files", manifest["tokenizer"]["files"], lambda v: all(isinstance(f, str) for f in v)),
+        ("tokenizer.eos_token_ids", manifest["tokenizer"]["eos_token_ids"], lambda v: all(_is_id(i) for i in v)),
+        ("source.dtypes", manifest["source"]["dtypes"], lambda v: all(isinstance(d, str) for d in v)),
+        ("kv_cache.dtype", manifest["kv_cache"]["dtype"], lambda v: v in KV_DTYPES),
+        ("precision.session_config", precision.get("session_config", {}),
+         lambda v: isinstance(v, dict) and all(isinstance(k, str) and isinstance(x, str) for k, x in v.items())),
+        ("precision.min_rows", precision.get("min_rows"),
+         lambda v: v is None or (isinstance(v, str) and _is_id(precision.get("block_size")))),
+    ]
+    for kind in ("inputs", "outputs"):
+        for name, info in graph[kind].items():
+            checks.append((f"graph.{kind}.{name}", info, lambda v: isinstance(v, dict) and isinstance(
+                v.get("shape"), list) and all(isinstance(d, (int, str)) and not isinstance(d, bool) for d in v["shape"])
+                and isinstance(v.get("dtype", ""), str)))
+    for field, value, ok in checks:
+        if not ok(value):
+            raise ArtifactError(f"{path} is invalid: field {field} is {value!r}; rebuild the engine")
 
 
 def _check_consistent(manifest: dict, path: Path) -> None:

@@ -67,17 +67,39 @@ def corrupt(kind, path):
         edit_manifest(path, **{"model.num_layers": 3})
     elif kind == "graph disagrees":
         edit_manifest(path, **{"model.head_dim": 8, "kv_cache.head_dim": 8})
+    elif kind in NESTED:                        # inside a list or record: each ended in a traceback
+        field, value = NESTED[kind]
+        m = json.loads((path / "manifest.json").read_text())
+        section, name, rest = field.split(".", 2) if field.startswith("graph.") else (*field.split("."), None)
+        if rest is None:
+            m[section][name] = value
+        else:                                   # a graph record's name holds dots of its own
+            m[section][name][rest] = value
+        (path / "manifest.json").write_text(json.dumps(m))
+
+
+# name → (field, value)
+NESTED = {"tokenizer file not a name": ("tokenizer.files", [{"a": 1}]),
+          "eos id not an id": ("tokenizer.eos_token_ids", [{}]),
+          "logits shape not a list": ("graph.outputs.logits", {"dtype": "float32", "shape": 5}),
+          "a layer's shape not a list": ("graph.inputs.past_key_values.{layer}.key", {"dtype": "float32", "shape": 16}),
+          "session config not strings": ("precision.session_config", {"a": 1}),
+          "unknown kv dtype": ("kv_cache.dtype", "nope"),
+          "min_rows without block_size": ("precision.min_rows", "x")}
 
 
 KINDS = ["flipped byte", "truncated", "missing file", "wrong format version", "wrong architecture", "foreign",
-         "corrupt manifest", "no manifest", "missing field", "wrong type", "inconsistent field", "graph disagrees"]
+         "corrupt manifest", "no manifest", "missing field", "wrong type", "inconsistent field", "graph disagrees",
+         *NESTED]
 MESSAGES = {"flipped byte": "sha256", "truncated": "truncated", "missing file": "missing",
             "wrong format version": "format version", "wrong architecture": "GPT2LMHeadModel",
             "foreign": "not a Quicksilver engine", "corrupt manifest": "corrupted", "no manifest": "no manifest",
             "missing field": "invalid: field model.num_layers is missing",
             "wrong type": "invalid: field kv_cache.head_dim is '16'",
             "inconsistent field": "invalid: field kv_cache.num_layers is 2 but model.num_layers is 3",
-            "graph disagrees": "invalid: graph.inputs.past_key_values.{layer}.key is"}
+            "graph disagrees": "invalid: graph.inputs.past_key_values.{layer}.key is",
+            **{kind: f"invalid: field {field}".replace("{", "[{]").replace("}", "[}]")
+               for kind, (field, _) in NESTED.items()}}
 
 
 @pytest.mark.parametrize("kind", KINDS)
