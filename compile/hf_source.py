@@ -91,6 +91,17 @@ def token_ids(value, key: str, path: Path) -> list[int]:
     return ids
 
 
+def json_object(path: Path) -> dict:
+    """A JSON file that must hold an object (a config), or a CheckpointError naming it."""
+    try:
+        value = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path} must hold a JSON object, not {type(value).__name__}")
+    return value
+
+
 # The fields each rope scaling needs (read by compile/rope.py).
 ROPE_SCALING_FIELDS = {"linear": ("factor",),
                        "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
@@ -103,12 +114,7 @@ def read_spec(model_dir: Path) -> ModelSpec:
         raise CheckpointError(f"model directory not found: {model_dir}")
     if not path.is_file():
         raise CheckpointError(f"{model_dir} has no config.json: is it a Hugging Face checkpoint folder?")
-    try:
-        cfg = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(cfg, dict):
-        raise CheckpointError(f"{path} must hold a JSON object (a model config), not {type(cfg).__name__}")
+    cfg = json_object(path)
     archs = cfg.get("architectures") or []
     arch = archs[0] if isinstance(archs, list) and archs else archs if isinstance(archs, str) else None
     if not isinstance(arch, str) or arch not in SUPPORTED_ARCHITECTURES:
@@ -287,17 +293,6 @@ class CheckpointReader:
 
     def num_parameters(self) -> int:
         return sum(int(np.prod(f.header[n]["shape"])) for f in self.files for n in f.names())
-
-
-def json_object(path: Path) -> dict:
-    """A JSON file that must hold an object (a config), or a CheckpointError naming it."""
-    try:
-        value = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise CheckpointError(f"{path} must hold a JSON object, not {type(value).__name__}")
-    return value
 
 
 def tokenizer_files(model_dir: Path) -> list[Path]:
