@@ -235,8 +235,8 @@ class GroupedOptions(click.Command):
 
 SERVE_SECTIONS = {
     "Model": ("draft", "speculation", "models", "served_model_name", "chat_template", "device", "cuda_graphs"),
-    "Scheduling": ("max_num_seqs", "max_waiting", "token_budget", "prefill_chunk", "mixed_step_ratio", "threads",
-                   "spin", "huge_pages"),
+    "Scheduling": ("max_num_seqs", "max_waiting", "token_budget", "prefill_chunk", "mixed_step_ratio",
+                   "max_burst_stall", "threads", "spin", "huge_pages"),
     "KV cache": ("max_model_len", "kv_budget_mib", "prefix_caching", "retained_slots", "prefix_reserve_mib",
                  "kv_huge_pages"),
     "Server": ("host", "grpc_port", "http_port", "request_timeout", "max_body_bytes", "max_tokens_limit", "grace",
@@ -271,6 +271,12 @@ SERVE_SECTIONS = {
                    "first 16-token slices cost where that is more (lower: "
                    "shorter stalls of running streams, slower first tokens for prompts arriving among them; inf: "
                    "fixed slices of --prefill-chunk).")
+@click.option("--max-burst-stall", "max_burst_stall", type=click.FloatRange(0.0, min_open=True),
+              default=SCHED.max_burst_stall_s, show_default=True, metavar="SECONDS",
+              help="Prompts at least half as many as the streams decoding are computed whole, one stall of the "
+                   "streams, only while that stall (at the prompt tokens' measured cost) stays within this; longer "
+                   "ones go in slices beside the decodes (inf: always whole: faster first tokens for the prompts, "
+                   "one long pause for the streams).")
 @click.option("--max-model-len", type=int, default=None, help="Context per sequence [default: the engine's].")
 @click.option("--kv-budget-mib", type=int, default=None, help="KV memory resident at most: running sequences' tokens + the prefix cache (30 %) [default: 25% of RAM, ≤ 8 GiB].")
 @click.option("--enable-prefix-caching/--no-enable-prefix-caching", "--prefix-cache/--no-prefix-cache",
@@ -367,7 +373,7 @@ SERVE_SECTIONS = {
               help="--device cuda: replay decode steps as CUDA graphs captured at start (one per batch size bucket).")
 def serve(engine: Path | None, draft: Path | None, speculation: str, host: str, grpc_port: int, http_port: int,
           max_num_seqs: int, max_waiting: int, token_budget: int, prefill_chunk: int, mixed_step_ratio: float,
-          max_model_len: int | None,
+          max_burst_stall: float, max_model_len: int | None,
           kv_budget_mib: int | None, prefix_caching: bool, retained_slots: int, prefix_reserve_mib: int,
           kv_huge_pages: bool, threads: int | None, spin: bool,
           huge_pages: bool, api_key: str | None,
@@ -397,7 +403,8 @@ def serve(engine: Path | None, draft: Path | None, speculation: str, host: str, 
     try:
         engine_path = engine or engine_dir("target")
         draft_path, method = _speculation(draft, speculation)
-        econf = EngineConfig(SchedulerConfig(max_num_seqs, token_budget, prefill_chunk, max_waiting, mixed_step_ratio),
+        econf = EngineConfig(SchedulerConfig(max_num_seqs, token_budget, prefill_chunk, max_waiting, mixed_step_ratio,
+                                             max_burst_stall),
                              CacheConfig(max_model_len=max_model_len, enable_prefix_cache=prefix_caching,
                                          kv_budget_bytes=kv_budget_mib << 20 if kv_budget_mib else None,
                                          retained_slots=retained_slots, prefix_reserve_bytes=prefix_reserve_mib << 20,

@@ -45,6 +45,9 @@ class SchedulerConfig:
     mixed_step_ratio: float = 2.0     # a step carrying prompt slices beside decodes may cost this many decode-only
                                       # steps (the slices shrink to fit, ≥ 16 tokens; where 16 already cost more,
                                       # what they cost is held, see Scheduler.observe); inf: fixed slices
+    max_burst_stall_s: float = 1.0    # a burst of prompts beside decoding streams is computed whole (one stall)
+                                      # only while that stall, at the prompt tokens' measured cost, stays within
+                                      # this; a longer one goes in slices (inf: whole, whatever it costs)
 
     def __post_init__(self):
         if self.max_num_seqs < 1 or self.token_budget < self.max_num_seqs + 1:
@@ -57,6 +60,8 @@ class SchedulerConfig:
             raise ValueError("max_waiting must be ≥ 0")
         if not self.mixed_step_ratio >= 1.0:
             raise ValueError("mixed_step_ratio must be ≥ 1 (inf: fixed chunks)")
+        if not self.max_burst_stall_s > 0:
+            raise ValueError("max_burst_stall_s must be > 0 (inf: bursts always whole)")
 
 
 @dataclass(frozen=True)

@@ -150,6 +150,7 @@ class Request:
     spec_accepted: int = 0
     num_cached: int = 0                        # prompt tokens served from the prefix cache (first admission)
     steps_sat_out: int = 0                     # consecutive steps a long prompt yielded to short ones (aging)
+    in_slices: bool = False                    # its prompt went in slices beside decodes: it stays in them
     slot: int | None = None
     finish_reason: str | None = None
     seq_no: int = field(default_factory=lambda: next(_ids))

@@ -43,6 +43,10 @@ class Scheduler:
         # least of them, the level held until decode-only steps return (see observe)
         self._floor_s: list[float] = []
         self._held_s: float | None = None
+        # a prompt token's cost in steps that computed prompts whole, and how far into its prompt such a token lay
+        # on average (a moving average of both): what a burst would stall the decoding streams for (_burst_fits)
+        self._prompt_token_s: float | None = None
+        self._prompt_reach: float = 1.0
 
     def observe(self, plan: SchedulePlan, seconds: float, decode_s: float | None = None) -> None:
         """Feed back a step's measured time: tracks decode-only steps and adapts the prompt slice beside decodes.
@@ -62,7 +66,16 @@ class Scheduler:
         slice runs cold, ~1.3x the next ones) becomes the target, and slices shrink below MIN_CHUNK to hold it:
         the streams' gaps stay even instead of growing with the prompt, at some cost to the long prompt's TTFT.
         qwen2.5-0.5b int4, 4 streams and an 8,000-token prompt (tools/bench_burst.py): 16-token slices took the
-        step from 35 to 110 ms."""
+        step from 35 to 110 ms.
+
+        A step that computed prompts whole (a burst, or nobody decoding) gives a prompt token's cost, for
+        _burst_fits; its reach (the token-weighted mean position the chunks end at, after `update`) goes with it."""
+        tokens = sum(n for _, n in plan.chunks)
+        if plan.chunks and not plan.sliced and tokens >= self.MIN_CHUNK:
+            reach = max(1.0, sum(n * r.num_computed for r, n in plan.chunks) / tokens)
+            first = self._prompt_token_s is None
+            self._prompt_token_s = _average(self._prompt_token_s, seconds / tokens)
+            self._prompt_reach = reach if first else _average(self._prompt_reach, reach)
         if plan.decodes and not plan.chunks:
             self._decode_step_s = _average(self._decode_step_s, seconds)
             if decode_s is not None and not plan.gammas:     # a speculating step's rest holds its verifications
@@ -190,7 +203,8 @@ class Scheduler:
         # long prompts sit this step out (but one aged one gets MIN_CHUNK tokens), so a short request's TTFT
         # includes at most a sliver of a long prompt.
         prefills = sorted((r for r in self.running if r.num_pending > 1), key=lambda r: (r.priority, r.num_pending))
-        whole = 2 * len(prefills) >= len(plan.decodes)     # a burst (see above): the decoding streams stall once
+        # a burst (see above): the decoding streams stall once — unless that stall would be long
+        whole = 2 * len(prefills) >= len(plan.decodes) and (not plan.decodes or self._burst_fits(prefills, budget))
         if whole:
             limit = budget
         else:
@@ -216,7 +230,32 @@ class Scheduler:
                 req.prefill_chunks += 1
                 budget -= n
         plan.sliced = bool(plan.decodes) and not whole and any(n < r.num_pending for r, n in plan.chunks)
+        for req, n in plan.chunks if plan.sliced else ():
+            req.in_slices = True
         return plan
+
+
+    def _burst_fits(self, prefills: list[Request], budget: int) -> bool:
+        """Whether computing `prefills` whole (shortest first, within `budget`) stalls the decoding streams at most
+        max_burst_stall_s, at the prompt token's measured cost (none measured yet: it does). A token attends over
+        the prompt before it, so a token further in than the measured ones costs more: the cost is scaled by how
+        much further (an overestimate where the weights' share dominates, which errs towards slices). Why: one
+        stream decoding and a 3,000-token prompt arriving were a burst, taken whole: one 3.8 s gap
+        (qwen2.5-0.5b int4, tools/bench_burst.py --long-prompt), where #49 asks p99 ≤ 1.5 × p50 while it prefills."""
+        if self.config.max_burst_stall_s == float("inf"):
+            return True
+        if any(req.in_slices for req in prefills):     # a prompt begun in slices ends in them: taking its tail whole
+            return False                               # stalled the streams once more (480 ms, a 1,500-token prompt)
+        if self._prompt_token_s is None:
+            return True
+        stall = 0.0
+        for req in prefills:
+            n = min(req.num_pending, budget)
+            if n <= 0:
+                break
+            stall += n * self._prompt_token_s * max(1.0, (req.num_computed + n) / self._prompt_reach)
+            budget -= n
+        return stall <= self.config.max_burst_stall_s
 
 
 def _average(old: float | None, new: float) -> float:

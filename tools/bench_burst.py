@@ -34,19 +34,24 @@ TEXT = Path(__file__).resolve().parents[1] / "compile" / "data" / "heldout_code.
 
 
 def policy(spec: str) -> tuple:
-    """BUDGET,CHUNK[,RATIO][,unpacked]: unpacked runs prompt slices in calls of their own beside the decodes' (as
-    engines built before packed steps), to compare."""
+    """BUDGET,CHUNK[,RATIO][,stall=S][,unpacked]: stall=S is the scheduler's max_burst_stall_s (inf: a burst beside
+    decoding streams always whole, as before it); unpacked runs prompt slices in calls of their own beside the
+    decodes' (as engines built before packed steps), to compare."""
     fields = spec.split(",")
     unpacked = fields[-1] == "unpacked"
-    numbers = fields[:-1] if unpacked else fields
-    if not 2 <= len(numbers) <= 3:
-        raise ValueError(f"a policy is BUDGET,CHUNK[,RATIO][,unpacked], not {spec!r}")
+    fields = fields[:-1] if unpacked else fields
+    stall = [f for f in fields if f.startswith("stall=")]
+    numbers = [f for f in fields if not f.startswith("stall=")]
+    if not 2 <= len(numbers) <= 3 or len(stall) > 1:
+        raise ValueError(f"a policy is BUDGET,CHUNK[,RATIO][,stall=S][,unpacked], not {spec!r}")
     budget, chunk, ratio = (numbers + ["4"])[:3]
-    return (int(budget), int(chunk), float(ratio)) + (("unpacked",) if unpacked else ())
+    return ((int(budget), int(chunk), float(ratio)) + ((f"stall={float(stall[0][6:]):g}",) if stall else ())
+            + (("unpacked",) if unpacked else ()))
 
 
 def make_engine(path: str, p: tuple, streams: int) -> Engine:
-    engine = Engine(path, EngineConfig(SchedulerConfig(max(16, streams), p[0], p[1], 256, p[2]),
+    stall = next((float(f[6:]) for f in p[3:] if f.startswith("stall=")), SchedulerConfig.max_burst_stall_s)
+    engine = Engine(path, EngineConfig(SchedulerConfig(max(16, streams), p[0], p[1], 256, p[2], stall),
                                        CacheConfig(enable_prefix_cache=False)))
     if "unpacked" in p:
         engine.backend.pack_steps = False

@@ -18,6 +18,8 @@ def test_a_burst_policy_may_ask_for_unpacked_steps():
     assert policy("4096,256,unpacked") == (4096, 256, 4.0, "unpacked")
     with pytest.raises(ValueError):
         policy("4096,256,2,packed")
+    assert policy("4096,256,2,stall=inf") == (4096, 256, 2.0, "stall=inf")    # the burst bound: inf = always whole
+    assert policy("4096,256,stall=0.5,unpacked") == (4096, 256, 4.0, "stall=0.5", "unpacked")
 
 
 def test_late_streams_are_a_count_and_milliseconds():

@@ -153,6 +153,34 @@ def test_prompts_that_outnumber_the_decoding_streams_are_computed_whole():
     assert sched.schedule().chunks == [(long, 2000)]            # (the default budget is 4096)
 
 
+@pytest.mark.parametrize("stall_s, prompt, whole", [(1.0, 200, True), (1.0, 1000, False), (float("inf"), 1000, True)])
+def test_a_burst_is_whole_only_while_its_stall_stays_within_the_bound(stall_s, prompt, whole):
+    """One stream decoding and a prompt arriving is a burst (prompts ≥ half the streams). Prompt tokens measured
+    at 2 ms each 300 tokens in: 200 more cost 0.4 s, whole; 1,000 cost 2 s × (1,000 / 300) for attending further,
+    past 1 s: slices, and a prompt begun in slices ends in them, though its tail would fit (inf: whole, as before:
+    one stream + a 3,000-token prompt was one 3.8 s gap)."""
+    kv = PagedKVManager(num_blocks=512, block_size=16, num_slots=8, max_model_len=4096)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, prefill_chunk=128, max_burst_stall_s=stall_s), kv)
+    first = Request(list(range(300)), SamplingParams(max_tokens=64), request_id="first")
+    sched.add(first)
+    plan = sched.schedule()
+    assert plan.chunks == [(first, 300)] and not plan.decodes          # nobody decoding: whole
+    first.num_computed = first.num_tokens - 1                           # (its first token pending: it decodes)
+    sched.observe(plan, 0.6)                                            # 2 ms a prompt token, 300 tokens in
+    sched.observe(SchedulePlan(decodes=[first]), 0.010)
+    late = Request(list(range(prompt)), SamplingParams(max_tokens=4), request_id="late")
+    sched.add(late)
+    plan = sched.schedule()
+    assert plan.decodes == [first]
+    if whole:
+        assert plan.chunks == [(late, prompt)] and not plan.sliced
+        return
+    assert plan.chunks == [(late, Scheduler.MIN_CHUNK)] and plan.sliced
+    late.num_computed = prompt - 100                                    # 100 left: 0.2 s whole, but in slices
+    plan = sched.schedule()
+    assert plan.sliced and plan.chunks[0][1] < 100
+
+
 @settings(max_examples=150, deadline=None)
 @given(decoding=st.integers(0, 6), lengths=st.lists(st.integers(2, 700), max_size=6),
        budget=st.sampled_from([64, 300, 1000, 4096]))
