@@ -51,12 +51,41 @@ DIMENSIONS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_di
               "max_seq_len")
 
 
-def sha256_file(path: Path) -> str:
+def sha256_file(path: Path, stamps: dict | None = None, key: str | None = None) -> str:
+    """The file's sha256; with `stamps`, also records under `key` the identity of the file that was hashed."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
+        if stamps is not None:
+            stamps[key] = _stamp(os.fstat(f.fileno()))
         while chunk := f.read(1 << 22):
             h.update(chunk)
     return h.hexdigest()
+
+
+def _stamp(st: os.stat_result) -> tuple:
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+class Manifest(dict):
+    """A manifest as read_manifest returns it: the record (a dict), and `stamps`, the identity (device, inode, size,
+    modification time) of manifest.json and of each file verify_files hashed, as they were read: check_unchanged
+    compares them with what the paths name once a loader has opened everything."""
+
+    stamps: dict[str, tuple]
+
+
+def check_unchanged(engine_dir: Path, manifest: dict) -> None:
+    """The files read and verified are still the ones at their paths, or ArtifactError. A loader verifies, then
+    opens the graph, weights and tokenizer by path; a `compile build --overwrite` of the same folder in between
+    (it swaps the folder) left a runner holding one build's manifest and the other's graph, with no error."""
+    for rel, stamp in getattr(manifest, "stamps", {}).items():
+        try:
+            now = _stamp(os.stat(Path(engine_dir) / rel))
+        except OSError:
+            now = None
+        if now != stamp:
+            raise ArtifactError(f"{engine_dir} changed while it was being loaded ({rel} is another file now: "
+                                "rebuilt?); load it again")
 
 
 def check_destination(out: Path, overwrite: bool) -> None:
@@ -189,7 +218,9 @@ def read_manifest(engine_dir: Path) -> dict:
     if not manifest_file.is_file():
         raise ArtifactError(f"{engine_dir} is not a Quicksilver engine (no {MANIFEST}); build one with `compile build`")
     try:
-        manifest = json.loads(manifest_file.read_text())
+        with open(manifest_file, "rb") as f:
+            stamp = _stamp(os.fstat(f.fileno()))
+            manifest = json.loads(f.read())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ArtifactError(f"{manifest_file} is corrupted: {e}") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
@@ -208,6 +239,8 @@ def read_manifest(engine_dir: Path) -> dict:
                             f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
     _check_consistent(manifest, manifest_file)
     _check_paths(manifest, engine_dir)
+    manifest = Manifest(manifest)
+    manifest.stamps = {MANIFEST: stamp}
     return manifest
 
 
@@ -401,7 +434,7 @@ def verify_files(engine_dir: Path, manifest: dict) -> None:
         if file.stat().st_size != info["size"]:
             raise ArtifactError(f"{engine_dir} is corrupted: {rel} has {file.stat().st_size} bytes, "
                                 f"manifest says {info['size']} (truncated?); rebuild the engine")
-        if sha256_file(file) != info["sha256"]:
+        if sha256_file(file, getattr(manifest, "stamps", None), rel) != info["sha256"]:
             raise ArtifactError(f"{engine_dir} is corrupted: sha256 of {rel} does not match the manifest; "
                                 "rebuild the engine")
 

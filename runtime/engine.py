@@ -22,6 +22,8 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
+import artifact
+
 from .backends import load_backend
 from .config import EngineConfig
 from .constraints import Constraint, GrammarFailed, Grammars, Matcher
@@ -77,6 +79,7 @@ class Engine:
         self.tokenizer = Tokenizer.from_file(str(Path(engine_dir) / "tokenizer.json"))
         self.eos_ids = frozenset(manifest["tokenizer"]["eos_token_ids"])
         self.sampling_defaults = generation_defaults(engine_dir)      # what requests that leave options out get
+        artifact.check_unchanged(engine_dir, manifest)   # everything opened by path is what was verified
         self.grammars = Grammars(self.tokenizer.to_str(), self.runner.vocab_size, self.eos_ids)
         self._matchers: dict[str, Matcher] = {}        # constrained requests' grammar state
         self._failed_grammars: dict[str, str] = {}     # request id → why its grammar failed this step

@@ -177,3 +177,22 @@ def test_int4_integer_scales_engines_say_format_version_2_which_older_readers_re
         monkeypatch.setattr(artifact, "READABLE_FORMAT_VERSIONS", (1,))
         with pytest.raises(ArtifactError, match="format version 2.*upgrade Quicksilver"):
             load(tmp_path / "int")
+
+
+def test_a_folder_swapped_after_verification_is_caught(engine, checkpoint, tmp_path):
+    """Verified, then rebuilt in place (`compile build --overwrite` swaps the folder) before the loader opened its
+    files by path: the loader would hold one build's manifest and the other's graph. check_unchanged, which the
+    runner and the engine call once everything is open, names it."""
+    from artifact import check_unchanged
+
+    path = tmp_path / "engine"
+    shutil.copytree(engine("llama"), path)
+    manifest = load(path)
+    check_unchanged(path, manifest)                        # nothing moved: quiet
+    assert ModelRunner(path).manifest == manifest          # and a runner loads it (it checks too)
+    result = CliRunner().invoke(compile_main, ["build", "--model", str(checkpoint("llama")), "--out", str(path),
+                                               "--overwrite", "--no-report"])
+    assert result.exit_code == 0, result.output
+    with pytest.raises(ArtifactError, match="changed while it was being loaded"):
+        check_unchanged(path, manifest)
+    check_unchanged(path, load(path))                      # loaded again: quiet

@@ -173,6 +173,7 @@ class ModelRunner:
             self.weights.register(so)
         self.session = open_session(self.engine_dir, self.manifest, so, ["CPUExecutionProvider"])
         self.session.weights = self.weights      # whoever holds the session holds the memory it reads
+        artifact.check_unchanged(self.engine_dir, self.manifest)      # the graph and weights opened are the verified
         m = self.manifest["model"]
         self.num_layers, self.vocab_size = m["num_layers"], m["vocab_size"]
         self.kv_heads, self.head_dim, self.max_seq_len = m["num_kv_heads"], m["head_dim"], m["max_seq_len"]
