@@ -233,6 +233,13 @@ class Bridge:
             await inner.aclose()      # now, not at garbage collection: closing it aborts an unfinished request
             self.settle(tenant, params.max_tokens - generated + (len(prompt) if shed else 0), generated)
 
+    def token_room(self, tenant, prompt_tokens: int) -> int | None:
+        """The most new tokens a request of `tenant` with this prompt could ever be admitted with (its
+        tokens_per_minute less the prompt), or None where no such limit applies."""
+        buckets = self.limits.tokens if tenant is not None and self.limits is not None else {}
+        bucket = buckets.get(tenant.name) if tenant is not None else None
+        return None if bucket is None else int(bucket.capacity) - prompt_tokens
+
     def admit(self, tenant, prompt_tokens: int, max_tokens: int) -> None:
         """Count a request (generated or answered from the semantic cache) against its caller's tenant limits:
         over them, Overloaded (not shed: the caller's limit holds on every model). Settle it when it ends."""

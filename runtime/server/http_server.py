@@ -191,9 +191,9 @@ class HttpApi:
     async def chat(self, request: Request) -> Response:
         return await self._handle(request, chat=True)
 
-    async def _prepare(self, bridge: Bridge, body: dict, chat: bool, tools, params: SamplingParams):
+    async def _prepare(self, bridge: Bridge, body: dict, chat: bool, tools, params: SamplingParams, tenant=None):
         """The request's prompt ids for this model (its chat template and tokenizer), its echo text, and params with
-        the chat default for max_tokens (the rest of this model's context)."""
+        the chat default for max_tokens (the rest of this model's context, and of the caller's tokens a minute)."""
         # Templates, tokenization and decoding run in threads: a long prompt must not stall the event loop.
         if chat:
             prompt = await asyncio.to_thread(self.chat_templates[bridge.model_name], body.get("messages"),
@@ -204,7 +204,7 @@ class HttpApi:
         if text is not None:                       # once for every choice and the chat default below
             prompt = await bridge.encode(text)
         if chat and body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
-            params = self._rest_of_context(bridge, prompt, params)
+            params = self._rest_of_context(bridge, prompt, params, tenant)
         echo = "" if chat or not flag(body, "echo") else (text if text is not None else await bridge.decode(prompt))
         if echo and params.logprobs is not None:
             raise InvalidRequest("echo with logprobs is not supported (prompt log-probabilities are not computed)")
@@ -221,14 +221,15 @@ class HttpApi:
             stream, include_usage, asked, n, tools = _options(body, chat)
             chat_default = chat and body.get("max_tokens") is None and body.get("max_completion_tokens") is None
 
+            caller = request.scope[CALLER]
+            floor, tenant = caller.priority_floor, caller.tenant      # checked and counted by the bridge
+
             def prepare(b):
-                return self._prepare(b, body, chat, tools, asked)
+                return self._prepare(b, body, chat, tools, asked, tenant)
             bridge, route, counted = await self.frontend.choose(
                 body.get("model"), chat or isinstance(_prompt(body.get("prompt")), str), prepare,
                 lambda c: len(c[0]), None if chat_default else asked.max_tokens)
             prompt, echo, params = counted if bridge is self.router.primary and counted else await prepare(bridge)
-            caller = request.scope[CALLER]
-            floor, tenant = caller.priority_floor, caller.tenant      # checked and counted by the bridge
             priority = bridge.default_priority(body.get("priority"), floor)   # lower is more urgent, as vLLM's
             bridge.check_choices(n, tenant)
             timeout = body.get("timeout")
@@ -292,10 +293,12 @@ class HttpApi:
                                  headers={"Cache-Control": "no-cache", **headers})
 
     @staticmethod
-    def _rest_of_context(bridge: Bridge, ids: list[int], params: SamplingParams) -> SamplingParams:
-        """OpenAI's chat default for max_tokens: what the context leaves after the prompt (within the server's cap)."""
-        room, cap = bridge.max_model_len - len(ids), bridge.config.max_tokens_limit
-        return replace(params, max_tokens=max(1, room if cap is None else min(room, cap)))
+    def _rest_of_context(bridge: Bridge, ids: list[int], params: SamplingParams, tenant=None) -> SamplingParams:
+        """OpenAI's chat default for max_tokens: what the context leaves after the prompt, within the server's cap
+        and what the caller's tokens_per_minute could ever admit beside the prompt (charged the whole context, a
+        tenant whose minute holds less got a 400 on every chat request that named no max_tokens)."""
+        room = [bridge.max_model_len - len(ids), bridge.config.max_tokens_limit, bridge.token_room(tenant, len(ids))]
+        return replace(params, max_tokens=max(1, min(r for r in room if r is not None)))
 
     async def _sse(self, bridge: Bridge, streams, firsts, shape, include_usage: bool, echo: str = "", keep=None):
         """Server-sent events, the choices' chunks interleaved as they come; if the client goes away Starlette

@@ -20,11 +20,12 @@ SLOW = Tenant("slow", "key-slow-0001", requests_per_minute=2)
 SOLO = Tenant("solo", "key-solo-0001", max_concurrency=1, priority_floor=-5)
 THRIFTY = Tenant("thrifty", "key-thrifty-01", tokens_per_minute=100)
 CALM = Tenant("calm", "key-calm-0001", priority_floor=10)
+FRUGAL = Tenant("frugal", "key-frugal-01", tokens_per_minute=120)
 
 
 @pytest.fixture(scope="module")
 def server(engine):
-    s = ServerThread(engine("llama"), tenants=(SLOW, SOLO, THRIFTY, CALM))
+    s = ServerThread(engine("llama"), tenants=(SLOW, SOLO, THRIFTY, CALM, FRUGAL))
     yield s
     s.stop()
 
@@ -162,3 +163,13 @@ def test_a_request_without_a_priority_runs_at_its_callers_floor(server):
         with pytest.raises(grpc.RpcError) as err:
             list(c.generate(PROMPT, max_tokens=2, priority=3))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_a_chat_without_max_tokens_fits_its_callers_minute(server):
+    """The chat default for max_tokens (the rest of the 512-token context) is also held to what the caller's
+    120 tokens a minute could ever admit beside the prompt: it was charged the whole context, a 400 every time."""
+    r = httpx.post(f"{server.http_url}/v1/chat/completions", headers={"Authorization": f"Bearer {FRUGAL.key}"},
+                   json={"messages": [{"role": "user", "content": "hi"}], "ignore_eos": True}, timeout=60)
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    assert usage["completion_tokens"] == 120 - usage["prompt_tokens"]
