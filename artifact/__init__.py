@@ -378,11 +378,12 @@ def _check_contents(manifest: dict, path: Path) -> None:
         ("precision.min_rows", precision.get("min_rows"),
          lambda v: v is None or (isinstance(v, str) and _is_id(precision.get("block_size")))),
     ]
-    for kind in ("inputs", "outputs"):
-        for name, info in graph[kind].items():
-            checks.append((f"graph.{kind}.{name}", info, lambda v: isinstance(v, dict) and isinstance(
-                v.get("shape"), list) and all(isinstance(d, (int, str)) and not isinstance(d, bool) for d in v["shape"])
-                and isinstance(v.get("dtype", ""), str)))
+    def tensor(v) -> bool:        # {"shape": [int | str, ...], "dtype": str}
+        return (isinstance(v, dict) and isinstance(v.get("shape"), list) and isinstance(v.get("dtype", ""), str)
+                and all(isinstance(d, (int, str)) and not isinstance(d, bool) for d in v["shape"]))
+
+    checks += [(f"graph.{kind}.{name}", info, tensor) for kind in ("inputs", "outputs")
+               for name, info in graph[kind].items()]
     for field, value, ok in checks:
         if not ok(value):
             raise ArtifactError(f"{path} is invalid: field {field} is {value!r}; rebuild the engine")

@@ -55,8 +55,8 @@ def _kv_record(spec: ModelSpec, cfg: CompileConfig, max_len: int) -> dict:
 
 
 def _eos_ids(spec: ModelSpec, model_dir: Path) -> list[int]:
-    """config.json's end-of-sequence ids, then generation_config.json's (build() reads them before the export too:
-    a malformed file failed after all the work, with a traceback)."""
+    """config.json's end-of-sequence ids, then generation_config.json's (build() reads them before the export: a
+    malformed file failed after all the work, with a traceback)."""
     ids = list(spec.eos_token_ids)
     gen = model_dir / "generation_config.json"
     if gen.is_file():
@@ -193,7 +193,7 @@ def build(cfg: CompileConfig, log=print) -> dict:
     _check_head_dim(spec, cfg)
     cfg = replace(cfg, kv_cache=_resolve_kv_cache(spec, cfg))
     tok_files = tokenizer_files(cfg.model_dir)
-    _eos_ids(spec, cfg.model_dir)                   # generation_config.json checked before the export
+    eos_ids = _eos_ids(spec, cfg.model_dir)         # generation_config.json read before the export
     reader = CheckpointReader(cfg.model_dir)
     reader.check(REGISTRY[spec.architecture](spec, reader).tensor_shapes())
     _check_block_size(spec, cfg)
@@ -231,7 +231,8 @@ def build(cfg: CompileConfig, log=print) -> dict:
                                              spec.num_kv_heads, spec.head_dim, log)
             plan = {"plan": tensorrt_plan.PLAN_FILE if built else None, "plugin": "QsPagedAttention v1",
                     "block_size": tensorrt_plan.BLOCK_SIZE}
-        manifest = write_manifest(tmp, _manifest(cfg, spec, reader, builder, tok_files, attention, max_len, plan))
+        manifest = write_manifest(tmp, _manifest(cfg, spec, reader, builder, tok_files, eos_ids, attention, max_len,
+                                                   plan))
         if cfg.report and cfg.target != "cpu":
             log(f"accuracy report skipped for --target cuda: check the engine with `compile verify {cfg.out_dir} "
                 "--device cpu` (its forward on PyTorch CPU tensors)" if cfg.target == "cuda" else
@@ -245,7 +246,7 @@ def build(cfg: CompileConfig, log=print) -> dict:
 
 
 def _manifest(cfg: CompileConfig, spec, reader: CheckpointReader, builder: GraphBuilder, tok_files: list[Path],
-              attention: str, max_len: int, plan: dict | None) -> dict:
+              eos_ids: list[int], attention: str, max_len: int, plan: dict | None) -> dict:
     """The manifest's records of a built graph (write_manifest adds the format and every file's sha256). An engine
     with int4 integer block scales says format version 2, which readers from before them refuse (their kernels would
     ignore the packing's attribute and, where its size matched the old one, compute garbage)."""
@@ -259,7 +260,7 @@ def _manifest(cfg: CompileConfig, spec, reader: CheckpointReader, builder: Graph
         "graph": {"file": GRAPH_FILE, "data": DATA_FILE, "opset": OPSET, "revision": GRAPH_REVISION,
                   **builder.interface()},
         "kv_cache": _kv_record(spec, cfg, max_len),
-        "tokenizer": {"files": [f.name for f in tok_files], "eos_token_ids": _eos_ids(spec, cfg.model_dir),
+        "tokenizer": {"files": [f.name for f in tok_files], "eos_token_ids": eos_ids,
                       "bos_token_id": spec.bos_token_id},
         "source": {"path": str(cfg.model_dir.resolve()), "fingerprint": fingerprint(cfg.model_dir),
                    "dtypes": sorted(reader.dtypes())},

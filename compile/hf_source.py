@@ -71,13 +71,22 @@ def _count(cfg: dict, key: str, path: Path, default: int | None = None) -> int:
     return value
 
 
+def _finite(value) -> bool:
+    """A JSON number finite as a float (not a bool, NaN, ±Infinity, nor an integer past a float's range)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def _real(cfg: dict, key: str, path: Path, default: float, positive: bool) -> float:
     """A finite number, > 0 (`positive`) or ≥ 0: rope_theta ≤ 0 gave NaN rotary tables, a negative epsilon a graph
     ONNX Runtime refuses to load."""
     value = cfg.get(key)
     value = default if value is None else value
-    if (not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value)
-            or (value <= 0 if positive else value < 0)):
+    if not _finite(value) or (value <= 0 if positive else value < 0):
         raise CheckpointError(f"{path}: '{key}' must be a finite number {'above' if positive else 'of at least'} 0, "
                               f"not {value!r}")
     return float(value)
@@ -137,8 +146,7 @@ def read_spec(model_dir: Path) -> ModelSpec:
                                   + ", ".join(SUPPORTED_ROPE_SCALING) + " (or none)")
         for key in ROPE_SCALING_FIELDS[kind]:
             value = scaling.get(key)
-            if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-                    and value > 0):
+            if not (_finite(value) and value > 0):
                 raise CheckpointError(f"{path}: rope_scaling ({kind}) needs '{key}' above 0, not {value!r}")
         if kind == "llama3" and scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
             raise CheckpointError(f"{path}: rope_scaling (llama3) needs high_freq_factor above low_freq_factor")

@@ -46,7 +46,7 @@ class Scheduler:
         # a prompt token's cost in steps that computed prompts whole, and how far into its prompt such a token lay
         # on average (a moving average of both): what a burst would stall the decoding streams for (_burst_fits)
         self._prompt_token_s: float | None = None
-        self._prompt_reach: float = 1.0
+        self._prompt_reach: float | None = None
 
     def observe(self, plan: SchedulePlan, seconds: float, decode_s: float | None = None) -> None:
         """Feed back a step's measured time: tracks decode-only steps and adapts the prompt slice beside decodes.
@@ -73,9 +73,8 @@ class Scheduler:
         tokens = sum(n for _, n in plan.chunks)
         if plan.chunks and not plan.sliced and tokens >= self.MIN_CHUNK:
             reach = max(1.0, sum(n * r.num_computed for r, n in plan.chunks) / tokens)
-            first = self._prompt_token_s is None
             self._prompt_token_s = _average(self._prompt_token_s, seconds / tokens)
-            self._prompt_reach = reach if first else _average(self._prompt_reach, reach)
+            self._prompt_reach = _average(self._prompt_reach, reach)
         if plan.decodes and not plan.chunks:
             self._decode_step_s = _average(self._decode_step_s, seconds)
             if decode_s is not None and not plan.gammas:     # a speculating step's rest holds its verifications
@@ -230,10 +229,10 @@ class Scheduler:
                 req.prefill_chunks += 1
                 budget -= n
         plan.sliced = bool(plan.decodes) and not whole and any(n < r.num_pending for r, n in plan.chunks)
-        for req, n in plan.chunks if plan.sliced else ():
-            req.in_slices = True
+        if plan.sliced:
+            for req, _ in plan.chunks:
+                req.in_slices = True
         return plan
-
 
     def _burst_fits(self, prefills: list[Request], budget: int) -> bool:
         """Whether computing `prefills` whole (shortest first, within `budget`) stalls the decoding streams at most

@@ -51,7 +51,9 @@ def policy(spec: str) -> tuple:
 
 def make_engine(path: str, p: tuple, streams: int) -> Engine:
     stall = next((float(f[6:]) for f in p[3:] if f.startswith("stall=")), SchedulerConfig.max_burst_stall_s)
-    engine = Engine(path, EngineConfig(SchedulerConfig(max(16, streams), p[0], p[1], 256, p[2], stall),
+    engine = Engine(path, EngineConfig(SchedulerConfig(max_num_seqs=max(16, streams), token_budget=p[0],
+                                                       prefill_chunk=p[1], max_waiting=256, mixed_step_ratio=p[2],
+                                                       max_burst_stall_s=stall),
                                        CacheConfig(enable_prefix_cache=False)))
     if "unpacked" in p:
         engine.backend.pack_steps = False

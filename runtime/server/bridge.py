@@ -236,9 +236,9 @@ class Bridge:
     def token_room(self, tenant, prompt_tokens: int) -> int | None:
         """The most new tokens a request of `tenant` with this prompt could ever be admitted with (its
         tokens_per_minute less the prompt), or None where no such limit applies."""
-        buckets = self.limits.tokens if tenant is not None and self.limits is not None else {}
-        bucket = buckets.get(tenant.name) if tenant is not None else None
-        return None if bucket is None else int(bucket.capacity) - prompt_tokens
+        if tenant is None or self.limits is None or tenant.name not in self.limits.tokens:
+            return None
+        return int(self.limits.tokens[tenant.name].capacity) - prompt_tokens
 
     def admit(self, tenant, prompt_tokens: int, max_tokens: int) -> None:
         """Count a request (generated or answered from the semantic cache) against its caller's tenant limits:

@@ -351,13 +351,10 @@ class HttpApi:
         ids = [list(f.token_ids) for f in firsts]
         tasks = [asyncio.ensure_future(_drain(s, texts[i], logprobs[i], ids[i], firsts[i]))
                  for i, s in enumerate(streams)]
-        consume = asyncio.gather(*tasks)
-        try:
-            while not consume.done():      # a non-streaming client that disconnects also aborts its request
-                done, _ = await asyncio.wait({consume}, timeout=0.25)
-                if not done and await request.is_disconnected():
-                    return Response(status_code=499)
-            outs = consume.result()
+        try:                               # a non-streaming client that disconnects also aborts its request
+            outs = await _unless_hung_up(request, asyncio.gather(*tasks))
+            if outs is None:
+                return Response(status_code=499)
         except (asyncio.TimeoutError, Failed, Unavailable) as e:
             return _error_for(e)
         finally:
@@ -493,12 +490,12 @@ class _Choices:
         return [first] + rest
 
 
-async def _unless_hung_up(request: Request, opening) -> list | None:
-    """The choices' first outputs (`opening`), asking every 0.25 s meanwhile whether the client is still there: None
-    where it hung up, the opening cancelled (each stream's cancellation aborts its request). Until every choice has a
-    token nothing else watches the client — n choices over fewer free slots ran the first ones to their end for a
-    client long gone, and a queued request waited for its first token to find out."""
-    task = asyncio.ensure_future(opening)
+async def _unless_hung_up(request: Request, work) -> list | None:
+    """`work`'s result (the choices' first outputs, or all of their outputs), asking every 0.25 s meanwhile whether
+    the client is still there: None where it hung up, `work` cancelled (each stream's cancellation aborts its
+    request). Opening the choices is watched too: n choices over fewer free slots ran the first ones to their end
+    for a client long gone, and a queued request waited for its first token to find out."""
+    task = asyncio.ensure_future(work)
     try:
         while True:
             done, _ = await asyncio.wait({task}, timeout=0.25)
