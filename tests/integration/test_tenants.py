@@ -159,7 +159,8 @@ def test_a_request_without_a_priority_runs_at_its_callers_floor(server):
     refused = post(server, CALM.key, priority=9)
     assert refused.status_code == 400 and "lowest allowed: 10" in refused.json()["error"]["message"]
     with Client(server.grpc_target, CALM.key) as c:
-        assert len(list(c.generate(PROMPT, max_tokens=2))) >= 1              # priority unset (0): the floor
+        msgs = list(c.generate(PROMPT, max_tokens=2, ignore_eos=True))      # priority unset (0): the floor
+        assert sum(len(m.token_ids) for m in msgs) == 2 and msgs[-1].finish_reason == "length"
         with pytest.raises(grpc.RpcError) as err:
             list(c.generate(PROMPT, max_tokens=2, priority=3))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
