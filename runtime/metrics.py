@@ -63,7 +63,8 @@ class Metrics:
         self.semantic_candidates = Counter("quicksilver_semantic_cache_candidates", "Semantic-cache candidates "
                                            "above the similarity threshold by outcome: verified (served), the "
                                            "near-miss rule that turned one down (literals, negation, direction, "
-                                           "substitution), or verifier (rejected by it)", ["result"], registry=r)
+                                           "substitution, qualifier, case, layout), verifier (rejected by "
+                                           "it), or length (cut shorter or longer than the request allows)", ["result"], registry=r)
         self.semantic_entries = Gauge("quicksilver_semantic_cache_entries", "Answers the semantic cache holds",
                                       registry=r)
         self.published = Gauge("quicksilver_metrics_published_timestamp_seconds", "When a replica last published its "

@@ -81,6 +81,9 @@ class Frontend:
         except Exception:     # noqa: BLE001  (the cache only saves work: the request is generated instead)
             log.exception("semantic cache: a lookup failed; the request is generated")
             hit = None
+        if hit is not None and not fits(hit.answer, params.max_tokens):
+            query.rejected.append("length")
+            hit = None
         bridge.metrics.on_semantic_lookup(hit.kind if hit else "miss", time.perf_counter() - t0)
         if hit is not None:                 # answered at once: admitted and settled as a generated request is
             bridge.admit(tenant, len(prompt), params.max_tokens)
@@ -119,3 +122,12 @@ async def _first(stream):
     except BaseException:
         await stream.aclose()
         raise
+
+
+def fits(answer: semantic_cache.Answer, max_tokens: int) -> bool:
+    """Whether a stored answer is the one a request allowed `max_tokens` would get: no longer, and not cut at a
+    length this request would have gone past (a paraphrase's chat default, the rest of a context of another
+    length, may differ from the stored request's)."""
+    n = answer.completion_tokens
+    return n <= max_tokens and not (answer.finish_reason == "length" and n < max_tokens)
+

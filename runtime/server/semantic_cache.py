@@ -274,7 +274,11 @@ def query_for(body: dict, chat: bool, params, n: int, tenant: str, model: str) -
             content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
         if not isinstance(content, str) or not content:
             return None
-        question, context = content, messages[:-1]
+        # the earlier messages, the last one's other fields (a template may render its `name`), and whether the
+        # client set a limit (without one a chat's max_tokens is the rest of the context, not `params`' default)
+        limit = "given" if body.get("max_tokens") is not None or body.get("max_completion_tokens") is not None \
+            else "rest of context"
+        question, context = content, [messages[:-1], {k: v for k, v in last.items() if k != "content"}, limit]
     else:
         prompt = body.get("prompt")
         prompt = prompt[0] if isinstance(prompt, list) and len(prompt) == 1 else prompt

@@ -292,3 +292,43 @@ def test_concurrent_lookups_and_stores_keep_the_cache_consistent(embedder, verif
     assert_index_holds_every_entry(cache)
     assert all(cache.lookup(ask(e.question, tenant=e.namespace[0])).answer == e.answer
                for e in list(cache._entries.values()))
+
+
+def test_a_hit_is_the_answer_the_requests_own_limit_gets(server):
+    """A chat without max_tokens may write the rest of the context: it never shares a key with an explicit limit
+    (either way round an answer of the wrong length was served), and a paraphrase whose rest of the context is
+    longer is not handed an answer cut at the stored prompt's."""
+    def ask(question, **limit):
+        r = httpx.post(f"{server.http_url}/v1/chat/completions", headers={"Authorization": f"Bearer {BOB.key}"},
+                       json={"messages": [{"role": "user", "content": question}], "temperature": 0,
+                             "ignore_eos": True, **limit}, timeout=120)
+        assert r.status_code == 200, r.text
+        j = r.json()
+        return r.headers["x-quicksilver-cache"], j["choices"][0]["finish_reason"], j["usage"]["completion_tokens"]
+
+    whole = ask(QUESTION)                                       # the rest of the context
+    assert whole[:2] == ("miss", "length") and whole[2] > 12
+    assert ask(QUESTION, max_tokens=12) == ("miss", "length", 12)
+    assert ask(QUESTION, max_completion_tokens=12) == ("hit; exact", "length", 12)
+    assert ask(QUESTION) == ("hit; exact", "length", whole[2])
+    shorter = ask(PARAPHRASE)      # a shorter prompt: more room than the stored answer was cut at
+    assert shorter[:2] == ("miss", "length") and shorter[2] > whole[2]
+    assert server.metric("quicksilver_semantic_cache_candidates_total", result="length") == 1
+
+
+def test_the_key_holds_the_last_message_but_its_text_and_whether_a_limit_was_given():
+    from runtime.request import SamplingParams
+    from runtime.server.semantic_cache import query_for
+
+    def key(last, **body):
+        q = query_for({"messages": [{"role": "system", "content": "be brief"}, last], **body}, True,
+                      SamplingParams(temperature=0.0), 1, "t", "m")
+        return q.context, q.question
+
+    alice = key({"role": "user", "content": "Who am I?", "name": "alice"})
+    assert alice[1] == "Who am I?"
+    assert alice != key({"role": "user", "content": "Who am I?", "name": "bob"})     # a template may render it
+    assert alice != key({"role": "user", "content": "Who am I?"})
+    assert key({"role": "user", "content": "Hi"}) != key({"role": "user", "content": "Hi"}, max_tokens=64)
+    assert key({"role": "user", "content": "Hi"}, max_tokens=64) == key({"role": "user", "content": "Hi"},
+                                                                         max_completion_tokens=64)
