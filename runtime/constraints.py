@@ -109,13 +109,17 @@ class Matcher:
 
     def allowed(self, guesses=()) -> np.ndarray:
         """[len(guesses) + 1, vocab] bool: the tokens allowed now and after each guess in turn (rows past a guess
-        the grammar refuses are all False: verification never gets there). The matcher ends where it started."""
+        the grammar refuses are all False: verification never gets there). Rows from where a guess completes the
+        grammar on allow EOS only, as its mask there does: verification may go past a guess that ends the request
+        (the engine stops appending at it), and a sampled row with nothing allowed has no distribution (NaN
+        probabilities failed the whole step). The matcher ends where it started."""
         rows = np.zeros((len(guesses) + 1, self.vocab_size), bool)
         moved = 0
         for i in range(len(guesses) + 1):
-            if self._ll.is_stopped():
-                break
             self._allowed(rows[i])
+            if self._ll.is_stopped():
+                rows[i + 1:] = rows[i]
+                break
             if i == len(guesses) or not rows[i][guesses[i]] or not self._ll.consume_token(guesses[i]):
                 break
             moved += 1

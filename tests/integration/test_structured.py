@@ -7,6 +7,7 @@ import json
 import grpc
 import httpx
 import jsonschema
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
@@ -130,6 +131,29 @@ def test_greedy_constrained_speculation_equals_plain(bundled, target):
         assert a["finish_reason"] == "stop"
     assert same >= len(items) - 2                  # near-ties are rare: most outputs are identical
     assert spec.speculator.stats.accepted > 0
+
+
+def test_sampled_constrained_speculation_ends_at_the_grammars_end(bundled, target):
+    """Prompt lookup guesses the closing tokens and past them: the rows after a guess that completes the grammar
+    allow EOS only (all −inf gave NaN probabilities, and the whole step — every request in it — failed)."""
+    spec = Engine(bundled["target"], EngineConfig(SchedulerConfig(max_num_seqs=8), CACHE,
+                                                  SpecConfig(adaptive=False, max_gamma=6), speculation="ngram"))
+    schema = {"type": "object", "properties": {"a": {"enum": ["yes", "no"]}}, "required": ["a"],
+              "additionalProperties": False}
+    prompt = 'Answer: {"a": "yes"}\nAnswer: {"a": "yes"}\nAnswer: {"a": "yes"}\nAnswer: '
+    constrained = SamplingParams(max_tokens=24, temperature=1.0, constraint=Constraint.json_schema(schema))
+    for _ in range(4):
+        out = run_all(spec, [(prompt, constrained)] * 4 + [("def fibonacci(n):\n", SamplingParams(max_tokens=8))])
+        for r in out[:4]:
+            assert r["finish_reason"] == "stop" and json.loads(r["text"])["a"] in ("yes", "no"), r
+        assert out[4]["finish_reason"] == "length"
+    assert spec.stats.failed_steps == 0 and spec.speculator.stats.accepted > 0
+    m = spec.grammars.matcher(Constraint.json_schema(schema))
+    answer = spec.tokenizer.encode('{"a": "no"}', add_special_tokens=False).ids
+    rows = m.allowed(answer + [7, 7])                          # the answer, then two guesses past its end
+    eos_only = [set(np.flatnonzero(r)) <= set(spec.eos_ids) and r.any() for r in rows]
+    assert eos_only == [False] * len(answer) + [True] * 3
+    assert not m.done and (m.allowed()[0] == rows[0]).all()    # the matcher ends where it started
 
 
 @pytest.fixture(scope="module")
