@@ -56,8 +56,8 @@ class SchedulerConfig:
             raise ValueError("prefill_chunk must be ≥ 1")
         if self.prefill_chunk > self.token_budget:      # a step never computes more than its budget
             object.__setattr__(self, "prefill_chunk", self.token_budget)
-        if self.max_waiting < 0:
-            raise ValueError("max_waiting must be ≥ 0")
+        if self.max_waiting < 1:            # every request waits in the queue until a step admits it
+            raise ValueError("max_waiting must be ≥ 1 (every request is queued before a step admits it)")
         if not self.mixed_step_ratio >= 1.0:
             raise ValueError("mixed_step_ratio must be ≥ 1 (inf: fixed chunks)")
         if not self.max_burst_stall_s > 0:

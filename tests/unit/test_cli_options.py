@@ -4,6 +4,7 @@ to the same settings as ours."""
 from __future__ import annotations
 
 import click
+import pytest
 
 from runtime.cli import main, serve
 from runtime.config import CacheConfig, OrtConfig, SchedulerConfig, ServerConfig
@@ -37,3 +38,10 @@ def test_vllm_names_are_aliases():
     assert parse("--port", "8123")["http_port"] == 8123
     assert parse("--served-model-name", "m")["served_model_name"] == "m"
     assert parse("--disable-log-requests", "--log-level", "warning")["log_level"] == "warning"
+
+
+def test_a_queue_of_no_requests_is_refused_at_start():
+    """Every request waits in the queue until a step admits it: --max-waiting 0 refused every request (429)."""
+    with pytest.raises(ValueError, match="max_waiting must be ≥ 1"):
+        SchedulerConfig(max_waiting=0)
+    assert SchedulerConfig(max_waiting=1).max_waiting == 1
