@@ -23,6 +23,7 @@ import numpy as np
 from .request import InvalidRequest
 
 KINDS = ("json_schema", "json_object", "regex", "lark")
+MAX_SPEC = 256_000      # characters of a constraint's text (a schema as JSON)
 # One line, with a space after separators (OpenAI's style); no free whitespace, which a small model can fill forever.
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
@@ -40,8 +41,8 @@ class Constraint:
             raise InvalidRequest(f"constraint kind must be one of {', '.join(KINDS)}, not {self.kind!r}")
         if not isinstance(self.spec, str) or (self.kind != "json_object" and not self.spec):
             raise InvalidRequest(f"a {self.kind} constraint needs its {self.kind.replace('_', ' ')} as text")
-        if len(self.spec) > 256_000:
-            raise InvalidRequest("a constraint's text is limited to 256,000 characters")
+        if len(self.spec) > MAX_SPEC:
+            raise InvalidRequest(f"a constraint's text is limited to {MAX_SPEC:,} characters")
 
     @classmethod
     def json_schema(cls, schema: dict | bool) -> "Constraint":
@@ -72,6 +73,8 @@ def check_schema(schema) -> None:
     import jsonschema
     if not isinstance(schema, (dict, bool)):
         raise InvalidRequest("json_schema must be a JSON object (or true/false)")
+    if len(json.dumps(schema)) > MAX_SPEC:          # before the validator, whose time grows with the schema
+        raise InvalidRequest(f"a json_schema is limited to {MAX_SPEC:,} characters")
     try:
         jsonschema.Draft202012Validator.check_schema(schema)
     except jsonschema.SchemaError as e:

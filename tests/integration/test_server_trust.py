@@ -5,6 +5,7 @@ is bounded (item 8); error messages stay under 1 KB (item 9); "auto" is listed, 
 
 import json
 import logging
+import threading
 
 import grpc
 import httpx
@@ -140,6 +141,33 @@ def test_deeply_nested_bodies_are_400(open_server):
     r = httpx.post(url, json={"prompt": "x", "max_tokens": 1, "response_format": {
         "type": "json_schema", "json_schema": {"name": "deep", "schema": pattern}}}, timeout=60)
     assert r.status_code == 400, r.text[:300]
+
+
+def test_schemas_are_checked_off_the_event_loop_and_sized_first(open_server, monkeypatch):
+    """The meta-schema check takes seconds on a large schema (a 1 MB anyOf: 4.5 s on the event loop, every stream
+    stalled that long): it runs in a worker thread, after a size check that refuses what no constraint accepts."""
+    from runtime import constraints
+    threads = []
+    checked = constraints.check_schema
+
+    def recording(schema):
+        threads.append(threading.current_thread())
+        return checked(schema)
+    monkeypatch.setattr("runtime.server.structured.check_schema", recording)
+    url = f"{open_server.http_url}/v1/chat/completions"
+    small = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"]}
+    tool = {"type": "function", "function": {"name": "f", "parameters": small}}
+    for extra in ({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": small}}},
+                  {"tools": [tool], "tool_choice": "auto"}):
+        r = httpx.post(url, json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **extra},
+                       timeout=60)
+        assert r.status_code == 200, r.text[:300]
+    assert len(threads) == 2 and open_server.thread not in threads
+    huge = {"anyOf": [{"type": "object", "properties": {f"k{i}": {"type": "string", "maxLength": i}}}
+                      for i in range(6_000)]}                                # ~340,000 characters
+    r = httpx.post(url, json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "s", "schema": huge}}}, timeout=60)
+    assert r.status_code == 400 and "limited to 256,000 characters" in r.json()["error"]["message"]
 
 
 def test_deeply_nested_grpc_schema_is_invalid_argument(open_server):
