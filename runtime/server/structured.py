@@ -94,6 +94,14 @@ class ToolRequest:
         return ToolCallOutput(self.mode, self.name) if self.mode else None
 
 
+def _parses(text: str) -> bool:
+    try:
+        json.loads(text)
+        return True
+    except ValueError:
+        return False
+
+
 def _call(name: str, arguments: str) -> dict:
     return {"id": new_id("call_"), "type": "function", "function": {"name": name, "arguments": arguments}}
 
@@ -130,9 +138,9 @@ class ToolCallOutput:
 
     def finish(self, reason: str | None) -> tuple[list[dict], str | None]:
         """Deltas still held back, and the choice's finish reason ("tool_calls" when it called)."""
-        if self.mode == "named":
+        if self.mode == "named":     # a call only when its arguments are whole (a stop string can cut them)
             out = self.delta("") if not self.sent else []
-            return out, "tool_calls" if reason == "stop" else reason
+            return out, "tool_calls" if reason == "stop" and _parses(self.text) else reason
         if self.passthrough:
             return [], reason
         calls = self._parse()

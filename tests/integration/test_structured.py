@@ -285,3 +285,15 @@ def test_tool_call_output_whole_and_streamed(mode, text, content, calls):
             entry[0] += c.get("function", {}).get("name") or ""
             entry[1] += c.get("function", {}).get("arguments") or ""
     assert [tuple(got[i]) for i in sorted(got)] == calls and streamed_reason == reason
+
+
+def test_a_named_call_cut_short_is_not_claimed_whole():
+    """A stop string (or stop token) can end a named call's arguments before the grammar does: the choice keeps
+    finish_reason "stop", where "tool_calls" told the client its unparseable arguments were a complete call."""
+    whole, reason = ToolCallOutput("named", "g").message('{"city": "Par', "stop")
+    assert reason == "stop" and whole["tool_calls"][0]["function"]["arguments"] == '{"city": "Par'
+    out = ToolCallOutput("named", "g")
+    out.delta('{"city": ')
+    assert out.finish("stop")[1] == "stop"
+    assert ToolCallOutput("named", "g").message('{"city": "Paris"}', "stop")[1] == "tool_calls"
+    assert ToolCallOutput("named", "g").message('{"city": "Paris"}', "length")[1] == "length"
