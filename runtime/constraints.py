@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -96,12 +97,22 @@ def short_reason(error: str) -> str:
     return line if len(line) <= 300 else line[:297] + "..."
 
 
+# What following a grammar may cost the engine thread, which every stream shares. A token's mask takes 0.02-0.25 ms
+# for ordinary schemas (a 128-tool anyOf included) and 30 ms for a 50-character {"pattern": "^a{100000}$"}: its
+# requests ran at that pace to the end of the context (170 s of stalls beside three of them). A constraint whose
+# first mask takes longer than MAX_MASK_S is refused when it is compiled; one that turns costly later ends its
+# request once it has spent SLOW_GRAMMAR_S at more than MAX_MASK_S a token.
+MAX_MASK_S = 0.005
+SLOW_GRAMMAR_S = 0.25
+
+
 class Matcher:
     """One request's position in its grammar."""
 
     def __init__(self, ll, vocab_size: int):
         self._ll, self.vocab_size = ll, vocab_size
         self._words = (vocab_size + 31) // 32
+        self.spent_s, self.tokens = 0.0, 0      # time in masks and advances, tokens advanced (the budget above)
 
     def _allowed(self, out: np.ndarray) -> None:
         words = np.empty(self._words, np.int32)
@@ -116,6 +127,16 @@ class Matcher:
         grammar on allow EOS only, as its mask there does: verification may go past a guess that ends the request
         (the engine stops appending at it), and a sampled row with nothing allowed has no distribution (NaN
         probabilities failed the whole step). The matcher ends where it started."""
+        if self.spent_s > SLOW_GRAMMAR_S and self.spent_s > MAX_MASK_S * (self.tokens + 1):
+            raise GrammarFailed(f"the constraint is too costly to follow: {self.spent_s:.2f} s of masks for "
+                                f"{self.tokens} tokens (at most {MAX_MASK_S * 1e3:g} ms a token)")
+        t0 = time.perf_counter()
+        try:
+            return self._rows(guesses)
+        finally:
+            self.spent_s += time.perf_counter() - t0
+
+    def _rows(self, guesses) -> np.ndarray:
         rows = np.zeros((len(guesses) + 1, self.vocab_size), bool)
         moved = 0
         for i in range(len(guesses) + 1):
@@ -136,7 +157,12 @@ class Matcher:
 
     def accept(self, token: int) -> bool:
         """Advance past a token the engine appended; False if the grammar refuses it."""
-        return self._ll.consume_token(token)
+        t0 = time.perf_counter()
+        try:
+            self.tokens += 1
+            return self._ll.consume_token(token)
+        finally:
+            self.spent_s += time.perf_counter() - t0
 
     @property
     def done(self) -> bool:
@@ -195,6 +221,7 @@ class Grammars:
         probes see what the first two requests would."""
         if template.is_error():
             raise InvalidRequest(f"the {constraint.kind} constraint does not compile: {short_reason(template.get_error())}")
+        fastest = float("inf")
         for _ in range(self.PROBES):
             probe = Matcher(template.deep_copy(), self.vocab_size)
             try:
@@ -202,6 +229,11 @@ class Grammars:
             except GrammarFailed:
                 error = probe._ll.get_error()
                 raise InvalidRequest(f"the {constraint.kind} constraint cannot be built: {short_reason(error)}") from None
+            fastest = min(fastest, probe.spent_s)
+        if fastest > MAX_MASK_S:
+            raise InvalidRequest(f"the {constraint.kind} constraint is too costly to follow: a token's mask takes "
+                                 f"{fastest * 1e3:.0f} ms (at most {MAX_MASK_S * 1e3:g}; large counted repetitions "
+                                 "such as a{100000} do this)")
 
     def forget(self, constraint: Constraint) -> None:
         """Drop a compiled constraint (its grammar failed a request: the next one compiles and probes it anew)."""

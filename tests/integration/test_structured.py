@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from runtime.client import Client
 from runtime.config import CacheConfig, EngineConfig, SchedulerConfig
-from runtime.constraints import Constraint
+from runtime.constraints import Constraint, GrammarFailed
 from runtime.engine import Engine
 from runtime.request import InvalidRequest, SamplingParams
 from runtime.server.structured import ToolCallOutput
@@ -297,3 +297,19 @@ def test_a_named_call_cut_short_is_not_claimed_whole():
     assert out.finish("stop")[1] == "stop"
     assert ToolCallOutput("named", "g").message('{"city": "Paris"}', "stop")[1] == "tool_calls"
     assert ToolCallOutput("named", "g").message('{"city": "Paris"}', "length")[1] == "length"
+
+
+def test_a_constraint_too_costly_to_follow_is_refused_or_ended(target):
+    """Following a grammar runs on the engine thread every stream shares: a 50-character schema whose masks take
+    30 ms a token ran to the end of the context, stalling every stream. Refused when its first mask is that slow;
+    a grammar that turns slow later ends its request once it has spent 0.25 s at over 5 ms a token."""
+    hostile = Constraint.json_schema({"type": "string", "pattern": "^a{100000}$"})
+    with pytest.raises(InvalidRequest, match="too costly to follow: a token's mask takes"):
+        target.add_request("x", SamplingParams(max_tokens=8, constraint=hostile))
+    assert not target.has_work()
+    m = target.grammars.matcher(Constraint("json_object"))
+    m.spent_s, m.tokens = 0.3, 100                       # 3 ms a token: within the budget
+    assert m.allowed().any()
+    m.spent_s, m.tokens = 0.3, 10                        # 30 ms a token past 0.25 s
+    with pytest.raises(GrammarFailed, match="too costly to follow"):
+        m.allowed()
