@@ -226,12 +226,12 @@ class Bridge:
             async for out in inner:
                 generated += len(out.token_ids)
                 yield out
-        except Overloaded:
-            shed = True               # never admitted: its prompt is refunded too
+        except (Overloaded, InvalidRequest):
+            shed = generated == 0     # never ran (shed, or refused by the engine): its prompt and place refunded
             raise
         finally:
             await inner.aclose()      # now, not at garbage collection: closing it aborts an unfinished request
-            self.settle(tenant, params.max_tokens - generated + (len(prompt) if shed else 0), generated)
+            self.settle(tenant, params.max_tokens - generated + (len(prompt) if shed else 0), generated, ran=not shed)
 
     def token_room(self, tenant, prompt_tokens: int) -> int | None:
         """The most new tokens a request of `tenant` with this prompt could ever be admitted with (its
@@ -252,11 +252,12 @@ class Bridge:
                 raise Overloaded(str(e), e.retry_after_s, shed=False) from None
         self.metrics.on_tenant(name, "admitted", prompt_tokens)
 
-    def settle(self, tenant, unused_tokens: int, generated: int) -> None:
-        """An admitted request ended: its tokens counted, its slot and the tokens it did not use given back."""
+    def settle(self, tenant, unused_tokens: int, generated: int, ran: bool = True) -> None:
+        """An admitted request ended: its tokens counted, its slot and the tokens it did not use given back (and
+        its place in requests_per_minute where it never ran)."""
         self.metrics.on_tenant_tokens(tenant.name if tenant is not None else DEFAULT, generated)
         if tenant is not None and self.limits is not None:
-            self.limits.release(tenant, unused_tokens)
+            self.limits.release(tenant, unused_tokens, ran)
 
     async def _stream(self, prompt: list[int], params: SamplingParams, tag: str, priority: int,
                       timeout_s: float | None, arrival: float | None, carrier) -> AsyncIterator[RequestOutput]:

@@ -14,6 +14,7 @@ label metrics: a bounded set, the configured names (callers without a tenant are
 from __future__ import annotations
 
 import json
+import math
 import re
 import threading
 import time
@@ -42,7 +43,8 @@ class Tenant:
             raise ValueError(f"tenant {self.name}: key must be a string of at least 8 characters")
         for field in ("requests_per_minute", "tokens_per_minute", "max_concurrency"):
             value = getattr(self, field)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not 0 < value < math.inf):      # NaN passed `<= 0`
                 raise ValueError(f"tenant {self.name}: {field} must be a positive number")
         if not isinstance(self.priority_floor, int) or not -100 <= self.priority_floor <= 100:
             raise ValueError(f"tenant {self.name}: priority_floor must be an integer in [-100, 100]")
@@ -127,9 +129,12 @@ class TenantLimits:
                     raise RateLimited(f"tenant {name} is over its tokens_per_minute", wait)
             self.running[name] += 1
 
-    def release(self, tenant: Tenant, unused_tokens: int) -> None:
-        """The request ended: its slot back, and the tokens it was charged but did not generate."""
+    def release(self, tenant: Tenant, unused_tokens: int, ran: bool = True) -> None:
+        """The request ended: its slot back, and the tokens it was charged but did not generate; one that never
+        ran (shed, or refused by the engine) gives back its place in requests_per_minute too."""
         with self._lock:
             self.running[tenant.name] -= 1
             if tenant.name in self.tokens and unused_tokens > 0:
                 self.tokens[tenant.name].give(unused_tokens)
+            if not ran and tenant.name in self.requests:
+                self.requests[tenant.name].give(1)

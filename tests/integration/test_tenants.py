@@ -21,11 +21,12 @@ SOLO = Tenant("solo", "key-solo-0001", max_concurrency=1, priority_floor=-5)
 THRIFTY = Tenant("thrifty", "key-thrifty-01", tokens_per_minute=100)
 CALM = Tenant("calm", "key-calm-0001", priority_floor=10)
 FRUGAL = Tenant("frugal", "key-frugal-01", tokens_per_minute=120)
+TIGHT = Tenant("tight", "key-tight-001", requests_per_minute=2, tokens_per_minute=1000)
 
 
 @pytest.fixture(scope="module")
 def server(engine):
-    s = ServerThread(engine("llama"), tenants=(SLOW, SOLO, THRIFTY, CALM, FRUGAL))
+    s = ServerThread(engine("llama"), tenants=(SLOW, SOLO, THRIFTY, CALM, FRUGAL, TIGHT))
     yield s
     s.stop()
 
@@ -100,6 +101,19 @@ def test_token_rate_charges_max_tokens_and_refunds_the_unused(server):
     assert server.metric("quicksilver_tenant_tokens_total", tenant="thrifty", kind="generated") == 2
 
 
+def test_a_request_the_engine_refuses_costs_its_tenant_nothing(server):
+    """The engine's own checks (the context) run after admission: a refused request gave back only its max_tokens,
+    so its prompt and its place in the minute made the tenant's next valid requests 429."""
+    context = server.server.engine.max_model_len
+    refused = post(server, TIGHT.key, prompt=[5] * (context + 50), max_tokens=10)
+    assert refused.status_code == 400 and "context length" in refused.json()["error"]["message"]
+    asked = context - 56                  # over 1,000 less the refused one's context + 60, twice under 1,000
+    assert 1000 - (context + 60) < asked and 2 * asked <= 1000
+    for _ in range(2):               # 2 requests a minute: the second fits only if the refused one was free
+        ok = post(server, TIGHT.key, prompt=[5] * (context // 2), max_tokens=asked - context // 2)
+        assert ok.status_code == 200, ok.text[:200]
+
+
 def test_tenants_file_is_checked(tmp_path):
     good = tmp_path / "t.json"
     good.write_text(json.dumps({"tenants": [{"name": "a", "key": "key-aaaa-01", "requests_per_minute": 60}]}))
@@ -107,6 +121,10 @@ def test_tenants_file_is_checked(tmp_path):
     for bad, needle in [({"tenants": [{"name": "a", "key": "short"}]}, "at least 8"),
                         ({"tenants": [{"name": "default", "key": "key-aaaa-01"}]}, "not 'default'"),
                         ({"tenants": [{"name": "a", "key": "key-aaaa-01", "max_concurrency": 0}]}, "positive"),
+                        ({"tenants": [{"name": "a", "key": "key-aaaa-01", "tokens_per_minute": float("nan")}]},
+                         "positive"),
+                        ({"tenants": [{"name": "a", "key": "key-aaaa-01", "requests_per_minute": float("inf")}]},
+                         "positive"),
                         ({"tenants": [{"name": "a", "key": "key-aaaa-01"}, {"name": "b", "key": "key-aaaa-01"}]},
                          "share a key"),
                         ({"tenants": [{"name": "a", "key": "key-aaaa-01", "rpm": 3}]}, "unexpected keyword")]:
