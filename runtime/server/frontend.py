@@ -42,7 +42,7 @@ class Frontend:
         route: Route = self.router.auto(prompt_len(counted), max_tokens)
         return route.bridge, route, counted
 
-    async def first_output(self, bridge: Bridge, route: Route | None, prompt_tokens: int,
+    async def first_output(self, bridge: Bridge, route: Route | None, prompt_tokens: int, max_tokens: int | None,
                            open_stream: Callable[[Bridge], object], on_fallback: Callable[[Bridge], Awaitable]):
         """(bridge, route, stream, its first output): admission and shedding happen at the first output. When an
         auto-routed model sheds the request (its queue filled after routing), the route's fallback takes it:
@@ -51,7 +51,7 @@ class Frontend:
         try:
             return bridge, route, stream, await _first(stream)
         except Overloaded as e:
-            fallback = route and e.shed and self.router.fallback_after(bridge, prompt_tokens)
+            fallback = route and e.shed and self.router.fallback_after(bridge, prompt_tokens, max_tokens)
             if not fallback:
                 raise
         await on_fallback(fallback.bridge)

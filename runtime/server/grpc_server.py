@@ -157,7 +157,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             if query is not None:                              # its answer will be this model's
                 query.namespace = (query.namespace[0], bridge.model_name)
 
-        b, route, stream, out = await self.frontend.first_output(b, route, prompt_tokens, open_stream, on_fallback)
+        b, route, stream, out = await self.frontend.first_output(b, route, prompt_tokens, params.max_tokens,
+                                                                 open_stream, on_fallback)
         keep, texts, ids = self.frontend.keeper(query), [], []
         try:
             if route is not None or cache_headers:          # after admission: the model that took it

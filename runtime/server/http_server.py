@@ -226,9 +226,10 @@ class HttpApi:
 
             def prepare(b):
                 return self._prepare(b, body, chat, tools, asked, tenant)
+            limit = None if chat_default else asked.max_tokens
             bridge, route, counted = await self.frontend.choose(
                 body.get("model"), chat or isinstance(_prompt(body.get("prompt")), str), prepare,
-                lambda c: len(c[0]), None if chat_default else asked.max_tokens)
+                lambda c: len(c[0]), limit)
             prompt, echo, params = counted if bridge is self.router.primary and counted else await prepare(bridge)
             priority = bridge.default_priority(body.get("priority"), floor)   # lower is more urgent, as vLLM's
             bridge.check_choices(n, tenant)
@@ -243,7 +244,7 @@ class HttpApi:
                 return self._cached(shape, hit, len(prompt), stream, include_usage,
                                     {**(route.headers if route else {}), **cache_headers})
             choices = _Choices(streams, bridge, prompt, params, n, rid, priority, timeout, floor, tenant, request)
-            firsts = await _unless_hung_up(request, choices.open(self.frontend, route, prepare, query))
+            firsts = await _unless_hung_up(request, choices.open(self.frontend, route, prepare, query, limit))
             if firsts is None:
                 await _close(streams)
                 return Response(status_code=499)
@@ -480,8 +481,9 @@ class _Choices:
         self.streams.append(self._stream(i))
         return self.streams[-1].__anext__()    # surfaces validation, shedding and deadline errors as statuses
 
-    async def open(self, frontend: Frontend, route, prepare, query) -> list:
-        """The first output of every choice; `prepare(bridge)` → (prompt, echo, params) for a fallback model."""
+    async def open(self, frontend: Frontend, route, prepare, query, max_tokens: int | None) -> list:
+        """The first output of every choice; `prepare(bridge)` → (prompt, echo, params) for a fallback model;
+        `max_tokens` as routing reads it (None: the chat default, the rest of each model's context)."""
         async def on_fallback(bridge):
             self.bridge = bridge
             if query is not None:            # its answer will be this model's
@@ -489,7 +491,7 @@ class _Choices:
             self.prompt, self.echo, self.params = await prepare(bridge)
 
         self.bridge, self.route, first_stream, first = await frontend.first_output(
-            self.bridge, route, len(self.prompt), lambda bridge: self._stream(0), on_fallback)
+            self.bridge, route, len(self.prompt), max_tokens, lambda bridge: self._stream(0), on_fallback)
         self.streams.append(first_stream)
         rest = await asyncio.gather(*(self._open(i) for i in range(1, self.n)), return_exceptions=True)
         for r in rest:                       # all settled first: a stream cannot be closed while it is awaited

@@ -143,22 +143,23 @@ class Router:
         why = (f"auto: rule {self.policy.rules.index(rule)}" if rule else "auto: default model")
         if not self._saturated(chosen):
             return Route(chosen, why)
-        for candidate in self._chain(chosen, prompt_tokens):
+        for candidate in self._chain(chosen, prompt_tokens, max_tokens):
             if not self._saturated(candidate):
                 return Route(candidate, f"fallback: {chosen.model_name} saturated ({chosen.waiting} waiting)")
         return Route(chosen, why)         # nowhere better: the chosen model queues or sheds as usual
 
-    def fallback_after(self, bridge: Bridge, prompt_tokens: int) -> Route | None:
+    def fallback_after(self, bridge: Bridge, prompt_tokens: int, max_tokens: int | None) -> Route | None:
         """Where an auto request goes if `bridge` shed it anyway (it filled between the check and admission)."""
-        candidate = next(self._chain(bridge, prompt_tokens), None)
+        candidate = next(self._chain(bridge, prompt_tokens, max_tokens), None)
         return Route(candidate, f"fallback: {bridge.model_name} shed the request") if candidate else None
 
-    def _chain(self, bridge: Bridge, prompt_tokens: int):
-        """The models `bridge` falls back to, in order, that can hold the prompt."""
+    def _chain(self, bridge: Bridge, prompt_tokens: int, max_tokens: int | None):
+        """The models `bridge` falls back to, in order, that can hold the request: the prompt and its max_tokens
+        (None: the rest of the context, whatever the model's), where the model would refuse it otherwise."""
         m = bridge.model_name
         while m in self.policy.fallback:
             m = self.policy.fallback[m]
-            if prompt_tokens < self.bridges[m].max_model_len:
+            if prompt_tokens + (max_tokens or 1) <= self.bridges[m].max_model_len:
                 yield self.bridges[m]
 
     def _saturated(self, bridge: Bridge) -> bool:

@@ -230,7 +230,8 @@ def test_auto_picks_the_first_rule_that_holds_and_leaves_a_saturated_model_when_
     while m in policy.fallback:
         m = policy.fallback[m]
         chain.append(router.bridges[m])
-    room = [c for c in chain if not full(c) and prompt_tokens < c.max_model_len]
+    fits = lambda m: prompt_tokens + (max_tokens or 1) <= m.max_model_len        # noqa: E731  (else a 400 there)
+    room = [c for c in chain if not full(c) and fits(c)]
     if not full(chosen) or not room:
         assert route.bridge is chosen and route.reason.startswith("auto:")
     else:
