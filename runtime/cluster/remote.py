@@ -30,7 +30,7 @@ import grpc
 import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
-from ray.serve.exceptions import BackPressureError
+from ray.serve.exceptions import BackPressureError, RequestCancelledError
 from tokenizers import Tokenizer
 
 import artifact
@@ -38,6 +38,7 @@ from ..config import ClusterConfig, EngineConfig
 from ..constraints import Grammars
 from ..engine import EngineOverloaded
 from ..engine_client import EngineInfo
+from ..outputs import RequestOutput
 from ..request import InvalidRequest
 from ..server.bridge import Failed, ReplicaLost
 from .replica import PUBLISH_S, EngineReplica, MetricsBoard
@@ -100,7 +101,7 @@ class Cluster:
 
     def published(self, app: str) -> dict[str, tuple[bytes, int]]:
         """replica → (metrics exposition, requests waiting), as the app's replicas last published them."""
-        return ray.get(self.board.get.remote(app))
+        return ray.get(self.board.get.remote(app), timeout=PUBLISH_S)     # asked on the event loop: bounded
 
     def shutdown(self) -> None:
         try:
@@ -115,8 +116,11 @@ class Cluster:
 
 
 class _Waiting:
-    """scheduler.num_waiting for the routing between models: the replicas' queues as last published (read at most
-    every PUBLISH_S: it is asked on the event loop)."""
+    """scheduler.num_waiting for the routing between models: the least-loaded replica's queue as last published
+    (read at most every PUBLISH_S: it is asked on the event loop). The least, not the sum: Serve sends a request
+    to a replica with room, so the model is saturated (against one replica's max_waiting) only when every replica
+    is; the sum read two half-full replicas as full. Where the board cannot be read (its actor died) the last
+    value stands, and routing goes on."""
 
     def __init__(self, cluster: Cluster, app: str):
         self.cluster, self.app = cluster, app
@@ -125,8 +129,12 @@ class _Waiting:
     @property
     def num_waiting(self) -> int:
         if time.monotonic() - self._at > PUBLISH_S:
-            self._value = sum(waiting for _, waiting in self.cluster.published(self.app).values())
             self._at = time.monotonic()
+            try:
+                self._value = min((waiting for _, waiting in self.cluster.published(self.app).values()), default=0)
+            except Exception as e:     # noqa: BLE001  (a dead board must not fail every auto-routed request)
+                log.warning("model %s: the replicas' queues could not be read (%s); routing on the last reading",
+                            self.app, type(e).__name__)
         return self._value
 
 
@@ -232,6 +240,11 @@ class RemoteAsyncEngine:
                 if finished:
                     return
             raise _Lost("the replica ended the stream early")
+        except (RequestCancelledError, ray.exceptions.TaskCancelledError) as e:
+            if request_id not in self._aborted:
+                raise _Lost(f"the replica's stream was cancelled ({type(e).__name__})") from None
+            finished = True           # abort() cancelled it (a hang-up, a deadline, shutdown): it ends as the
+            yield RequestOutput(request_id, [], "", finished=True, finish_reason="abort")     # local engine's does
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
             raise _Lost(f"the replica serving this request stopped ({type(e).__name__})", e.actor_id) from None
         except grpc.aio.AioRpcError as e:     # the transport broke (a replica's errors come as values, below)
@@ -246,8 +259,13 @@ class RemoteAsyncEngine:
                 response.cancel()
 
     def replica_metrics(self) -> dict[str, bytes]:
-        """replica → its engine metrics (Prometheus text), for /metrics."""
-        return {r: text for r, (text, _) in self.cluster.published(self.app).items()}
+        """replica → its engine metrics (Prometheus text), for /metrics; none where the board cannot be read."""
+        try:
+            published = self.cluster.published(self.app)
+        except Exception as e:     # noqa: BLE001  (the ingress's own metrics still answer)
+            log.warning("model %s: the replicas' metrics could not be read (%s)", self.app, type(e).__name__)
+            return {}
+        return {r: text for r, (text, _) in published.items()}
 
     def abort(self, request_id: str) -> None:
         if request_id not in self._streams:

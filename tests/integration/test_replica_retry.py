@@ -120,6 +120,48 @@ def test_an_aborted_request_is_not_resubmitted():
     assert len(engine._handle.calls) == 1 and not engine._streams and not engine._aborted
 
 
+def test_an_aborted_stream_ends_with_an_abort_not_an_error():
+    """abort() cancels the replica's stream (a hang-up, a deadline, the server stopping) and Serve raises its
+    cancellation: the request ends as the local engine's does, with finish_reason "abort" (it cut SSE streams and
+    made whole responses 500s at shutdown). A cancellation nobody asked for is a lost replica."""
+    from ray.serve.exceptions import RequestCancelledError
+
+    engine = remote(Handle())
+    engine._handle.responses = [Script([7], RequestCancelledError("req-1"), on_start=lambda: engine.abort("req-1"))]
+
+    async def go():
+        return [o async for o in engine.generate([1, 2, 3, 4, 5], None, "req-1")]
+    outs = asyncio.run(go())
+    assert [o.token_ids for o in outs] == [[7], []] and (outs[-1].finished, outs[-1].finish_reason) == (True, "abort")
+    assert not engine._streams and not engine._aborted
+    handle = Handle(Script([], RequestCancelledError("req-1")), Script([4]))
+    assert run(remote(handle)) == [4] and len(handle.calls) == 2      # before any output: resubmitted
+
+
+def test_routing_reads_the_least_loaded_replica_and_survives_a_dead_board(monkeypatch):
+    """A model on replicas is saturated only when every replica's queue is (the sum read two half-full replicas
+    as full, and auto sent their requests to the fallback model); a board that cannot be read (its actor died)
+    leaves the last reading, where every auto-routed request and /metrics answered 500."""
+    from runtime.cluster import remote as remote_module
+
+    readings = [{"a": (b"", 4), "b": (b"", 4)}, {"a": (b"", 8), "b": (b"", 6)}, ray.exceptions.ActorDiedError()]
+
+    def published(app):
+        reading = readings.pop(0)
+        if isinstance(reading, BaseException):
+            raise reading
+        return reading
+    monkeypatch.setattr(remote_module, "PUBLISH_S", 0.0)
+    waiting = remote_module._Waiting(SimpleNamespace(published=published), "app")
+    assert waiting.num_waiting == 4          # 4 and 4 of 8 places each: room
+    assert waiting.num_waiting == 6
+    assert waiting.num_waiting == 6          # the board died: the last reading
+    engine = RemoteAsyncEngine(SimpleNamespace(block_size=4), waiting=None, app="test",
+                               cluster=SimpleNamespace(published=lambda app: (_ for _ in ()).throw(
+                                   ray.exceptions.ActorDiedError())))
+    assert engine.replica_metrics() == {}
+
+
 def test_the_replica_to_avoid_is_ranked_last():
     a, b, c = (SimpleNamespace(actor_id=ray.ActorID.from_random()) for _ in range(3))
     ranks = [[a], [b, c]]
