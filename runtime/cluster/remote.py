@@ -172,7 +172,8 @@ class RemoteAsyncEngine:
 
     @property
     def num_waiting(self) -> int:
-        """Requests queued on all replicas, as they last published it."""
+        """Requests queued on the least-loaded replica, as they last published it (what routing compares with
+        one replica's max_waiting: _Waiting)."""
         return self._waiting.num_waiting
 
     def _stream_handle(self):
