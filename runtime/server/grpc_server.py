@@ -180,9 +180,20 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             await stream.aclose()
 
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
+        """The first model's token ids of a text; a request of its caller's tenant (its requests_per_minute and
+        max_concurrency hold: a megabyte of text is a tenth of a second of a core)."""
         if isinstance(request, Malformed):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, brief(f"malformed request: {request.error}"))
-        return pb.TokenizeResponse(token_ids=await self.router.primary.encode(request.text))
+        b = self.router.primary
+        try:
+            tenant = identify(authorization_values(context.invocation_metadata() or ()), b.config).tenant
+            b.admit(tenant, 0, 0)
+        except errors.HANDLED as e:
+            await _abort(context, e, b)
+        try:
+            return pb.TokenizeResponse(token_ids=await b.encode(request.text))
+        finally:
+            b.settle(tenant, 0, 0)
 
     async def ModelInfo(self, request, context) -> pb.ModelInfoResponse:
         """The first model's, or the one `model` names."""

@@ -22,11 +22,12 @@ THRIFTY = Tenant("thrifty", "key-thrifty-01", tokens_per_minute=100)
 CALM = Tenant("calm", "key-calm-0001", priority_floor=10)
 FRUGAL = Tenant("frugal", "key-frugal-01", tokens_per_minute=120)
 TIGHT = Tenant("tight", "key-tight-001", requests_per_minute=2, tokens_per_minute=1000)
+COUNTER = Tenant("counter", "key-counter-01", requests_per_minute=2)
 
 
 @pytest.fixture(scope="module")
 def server(engine):
-    s = ServerThread(engine("llama"), tenants=(SLOW, SOLO, THRIFTY, CALM, FRUGAL, TIGHT))
+    s = ServerThread(engine("llama"), tenants=(SLOW, SOLO, THRIFTY, CALM, FRUGAL, TIGHT, COUNTER))
     yield s
     s.stop()
 
@@ -112,6 +113,19 @@ def test_a_request_the_engine_refuses_costs_its_tenant_nothing(server):
     for _ in range(2):               # 2 requests a minute: the second fits only if the refused one was free
         ok = post(server, TIGHT.key, prompt=[5] * (context // 2), max_tokens=asked - context // 2)
         assert ok.status_code == 200, ok.text[:200]
+
+
+def test_tokenize_counts_against_its_callers_requests(server):
+    """Tokenize is a request of its caller (a megabyte of text is a tenth of a second of a core): a tenant past
+    its requests_per_minute is refused there too, with the same status as a generation."""
+    with Client(server.grpc_target, COUNTER.key) as c:
+        assert c.tokenize("def f():") == c.tokenize("def f():")           # 2 a minute
+        with pytest.raises(grpc.RpcError) as e:
+            c.tokenize("def f():")
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "requests_per_minute" in e.value.details()
+    with Client(server.grpc_target, "key-nobody-01") as c, pytest.raises(grpc.RpcError) as e:
+        c.tokenize("x")
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
 def test_tenants_file_is_checked(tmp_path):
