@@ -258,6 +258,32 @@ def test_preemption_and_resume(engine):
     assert_no_leaks(eng)
 
 
+def test_a_preempted_request_aborted_while_it_waits_leaves_the_engine_serving(engine, monkeypatch):
+    """A preempted request's retained slot copies its blocks to the prefix cache a few at a time (deferred);
+    the deferred copies kept the live request, which preemption zeroes and requeues: aborting it while it waited
+    dropped the block list the next flush read, and every later step raised (KeyError). The copies now keep what
+    they need, and the prefix they cache is the one the request had computed."""
+    from runtime.backends.cpu.kv import KVCacheManager
+
+    monkeypatch.setattr(KVCacheManager, "FLUSH_BYTES", 1)             # one block a flush: deferral at once
+    eng = make(engine("llama"), max_num_seqs=2, token_budget=512, prefill_chunk=256)
+    first, victim_prompt, urgent_prompt = (p * 4 for p in prompts(3, seed=21))
+    hold = SamplingParams(max_tokens=30, ignore_eos=True)
+    eng.add_request(first, hold, priority=0)
+    victim = eng.add_request(victim_prompt, hold, priority=1)
+    eng.step()
+    eng.add_request(urgent_prompt, SamplingParams(max_tokens=4, ignore_eos=True), priority=0)
+    eng.step()                                                         # the urgent request takes the victim's slot
+    assert eng.stats.preemptions == 1 and eng.kv._deferred
+    eng.abort(victim.request_id)
+    while eng.has_work():
+        eng.step()
+    assert_no_leaks(eng)
+    alone = run_all(make(engine("llama"), max_num_seqs=2), [(victim_prompt, hold)])[0]
+    served = run_all(eng, [(victim_prompt, hold)])[0]                  # still serving, as a fresh engine does
+    assert served["token_ids"] == alone["token_ids"] and served["usage"].cached_tokens > 0
+
+
 def test_random_submit_abort_leaves_nothing(engine):
     eng = make(engine("llama"), max_num_seqs=6, prefill_chunk=16, token_budget=40)
     rng = random.Random(0)

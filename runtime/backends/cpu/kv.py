@@ -22,6 +22,21 @@ from .slots import SlotPool
 from ...kv.layout import CacheStats, KVLayout
 
 
+class _Finished:
+    """What a retained slot still has to copy into the prefix cache, apart from the request that left it: its
+    tokens and computed counts as they were, and its block references under a key of its own. (The live request
+    was kept here before: a preempted one is zeroed and requeued, and freeing it again while it waited dropped the
+    block list the next flush read — a KeyError in every later step.)"""
+
+    def __init__(self, req: Request, slot: int):
+        self.request_id = f"{req.request_id}@{slot}"
+        self.all_ids = req.all_ids
+        self.num_computed, self.num_computed_draft = req.num_computed, req.num_computed_draft
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        return self.all_ids[start:end]
+
+
 class KVCacheManager:
     min_chunk = 2                 # GroupQueryAttention's one-row kernel rounds apart: see scheduler.prompt_chunk
     # Bytes copied into the prefix cache per step at most: a burst of prompts computed in one step completes ~170
@@ -58,7 +73,7 @@ class KVCacheManager:
         self._pending: dict[str, Request] = {}              # with completed blocks not yet in the prefix cache
         # retained slot → its finished request, whose completed blocks are still being copied into the prefix cache
         # from the slot (free); done before anything writes, moves or releases that slot (_finish_deferred)
-        self._deferred: dict[int, Request] = {}
+        self._deferred: dict[int, _Finished] = {}
         self._flush_blocks = max(1, self.FLUSH_BYTES // (block_size * sum(m.token_bytes for m in layouts)))
         self.max_retained = retained_slots
         # free slot → (token ids its target KV holds, how many of them the draft's KV holds), LRU first
@@ -405,8 +420,11 @@ class KVCacheManager:
         slot, req.slot = req.slot, None
         done = req.num_computed
         if retain:
-            if deferred:
-                self._deferred[slot] = req
+            if deferred:                            # its references move to the entry: the request may come back
+                entry = self._deferred[slot] = _Finished(req, slot)
+                self._held[entry.request_id] = self._held.pop(req.request_id)
+                self._held_draft[entry.request_id] = self._held_draft.pop(req.request_id)
+                self._keys[entry.request_id] = self._keys.pop(req.request_id, [])
             self._retained[slot] = (np.asarray(req.tokens(0, done)), min(done, req.num_computed_draft))
             while len(self._retained) > self.max_retained:
                 self._evict(next(iter(self._retained)))
