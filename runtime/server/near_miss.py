@@ -1,11 +1,13 @@
 """Near misses: two questions that read alike but ask different things, recognised without a model.
 
 The semantic cache never answers one question with another's answer when:
-- **literals** differ: numbers (digits or number words), `code`, code-like words (`--hard`, `x[::-1]`, `a==b`) or
-  quoted text ("the first 10 primes" / "the first 20 primes", `chmod 755` / `chmod 644`);
+- **literals** differ: numbers (digits or number words), operators (signs or words: "12 / 4" / "12 - 4", "minus"),
+  `code`, code-like words (`--hard`, `x[::-1]`, `a==b`) or quoted text ("the first 10 primes" / "the first 20
+  primes", `chmod 755` / `chmod 644`);
 - **negation** differs: one says not / no / never / cannot / -n't as often as the other does not;
 - **direction** is swapped around to / into / than / from / vs ("Celsius to Fahrenheit" / "Fahrenheit to
-  Celsius", "Is Python faster than Java" / "Is Java faster than Python");
+  Celsius", "Is Python faster than Java" / "Is Java faster than Python"), or reversed between to and from
+  ("Celsius to Fahrenheit" / "Celsius from Fahrenheit");
 - **substitution**: both have the same words but one or two, in the same places ("sort ascending" / "sort
   descending", "the capital of France" / "of Spain", "pâte" / "pate"): a paraphrase rewords, a near miss swaps a
   slot;
@@ -50,7 +52,7 @@ _MODIFIERS = frozenset(
     "table json yaml csv xml markdown html list code example examples step steps "
     "uppercase lowercase formal informal funny poem rhyme rhyming haiku child kid kids beginner expert "
     "only except excluding exclude including include without every all each first last more less most least "
-    "best worst top bottom minimum maximum min max average total per recent latest current".split())
+    "worst top bottom minimum maximum min max average total per recent latest current".split())
 _FILLER = frozenset("a an the of in on for with and or by at as about how do does did i you we my your me can "
                     "could would should is are was were be been being what which who whom whose when where why way "
                     "ways best easiest it its this that these those there please give tell show explain describe "
@@ -58,7 +60,8 @@ _FILLER = frozenset("a an the of in on for with and or by at as about how do doe
 
 
 def reason(a: str, b: str) -> str | None:
-    """Why `a` and `b` are a near miss ("literals", "negation", "direction", "substitution"), or None."""
+    """Why `a` and `b` are a near miss ("literals", "negation", "direction", "substitution", "qualifier", "case",
+    "layout"), or None."""
     if not same_literals(a, b):
         return "literals"
     wa, wb = _words(a), _words(b)
