@@ -33,6 +33,15 @@ log = logging.getLogger("quicksilver.server")
 # a line per finished, failed, refused or aborted request (runtime serve --disable-log-requests silences it)
 request_log = logging.getLogger("quicksilver.server.requests")
 MAX_TAG = 256             # longest client-chosen request id (echoed in every message)
+
+
+def check_tag(tag: str) -> None:
+    """A client-chosen request id: at most MAX_TAG characters, printable (it is logged: a line break in it forged
+    request-log lines)."""
+    if len(tag) > MAX_TAG:
+        raise InvalidRequest(f"request_id is {len(tag)} characters; at most {MAX_TAG}")
+    if not tag.isprintable():
+        raise InvalidRequest("request_id must be printable text (no control characters or line breaks)")
 INLINE_CHARS = 512        # most characters tokenized on the event loop (~0.2 ms with the bundled tokenizer)
 INLINE_TEXT_CHARS = 1 << 16   # longest prompt tokenized there at all (reusing its ids is linear in its length)
 MAX_ERROR_BYTES = 1024    # longest error message (UTF-8) a client gets: gRPC sends it as metadata (8 KB by default)
@@ -210,8 +219,7 @@ class Bridge:
         `priority_floor`, `tenant`: the caller's (auth.identify), whose limits the request counts against."""
         if self.draining:
             raise Draining("the server is shutting down")
-        if len(tag) > MAX_TAG:
-            raise InvalidRequest(f"request_id is {len(tag)} characters; at most {MAX_TAG}")
+        check_tag(tag)
         self.check_priority(priority, priority_floor)
         if isinstance(prompt, str):   # here, not on the engine thread, where encode would hold the GIL
             prompt = await self.encode(prompt)

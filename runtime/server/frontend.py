@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 from ..async_engine import Arrivals
 from ..request import InvalidRequest, SamplingParams
 from . import semantic_cache
-from .bridge import MAX_TAG, Bridge, Draining, Overloaded
+from .bridge import Bridge, Draining, Overloaded, check_tag
 from .router import Route, Router
 
 log = logging.getLogger("quicksilver.server")
@@ -71,8 +71,7 @@ class Frontend:
             return None, {CACHE_HEADER: "bypass"}
         if bridge.draining:
             raise Draining("the server is shutting down")
-        if len(tag) > MAX_TAG:
-            raise InvalidRequest(f"request_id is {len(tag)} characters; at most {MAX_TAG}")
+        check_tag(tag)
         bridge.check_priority(priority, floor)
         bridge.check_limits(prompt, params)
         t0 = time.perf_counter()

@@ -712,6 +712,13 @@ def test_request_ids_are_tags_not_engine_ids(server):
     with Client(server.grpc_target) as c, pytest.raises(grpc.RpcError) as err:
         list(c.generate(PROMPT, max_tokens=2, request_id="x" * 257))
     assert err.value.details() == "request_id is 257 characters; at most 256"
+    forged = "x)\nINFO quicksilver.server.requests: req-0000 (admin) prompt=1 finish=stop"   # a line in the log
+    for tag in (forged, "a\rb", "tab\there", "line\u2028sep"):
+        with Client(server.grpc_target) as c, pytest.raises(grpc.RpcError) as err:
+            list(c.generate(PROMPT, max_tokens=2, request_id=tag))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "printable" in err.value.details(), tag
+    with Client(server.grpc_target) as c:                   # ids as clients make them still run
+        assert list(c.generate(PROMPT, max_tokens=1, request_id="3f2b9c1e-7a4d-4e2b-9c1e-7a4d4e2b9c1e éè"))
 
 
 def random_words(seed: int, n: int) -> str:
