@@ -40,7 +40,7 @@ def load_chat_template(engine_dir: Path, max_messages: int = 256, template_file:
             raise InvalidRequest("messages must be a non-empty list")
         if len(messages) > max_messages:
             raise InvalidRequest(f"at most {max_messages} messages")
-        messages = [_message(m) for m in messages]
+        messages = [_message(m, templated=compiled is not None) for m in messages]
         if compiled is not None:
             from jinja2 import TemplateError
 
@@ -70,18 +70,22 @@ def _tool_preamble(tools: list | None) -> str:
             f'<tool_call>{{"name": <name>, "arguments": <arguments object>}}</tool_call>\n')
 
 
-def _message(m) -> dict:
+def _message(m, templated: bool) -> dict:
     """One message with string content; OpenAI's list-of-parts content is accepted when every part is text. An
-    assistant message that called tools (content null) reads as its calls in the Hermes convention."""
+    assistant message's tool calls go to a template as they are (it renders `tool_calls`); in the plain
+    transcript they follow its content in the Hermes convention (content null or "": clients send either)."""
     if not isinstance(m, dict) or m.get("role") not in ROLES:
         raise InvalidRequest(f"each message needs a role ({', '.join(ROLES)}) and content")
     content = m.get("content")
     calls = m.get("tool_calls")
-    if m["role"] == "assistant" and calls and content is None:
+    if m["role"] == "assistant" and calls:
         if not isinstance(calls, list) or not all(isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls):
             raise InvalidRequest("tool_calls must be a list of {\"function\": {\"name\", \"arguments\"}} objects")
-        content = "".join(f'<tool_call>{{"name": {json.dumps(c["function"].get("name"))}, "arguments": '
-                          f'{c["function"].get("arguments") or "{}"}}}</tool_call>' for c in calls)
+        if content is None:
+            content = ""
+        if not templated and isinstance(content, str):
+            content += "".join(f'<tool_call>{{"name": {json.dumps(c["function"].get("name"))}, "arguments": '
+                               f'{c["function"].get("arguments") or "{}"}}}</tool_call>' for c in calls)
     if isinstance(content, list):
         if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
             raise InvalidRequest("message content parts must all be text (this model reads text only)")

@@ -43,3 +43,23 @@ def test_plain_transcript_without_a_template(tmp_path):
 def test_bad_messages(tmp_path, messages, needle):
     with pytest.raises(InvalidRequest, match=needle):
         load_chat_template(tmp_path)(messages)
+
+
+CALLS = [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]
+CALLING_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% for c in m.get('tool_calls') or [] %}"
+                    "<call>{{ c['function']['name'] }}</call>{% endfor %}{% endfor %}"
+                    "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+@pytest.mark.parametrize("content", [None, ""])
+def test_an_assistants_tool_calls_appear_once(tmp_path, content):
+    """A template renders tool_calls itself: they were also written into the content (twice in the prompt); the
+    plain transcript dropped them when the content was "" (what many clients send) rather than null."""
+    turns = [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": content, "tool_calls": CALLS},
+             {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    plain = load_chat_template(tmp_path)(turns)
+    assert plain == ('user: weather?\nassistant: <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}'
+                     '</tool_call>\ntool: sunny\nassistant:')
+    (tmp_path / "t.jinja").write_text(CALLING_TEMPLATE)
+    templated = load_chat_template(tmp_path, template_file=tmp_path / "t.jinja")(turns)
+    assert templated == "<|user|>weather?<|assistant|><call>get_weather</call><|tool|>sunny<|assistant|>"
