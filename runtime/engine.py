@@ -52,7 +52,8 @@ class _Stream:
     stops: StopStringFilter
     new_ids: list[int] = field(default_factory=list)
     new_logprobs: list[dict] = field(default_factory=list)
-    chars: int = 0                  # characters of text reported so far (a token's text_offset)
+    decoded: int = 0                # characters the detokenizer has produced, some maybe held by the stop filter:
+                                    # a token's text_offset (counting reported text put later tokens too early)
 
 
 @dataclass
@@ -266,12 +267,14 @@ class Engine:
             stream.new_ids.append(result.token)
             if p.logprobs is not None:
                 stream.new_logprobs.append({"token": result.token, "logprob": result.logprob, "top": result.top_logprobs,
-                                            "text_offset": stream.chars + len(text)})
+                                            "text_offset": stream.decoded})
             reason, hit = None, False
             if (result.token in self.eos_ids and not p.ignore_eos) or result.token in p.stop_token_ids:
                 reason = "stop"
             else:
-                delta, hit = stream.stops.feed(stream.detok.push(result.token))
+                decoded = stream.detok.push(result.token)
+                stream.decoded += len(decoded)
+                delta, hit = stream.stops.feed(decoded)
                 text += delta
                 if hit:
                     reason = "stop"
@@ -293,7 +296,6 @@ class Engine:
         stream = self._streams[req.request_id]
         out = RequestOutput(req.request_id, stream.new_ids, text, stream.new_logprobs or None)
         stream.new_ids, stream.new_logprobs = [], []
-        stream.chars += len(text)
         return out
 
     def _finish(self, req: Request, reason: str, text: str = "", stop_string_hit: bool = False) -> RequestOutput:

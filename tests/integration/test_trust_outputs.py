@@ -192,3 +192,18 @@ def test_streamed_logprobs_have_one_entry_per_token(server, chat):
     offsets = [o for lp in streamed for o in lp["text_offset"]]
     assert offsets == want["text_offset"]
     assert offsets == sorted(offsets) and offsets[0] == 0 and offsets[-1] <= len(text) == len(whole["choices"][0]["text"])
+
+
+def test_text_offsets_do_not_move_when_a_stop_string_holds_text(server):
+    """A stop string that might begin where the text stands holds that text back until it cannot; the offsets
+    counted only reported text, so the tokens after a held one got offsets too early (0, 0, 5 … for 0, 2, 5 …)."""
+    body = {"prompt": "x = ", "max_tokens": 8, "temperature": 0, "logprobs": 0}
+    plain = httpx.post(f"{server.http_url}/v1/completions", json=body, timeout=60).json()["choices"][0]
+    assert len(plain["text"]) >= 3
+    stop = plain["text"][:3] + "\u2603never"                         # matches the text's start, then never
+    held = httpx.post(f"{server.http_url}/v1/completions", json={**body, "stop": [stop]}, timeout=60).json()
+    held = held["choices"][0]
+    assert held["text"] == plain["text"]
+    assert held["logprobs"]["text_offset"] == plain["logprobs"]["text_offset"]
+    offsets = plain["logprobs"]["text_offset"]
+    assert offsets == sorted(offsets) and offsets[-1] < len(plain["text"])
