@@ -183,6 +183,7 @@ class Grammars:
         self._tokenizer_json, self.vocab_size, self.eos_ids = tokenizer_json, vocab_size, sorted(eos_ids)
         self._tokenizer = None
         self._compiled: OrderedDict[Constraint, object] = OrderedDict()
+        self._pinned: dict[Constraint, list] = {}   # constraint → [template, requests holding it]
         self._lock = threading.Lock()        # servers compile on a worker thread, the engine thread reads the cache
         self.compiles = 0
 
@@ -203,6 +204,8 @@ class Grammars:
             if template is not None:
                 self._compiled.move_to_end(constraint)
                 return template
+            if constraint in self._pinned:
+                return self._pinned[constraint][0]
         template = LLMatcher(self.tokenizer, constraint.grammar(), log_level=0)
         self._probe(constraint, template)
         with self._lock:
@@ -235,10 +238,28 @@ class Grammars:
                                  f"{fastest * 1e3:.0f} ms (at most {MAX_MASK_S * 1e3:g}; large counted repetitions "
                                  "such as a{100000} do this)")
 
+    def pin(self, constraint: Constraint) -> None:
+        """Compile `constraint` and keep it until `unpin`, whatever the cache evicts meanwhile: a server compiles
+        a request's constraint off the engine thread and pins it until the engine has the request (with more
+        distinct constraints in flight than the cache holds, the engine thread compiled evicted ones itself, a
+        stall of every stream for up to half a second each)."""
+        template = self.compile(constraint)
+        with self._lock:
+            self._pinned.setdefault(constraint, [template, 0])[1] += 1
+
+    def unpin(self, constraint: Constraint) -> None:
+        with self._lock:
+            entry = self._pinned.get(constraint)
+            if entry is not None:
+                entry[1] -= 1
+                if entry[1] <= 0:
+                    del self._pinned[constraint]
+
     def forget(self, constraint: Constraint) -> None:
         """Drop a compiled constraint (its grammar failed a request: the next one compiles and probes it anew)."""
         with self._lock:
             self._compiled.pop(constraint, None)
+            self._pinned.pop(constraint, None)
 
     def matcher(self, constraint: Constraint) -> Matcher:
         """A fresh matcher at the start of `constraint`'s grammar (a copy of the compiled one)."""

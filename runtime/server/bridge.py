@@ -175,11 +175,12 @@ class Bridge:
                                  f"(max_concurrency {limit}); ask for at most {limit}")
 
     def _compile(self, constraint) -> None:
-        """Compile a request's constraint (in a worker thread: cached, but a first compile takes milliseconds)."""
+        """Compile a request's constraint (in a worker thread: cached, but a first compile takes milliseconds)
+        and pin it until the engine has the request (the caller unpins)."""
         if constraint.kind == "json_schema":
             load_json(constraint.spec, "json_schema")
         try:
-            self.aengine.grammars.compile(constraint)
+            self.aengine.grammars.pin(constraint)
         except RecursionError:
             raise InvalidRequest(f"the {constraint.kind} constraint is nested too deeply to compile") from None
 
@@ -226,20 +227,25 @@ class Bridge:
         self.check_limits(prompt, params)
         if params.constraint is not None:   # compiled here (cached), not on the engine thread where it would stall steps
             await asyncio.to_thread(self._compile, params.constraint)
-        if self.draining:             # checked again: the server may have begun to stop while we tokenized
-            raise Draining("the server is shutting down")
-        self.admit(tenant, len(prompt), params.max_tokens)
-        generated, shed, inner = 0, False, self._stream(prompt, params, tag, priority, timeout_s, arrival, carrier)
         try:
-            async for out in inner:
-                generated += len(out.token_ids)
-                yield out
-        except (Overloaded, InvalidRequest):
-            shed = generated == 0     # never ran (shed, or refused by the engine): its prompt and place refunded
-            raise
+            if self.draining:         # checked again: the server may have begun to stop while we tokenized
+                raise Draining("the server is shutting down")
+            self.admit(tenant, len(prompt), params.max_tokens)
+            generated, shed, inner = 0, False, self._stream(prompt, params, tag, priority, timeout_s, arrival, carrier)
+            try:
+                async for out in inner:
+                    generated += len(out.token_ids)
+                    yield out
+            except (Overloaded, InvalidRequest):
+                shed = generated == 0     # never ran (shed, or refused by the engine): its prompt and place refunded
+                raise
+            finally:
+                await inner.aclose()      # now, not at garbage collection: closing it aborts an unfinished request
+                self.settle(tenant, params.max_tokens - generated + (len(prompt) if shed else 0), generated,
+                            ran=not shed)
         finally:
-            await inner.aclose()      # now, not at garbage collection: closing it aborts an unfinished request
-            self.settle(tenant, params.max_tokens - generated + (len(prompt) if shed else 0), generated, ran=not shed)
+            if params.constraint is not None:
+                self.aengine.grammars.unpin(params.constraint)
 
     def token_room(self, tenant, prompt_tokens: int) -> int | None:
         """The most new tokens a request of `tenant` with this prompt could ever be admitted with (its

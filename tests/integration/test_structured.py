@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from runtime.client import Client
 from runtime.config import CacheConfig, EngineConfig, SchedulerConfig
-from runtime.constraints import Constraint, GrammarFailed
+from runtime.constraints import Constraint, GrammarFailed, Grammars
 from runtime.engine import Engine
 from runtime.request import InvalidRequest, SamplingParams
 from runtime.server.structured import ToolCallOutput
@@ -179,6 +179,7 @@ def test_openai_parse_with_a_pydantic_model(server):
     parsed = done.choices[0].message.parsed
     assert isinstance(parsed, Call) and done.choices[0].finish_reason == "stop"
     assert Call.model_validate_json(done.choices[0].message.content) == parsed
+    assert not server.server.router.primary.aengine.grammars._pinned       # released with the request
 
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
@@ -313,3 +314,21 @@ def test_a_constraint_too_costly_to_follow_is_refused_or_ended(target):
     m.spent_s, m.tokens = 0.3, 10                        # 30 ms a token past 0.25 s
     with pytest.raises(GrammarFailed, match="too costly to follow"):
         m.allowed()
+
+
+def test_a_pinned_constraint_is_not_compiled_on_the_engine_thread(target):
+    """A server compiles a request's constraint off the engine thread and pins it until the request ends: with
+    more distinct constraints in flight than the cache holds, an evicted one was compiled again by the engine
+    thread (a stall of every stream)."""
+    g = Grammars(target.tokenizer.to_str(), target.runner.vocab_size, target.eos_ids)
+    g.CACHE = 1
+    a, b, c = (Constraint("regex", f"pin{x}[ab]{{1,3}}") for x in "abc")
+    g.pin(a)
+    before = g.compiles
+    g.compile(b)                                          # evicts a from the cache
+    g.matcher(a)                                          # the pinned template
+    assert g.compiles == before + 1
+    g.unpin(a)
+    g.compile(c)
+    g.matcher(a)                                          # unpinned and evicted: compiled anew
+    assert g.compiles == before + 3 and not g._pinned
