@@ -187,13 +187,15 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         b = self.router.primary
         try:
             tenant = identify(authorization_values(context.invocation_metadata() or ()), b.config).tenant
-            b.admit(tenant, 0, 0)
+            if tenant is not None:    # (without tenants nothing is counted: the request metrics are generations')
+                b.admit(tenant, 0, 0)
         except errors.HANDLED as e:
             await _abort(context, e, b)
         try:
             return pb.TokenizeResponse(token_ids=await b.encode(request.text))
         finally:
-            b.settle(tenant, 0, 0)
+            if tenant is not None:
+                b.settle(tenant, 0, 0)
 
     async def ModelInfo(self, request, context) -> pb.ModelInfoResponse:
         """The first model's, or the one `model` names."""
