@@ -99,9 +99,15 @@ class Cluster:
         log.info("model %s: %d replicas x %d threads on Ray (%s routing)", name, c.replicas, c.threads, c.routing)
         return RemoteAsyncEngine(remote_info(Path(engine_dir), info), _Waiting(self, app), self, app)
 
-    def published(self, app: str) -> dict[str, tuple[bytes, int]]:
-        """replica → (metrics exposition, requests waiting), as the app's replicas last published them."""
-        return ray.get(self.board.get.remote(app), timeout=PUBLISH_S)     # asked on the event loop: bounded
+    def published(self, app: str) -> dict[str, tuple[bytes, int]] | None:
+        """replica → (metrics exposition, requests waiting), as the app's replicas last published them; None where
+        the board cannot be read (its actor died), which must fail neither routing nor /metrics. Asked on the event
+        loop: bounded by PUBLISH_S."""
+        try:
+            return ray.get(self.board.get.remote(app), timeout=PUBLISH_S)
+        except Exception as e:     # noqa: BLE001
+            log.warning("model %s: what its replicas published could not be read (%s)", app, type(e).__name__)
+            return None
 
     def shutdown(self) -> None:
         try:
@@ -130,11 +136,9 @@ class _Waiting:
     def num_waiting(self) -> int:
         if time.monotonic() - self._at > PUBLISH_S:
             self._at = time.monotonic()
-            try:
-                self._value = min((waiting for _, waiting in self.cluster.published(self.app).values()), default=0)
-            except Exception as e:     # noqa: BLE001  (a dead board must not fail every auto-routed request)
-                log.warning("model %s: the replicas' queues could not be read (%s); routing on the last reading",
-                            self.app, type(e).__name__)
+            published = self.cluster.published(self.app)
+            if published is not None:
+                self._value = min((waiting for _, waiting in published.values()), default=0)
         return self._value
 
 
@@ -261,12 +265,7 @@ class RemoteAsyncEngine:
 
     def replica_metrics(self) -> dict[str, bytes]:
         """replica → its engine metrics (Prometheus text), for /metrics; none where the board cannot be read."""
-        try:
-            published = self.cluster.published(self.app)
-        except Exception as e:     # noqa: BLE001  (the ingress's own metrics still answer)
-            log.warning("model %s: the replicas' metrics could not be read (%s)", self.app, type(e).__name__)
-            return {}
-        return {r: text for r, (text, _) in published.items()}
+        return {r: text for r, (text, _) in (self.cluster.published(self.app) or {}).items()}
 
     def abort(self, request_id: str) -> None:
         if request_id not in self._streams:

@@ -129,4 +129,3 @@ def fits(answer: semantic_cache.Answer, max_tokens: int) -> bool:
     length, may differ from the stored request's)."""
     n = answer.completion_tokens
     return n <= max_tokens and not (answer.finish_reason == "length" and n < max_tokens)
-

@@ -144,21 +144,19 @@ def test_routing_reads_the_least_loaded_replica_and_survives_a_dead_board(monkey
     leaves the last reading, where every auto-routed request and /metrics answered 500."""
     from runtime.cluster import remote as remote_module
 
-    readings = [{"a": (b"", 4), "b": (b"", 4)}, {"a": (b"", 8), "b": (b"", 6)}, ray.exceptions.ActorDiedError()]
+    def died(app):
+        raise ray.exceptions.ActorDiedError()
+    dead = SimpleNamespace(board=SimpleNamespace(get=SimpleNamespace(remote=died)))      # the board's actor handle
+    assert remote_module.Cluster.published(dead, "app") is None
 
-    def published(app):
-        reading = readings.pop(0)
-        if isinstance(reading, BaseException):
-            raise reading
-        return reading
+    readings = [{"a": (b"", 4), "b": (b"", 4)}, {"a": (b"", 8), "b": (b"", 6)}, None]
     monkeypatch.setattr(remote_module, "PUBLISH_S", 0.0)
-    waiting = remote_module._Waiting(SimpleNamespace(published=published), "app")
+    waiting = remote_module._Waiting(SimpleNamespace(published=lambda app: readings.pop(0)), "app")
     assert waiting.num_waiting == 4          # 4 and 4 of 8 places each: room
     assert waiting.num_waiting == 6
     assert waiting.num_waiting == 6          # the board died: the last reading
     engine = RemoteAsyncEngine(SimpleNamespace(block_size=4), waiting=None, app="test",
-                               cluster=SimpleNamespace(published=lambda app: (_ for _ in ()).throw(
-                                   ray.exceptions.ActorDiedError())))
+                               cluster=SimpleNamespace(published=lambda app: None))
     assert engine.replica_metrics() == {}
 
 
